@@ -1,0 +1,5 @@
+"""The K3 model family as single-device PyTorch modules."""
+
+from .k3 import CausalLMOutput, K3ForCausalLM, K3Model
+
+__all__ = ["K3ForCausalLM", "K3Model", "CausalLMOutput"]

@@ -1,0 +1,107 @@
+"""Gated Multi-head Latent Attention with NoPE (no positional encoding anywhere).
+
+Legend: B batch, T query tokens, S key tokens, D hidden, H heads, N qk_nope dim, R the unrotated
+head-shared key part, V value dim, L kv_lora_rank.
+Prefill/training uses the expanded ("MHA") form; decode uses the absorbed form over the cached
+576-wide latents [c_kv ; k_r], which with NoPE is exactly MQA with key dim L+R and value dim L.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import MLAState
+from .norm import RMSNorm
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """[T, T] bool: query t may attend key s iff s <= t and both lie in the same packed document."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=T)
+    pos = torch.arange(T, device=cu_seqlens.device)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.mla_num_heads
+        self.layer_idx, self.H = layer_idx, H
+        self.N, self.R, self.V, self.L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        qk = self.N + self.R
+        self.q_lora_rank = cfg.q_lora_rank
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.mla_latent_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.L + self.R, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.L, cfg.mla_latent_norm_eps)
+        self.kv_b_proj = nn.Linear(self.L, H * (self.N + self.V), bias=False)
+        self.gated = cfg.mla_output_gate
+        if self.gated:
+            self.g_proj = nn.Linear(D, H * self.V, bias=False)
+        self.o_proj = nn.Linear(H * self.V, D, bias=False)
+        self.scale = qk ** -0.5
+
+    def _queries(self, x):
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        return q.view(B, T, self.H, self.N + self.R)
+
+    def _latents(self, x):
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)
+        return self.kv_a_layernorm(c), k_r
+
+    def _output(self, o_BTHV, x):
+        B, T = x.shape[:2]
+        o = o_BTHV.reshape(B, T, self.H * self.V)
+        if self.gated:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)
+
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: MLAState | None = None) -> torch.Tensor:
+        if state is not None and state.length > 0:
+            return self.forward_absorbed(x_BTD, state)
+        B, T, _ = x_BTD.shape
+        q = self._queries(x_BTD)
+        c, k_r = self._latents(x_BTD)
+        if state is not None:
+            state.latent, state.k_rope = c.detach(), k_r.detach()
+        kv = self.kv_b_proj(c).view(B, T, self.H, self.N + self.V)
+        k_nope, v = kv.split([self.N, self.V], dim=-1)
+        k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, T, self.H, self.R)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
+        if cu_seqlens is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = document_causal_mask(cu_seqlens, T)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self._output(o.transpose(1, 2), x_BTD)
+
+    def forward_absorbed(self, x_BTD: torch.Tensor, state: MLAState) -> torch.Tensor:
+        """Decode against the latent cache: q~_h = W_UK,h^T q_h^nope; scores over [c ; k_r]; the context
+        stays in latent space and W_UV,h lifts it per head."""
+        B, T, _ = x_BTD.shape
+        q = self._queries(x_BTD)
+        q_nope, q_r = q.split([self.N, self.R], dim=-1)
+        c_new, kr_new = self._latents(x_BTD)
+        P = state.length
+        state.latent = torch.cat([state.latent, c_new.detach()], dim=1)
+        state.k_rope = torch.cat([state.k_rope, kr_new.detach()], dim=1)
+        w = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.L)
+        w_uk, w_uv = w[:, : self.N], w[:, self.N:]  # [H, N, L], [H, V, L]
+        q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_uk)
+        scores = (torch.einsum("bthl,bsl->bhts", q_lat, state.latent)
+                  + torch.einsum("bthr,bsr->bhts", q_r, state.k_rope)) * self.scale
+        S = P + T
+        allowed = torch.arange(S, device=x_BTD.device)[None, :] <= (P + torch.arange(T, device=x_BTD.device))[:, None]
+        scores = scores.float().masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(x_BTD.dtype)
+        ctx = torch.einsum("bhts,bsl->bthl", p, state.latent)
+        o = torch.einsum("bthl,hvl->bthv", ctx, w_uv)
+        return self._output(o, x_BTD)

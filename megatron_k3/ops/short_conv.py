@@ -1,0 +1,64 @@
+"""Causal depthwise short convolution with a decode cache and packed-document boundaries.
+
+Legend: B batch, T tokens, C channels, W kernel width.
+y_t[c] = act( sum_{s=0..W-1} w[c, W-1-s] * x_{t-s}[c] ), where x_{t-s} is zero before the start of t's
+document (or comes from the decode cache for a continued sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """pos[t] = t - start of the document containing t, for a packed row of T tokens."""
+    starts = cu_seqlens[:-1]
+    lengths = cu_seqlens[1:] - starts
+    doc_start = torch.repeat_interleave(starts, lengths, output_size=T)
+    return torch.arange(T, device=cu_seqlens.device) - doc_start
+
+
+def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu",
+                  output_cache: bool = False):
+    """Depthwise causal conv over the time axis.
+
+    x_BTC: input; weight_CW: one filter per channel (nn.Conv1d's [C, 1, W] weight squeezed);
+    cache_BWC: the previous W-1 inputs of a continued sequence (decode), or None for zeros;
+    cu_seqlens: document offsets of a packed row (B must be 1): the filter never reaches across a boundary.
+    Returns (y_BTC, new_cache_BWC or None); the new cache holds the last W-1 inputs.
+    """
+    B, T, C = x_BTC.shape
+    W = weight_CW.shape[-1]
+    if weight_CW.shape != (C, W):
+        raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got {tuple(weight_CW.shape)}")
+    if cu_seqlens is not None and (B != 1 or cache_BWC is not None):
+        raise ValueError("causal_conv1d: cu_seqlens needs batch size 1 and no cache")
+    w = weight_CW.to(x_BTC.dtype)
+    if cache_BWC is None:
+        cache_BWC = x_BTC.new_zeros(B, W - 1, C)
+    elif cache_BWC.shape != (B, W - 1, C):
+        raise ValueError(f"causal_conv1d: cache must be [B, W-1={W - 1}, C], got {tuple(cache_BWC.shape)}")
+    xp = torch.cat([cache_BWC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, W-1+T, C]
+    pos = _positions_in_document(cu_seqlens, T) if cu_seqlens is not None else None
+    y = x_BTC * w[:, W - 1]
+    for s in range(1, W):  # tap s looks s steps back
+        tap = xp[:, W - 1 - s: W - 1 - s + T]
+        if pos is not None:
+            tap = tap * (pos >= s).to(tap.dtype)[None, :, None]
+        y = y + tap * w[:, W - 1 - s]
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
+    new_cache = xp[:, -(W - 1):].detach() if (output_cache and W > 1) else None
+    return y, new_cache
+
+
+def causal_conv1d_reference(x_BTC, weight_CW, activation="silu"):
+    """Plain reference: nn.functional.conv1d with left padding, one sequence per row."""
+    C, W = weight_CW.shape
+    y = F.conv1d(F.pad(x_BTC.transpose(1, 2), (W - 1, 0)), weight_CW[:, None, :].to(x_BTC.dtype), groups=C)
+    y = y.transpose(1, 2)
+    return F.silu(y) if activation == "silu" else y

@@ -1,0 +1,48 @@
+"""Model configs compose, validate with one-line errors naming the key, and set the K3 schedule."""
+
+import pytest
+
+from megatron_k3.config import ConfigError, available_models, load_model_config
+
+
+def test_all_model_configs_load():
+    names = available_models()
+    for required in ["k3", "k3_small", "k3_tiny", "kimi_linear_48b", "kimi_linear_tiny"]:
+        assert required in names
+    for n in names:
+        assert load_model_config(n).name == n
+
+
+def test_k3_layer_schedule():
+    cfg = load_model_config("k3")
+    types = cfg.layer_types()
+    mla_1based = [i + 1 for i, t in enumerate(types) if t == "mla"]
+    assert mla_1based == list(range(4, 93, 4)) + [93]
+    assert types.count("kda") == 69 and types.count("mla") == 24
+    assert cfg.ffn_types()[0] == "dense" and set(cfg.ffn_types()[1:]) == {"moe"}
+    assert cfg.num_attn_res_blocks == 8
+
+
+def test_overrides_apply_with_or_without_prefix():
+    cfg = load_model_config("k3_tiny", ["model.hidden_size=96", "top_k=2"])
+    assert cfg.hidden_size == 96 and cfg.top_k == 2
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.top_k=99", "model.top_k"),
+    ("model.hidden_size=-4", "model.hidden_size"),
+    ("model.kda_gate=tanh", "model.kda_gate"),
+    ("model.kda_gate_lower_bound=-7", "model.kda_gate_lower_bound"),
+    ("model.no_such_key=1", "no_such_key"),
+    ("model.num_layers=abc", "num_layers"),
+])
+def test_bad_overrides_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_model_config("k3_tiny", [override])
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_unknown_model_lists_available():
+    with pytest.raises(ConfigError, match="available"):
+        load_model_config("k9")
