@@ -185,6 +185,173 @@ class ModelConfig:
         return self
 
 
+@dataclass
+class ClusterConfig:
+    """The hardware: sizes, peak rates and link bandwidths (used by the planner and for MFU)."""
+    name: str = "cpu"
+    num_nodes: int = 1
+    devices_per_node: int = 1
+    supernode_size: int = 64  # accelerators in one high-bandwidth domain; EP groups never cross it
+    device_memory_gb: float = 24.0
+    peak_tflops_bf16: float = 0.2
+    intra_supernode_gbps: float = 10.0  # per-device bandwidth inside a supernode, GB/s
+    inter_supernode_gbps: float = 10.0  # per-device bandwidth across supernodes, GB/s
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes; data parallelism is whatever of the world is left."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+    sequence_parallel: bool = False
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, else gloo), nccl, gloo
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # total optimizer steps of the run; a resumed run continues toward the same total
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    seq_length: int = 256
+    log_interval: int = 1
+    save_interval: int = 0  # 0: only at the end (and on exit_interval / exit_duration_mins)
+    eval_interval: int = 50  # 0: never
+    eval_iters: int = 4
+    exit_interval: int = 0
+    exit_duration_mins: float = 0.0
+    grad_clip: float = 1.0
+    device: str = "auto"  # auto (cuda if available), cpu, cuda
+
+
+@dataclass
+class DataConfig:
+    name: str = "embedded"  # embedded (the Python standard library, no download) or indexed
+    paths: list = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix, ...] or [prefix]
+    cache_dir: str = ""  # embedded: where the tokenizer and token cache live ('' = <repo>/.cache)
+    tokenizer_vocab_size: int = 8192
+    valid_fraction: float = 0.02
+    reset_at_document_boundaries: bool = True  # KDA state, conv and MLA attention restart per document
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine or constant (after warmup)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline, online, disabled
+    project: str = "megatron-k3"
+    entity: str = ""
+    name: str = ""
+    media_interval: int = 25  # steps between expert-load heatmaps/histograms
+    top_experts: int = 4  # how many most/least loaded experts to log as series
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # '' = <run dir>/checkpoints
+    load: str = ""  # '' = start fresh; auto = newest complete checkpoint in dir; or a checkpoint path
+    keep_last: int = 3
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int = 1) -> "RunConfig":
+        self.model.validate("model")
+        t, p, o = self.train, self.parallel, self.optim
+        for k in ("steps", "micro_batch_size", "global_batch_size", "seq_length", "log_interval", "eval_iters"):
+            v = getattr(t, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"train.{k}", v, "must be a positive integer")
+        for k in ("save_interval", "eval_interval", "exit_interval"):
+            if getattr(t, k) < 0:
+                raise ConfigError(f"train.{k}", getattr(t, k), "must be >= 0 (0 = off)")
+        if t.exit_duration_mins < 0:
+            raise ConfigError("train.exit_duration_mins", t.exit_duration_mins, "must be >= 0 (0 = off)")
+        if t.grad_clip < 0:
+            raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("train.device", t.device, "valid: auto, cpu, cuda")
+        for k in ("tp", "pp", "ep", "cp"):
+            v = getattr(p, k)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"parallel.{k}", v, "must be a positive integer")
+        axes = p.order.split("-")
+        if sorted(axes) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+            raise ConfigError("parallel.order", p.order, "a permutation of tp-cp-ep-dp-pp")
+        m = self.model
+        for heads_key in ("kda_num_heads", "mla_num_heads"):
+            if getattr(m, heads_key) % p.tp:
+                raise ConfigError("parallel.tp", p.tp, f"must divide model.{heads_key}={getattr(m, heads_key)}")
+        if m.first_k_dense < m.num_layers and m.num_experts % p.ep:
+            raise ConfigError("parallel.ep", p.ep, f"must divide model.num_experts={m.num_experts}")
+        if p.ep > self.cluster.supernode_size:
+            raise ConfigError("parallel.ep", p.ep,
+                              f"EP groups stay inside one supernode: must be <= cluster.supernode_size="
+                              f"{self.cluster.supernode_size}")
+        model_parallel = p.tp * p.pp * p.cp
+        if world_size % model_parallel:
+            raise ConfigError("parallel.tp", p.tp, f"tp*pp*cp={model_parallel} must divide the world size {world_size}")
+        dp = world_size // model_parallel
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ConfigError("train.global_batch_size", t.global_batch_size,
+                              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp}")
+        if not (0 <= o.min_lr <= o.lr):
+            raise ConfigError("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]")
+        if o.lr <= 0:
+            raise ConfigError("optim.lr", o.lr, "must be > 0")
+        if o.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+        if o.name not in ("adamw",):
+            raise ConfigError("optim", o.name, "valid: adamw (muon lands with the Per-Head Muon issue)")
+        if o.decay not in ("cosine", "constant"):
+            raise ConfigError("optim.decay", o.decay, "valid: cosine, constant")
+        if self.precision.dtype not in ("fp32", "bf16"):
+            raise ConfigError("precision.dtype", self.precision.dtype, "valid: fp32, bf16")
+        if self.logging.wandb.mode not in ("offline", "online", "disabled"):
+            raise ConfigError("logging.wandb.mode", self.logging.wandb.mode, "valid: offline, online, disabled")
+        if self.data.name not in ("embedded", "indexed"):
+            raise ConfigError("data", self.data.name, "valid: embedded, indexed")
+        if not (0 < self.data.valid_fraction < 1):
+            raise ConfigError("data.valid_fraction", self.data.valid_fraction, "must lie in (0, 1)")
+        return self
+
+
 def _apply_overrides(cfg, overrides: Iterable[str], prefix: str):
     from omegaconf import OmegaConf
 
@@ -249,9 +416,76 @@ def load_model_config(name: str, overrides: Iterable[str] = ()) -> ModelConfig:
     return model_config_from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
+def _register_schema():
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1):
+    """Compose conf/config.yaml with Hydra (schema-checked), apply command-line overrides, validate.
+    Returns (RunConfig, the composed DictConfig without `hydra`, the hydra node). Raises ConfigError
+    with a one-line message on any mistake."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf, open_dict
+
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="megatron_k3"):
+            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        hydra_node = cfg.hydra
+        with open_dict(cfg):
+            del cfg["hydra"]
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # Hydra / OmegaConf errors are multi-line; reduce them to one line
+        raise _one_line_error(e, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    run.validate(world_size)
+    return run, cfg, hydra_node
+
+
+def _one_line_error(e: Exception, overrides) -> ConfigError:
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        if isinstance(x, OmegaConfBaseException) and getattr(x, "full_key", None):
+            msg = str(x).strip().splitlines()[0]
+            key = x.full_key
+            for o in overrides:  # report the override the user typed when it names this key or a child
+                k = o.lstrip("+").split("=", 1)[0]
+                if k == key or k.startswith(key + "."):
+                    key = k
+            given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key), None)
+            if "not in" in msg or "Key '" in msg:
+                return ConfigError(key, given, f"unknown key ({msg})")
+            return ConfigError(key, given if given is not None else getattr(x, "value", None), msg)
+    text = " ".join(str(e).split())
+    options = getattr(e, "options", None)
+    missing = getattr(e, "missing_cfg_file", None)
+    if missing and "/" in str(missing):
+        group, name = str(missing).split("/", 1)
+        avail = ", ".join(options) if options else "see conf/" + group
+        return ConfigError(group, name, f"no such option; available: {avail}")
+    for o in overrides:
+        k = o.lstrip("+").split("=", 1)[0]
+        if k and f"'{k}'" in text or f"'{o}'" in text:
+            return ConfigError(k, o.split("=", 1)[1] if "=" in o else None, text[:300])
+    return ConfigError("config", None, text[:300])
+
+
 def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(cfg, **changes).validate()
 
 
-__all__ = ["ModelConfig", "ConfigError", "load_model_config", "model_config_from_dict", "available_models",
-           "CONF_DIR", "replace"]
+__all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
+           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "ConfigError", "load_model_config", "model_config_from_dict", "available_models",
+           "CONF_DIR", "replace", "compose_run_config"]

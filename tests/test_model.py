@@ -21,7 +21,7 @@ def perturbed_model(name="k3_tiny", seed=0, overrides=()):
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, DepthMix):
-                m.proj.weight.normal_(0, 0.5, generator=g)
+                m.proj.weight.normal_(0, 0.1, generator=g)
             if isinstance(m, RMSNorm):
                 m.weight.add_(0.1 * torch.randn(m.weight.shape, generator=g))
             if isinstance(m, StableLatentMoE):
@@ -38,6 +38,19 @@ def test_decode_reproduces_prefill_logits(prefill, rel):
         full = model(ids).logits
     dec = model.generate_logits(ids, prefill=prefill)
     assert rel(dec, full) < 1e-4  # fp32; recurrent vs chunked KDA and absorbed vs expanded MLA
+
+
+def test_decode_reproduces_prefill_logits_fp64(rel):
+    """The same in fp64, where only the algebra can differ: recurrent vs chunked KDA, absorbed vs expanded
+    MLA, conv cache vs full conv. (fp32 results differ from fp64 by ~1e-5 here: RMSNorm of tokens whose
+    depth mix is small amplifies rounding; that is conditioning, not the decode path.)"""
+    cfg, model = perturbed_model(seed=11)
+    model.double()
+    ids = torch.randint(0, cfg.vocab_size, (2, 75), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids).logits
+    for prefill in (1, 64, 66):
+        assert rel(model.generate_logits(ids, prefill=prefill), full) < 1e-10
 
 
 def test_packed_documents_equal_separate_runs(rel):

@@ -89,57 +89,6 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, DepthMix):
                 m.proj.weight.zero_()
 
-    def forward(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: InferenceCache | None = None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids_BT)
-        st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
-        for i, layer in enumerate(self.layers):
-            st = layer(st, cu_seqlens=cu_seqlens, cache_state=cache.layers[i] if cache is not None else None)
-        h = self.output_attn_res(st.blocks + [st.partial]) if self.cfg.attn_res else st.hidden
-        if cache is not None:
-            cache.seen_tokens += input_ids_BT.shape[1]
-        return self.norm(h)
-
-
-class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg, init: bool = True):
-        super().__init__()
-        self.cfg = cfg
-        self.model = K3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        if init:
-            self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int | None = None):
-        """normal(0, initializer_range) for every matrix and expert weight, ones for norms, zeros for the
-        AttnRes pseudo-queries and the router bias, and the KDA gate/conv init of the KDA layer."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(seed)
-        std = self.cfg.initializer_range
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std, generator=gen)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, GroupedExperts):
-                for w in (m.w1, m.w2, m.w3):
-                    w.normal_(0.0, std, generator=gen)
-            elif isinstance(m, TopKRouter):
-                m.weight.normal_(0.0, std, generator=gen)
-                m.e_score_correction_bias.zero_()
-            elif isinstance(m, KimiDeltaAttention):
-                m.reset_kda_parameters(gen)
-                m.o_norm.fill_(1.0)
-        for m in self.modules():  # pseudo-queries start at zero: uniform depth weights at init
-            if isinstance(m, DepthMix):
-                m.proj.weight.zero_()
-
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with the inputs (label t is the token after t; -100 is

@@ -17,7 +17,7 @@ from torch import nn
 from ..ops.kda import chunk_kda, recurrent_kda
 from ..ops.short_conv import causal_conv1d
 from .cache import KDAState
-from .norm import l2norm
+from .norm import compute_dtype, l2norm
 
 
 class KimiDeltaAttention(nn.Module):
@@ -70,9 +70,10 @@ class KimiDeltaAttention(nn.Module):
 
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Per-step, per-channel log-decay g [B, T, H, K] in fp32."""
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        wide = compute_dtype(x_BTD)
+        z = self.f_b_proj(self.f_a_proj(x_BTD)).to(wide) + self.dt_bias.to(wide)
         z = z.view(*x_BTD.shape[:2], self.H, self.K)
-        a = self.A_log.float().exp()[:, None]
+        a = self.A_log.to(wide).exp()[:, None]
         if self.gate_kind == "lowerbound":
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)
@@ -81,6 +82,7 @@ class KimiDeltaAttention(nn.Module):
                 state: KDAState | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         H, K = self.H, self.K
+        wide = compute_dtype(x_BTD)
         keep = state is not None
         convs = []
         for proj, w, name in ((self.q_proj, self.q_conv1d, "conv_q"), (self.k_proj, self.k_conv1d, "conv_k"),
@@ -93,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = convs
         q, k = l2norm(q, 1e-6), l2norm(k, 1e-6)
         g = self.log_decay(x_BTD)
-        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        beta = torch.sigmoid(self.b_proj(x_BTD).to(wide))
         init = state.recurrent if keep else None
         if keep and init is not None and T <= 4:  # decode: the plain recurrence is the cheapest form
             o, S = recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
@@ -103,7 +105,7 @@ class KimiDeltaAttention(nn.Module):
         if keep:
             state.recurrent = S
         gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
-        of = of * torch.sigmoid(gate.float().view(B, T, H, K))
+        of = o.to(wide)
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.to(wide)
+        of = of * torch.sigmoid(gate.to(wide).view(B, T, H, K))
         return self.o_proj(of.to(x_BTD.dtype).reshape(B, T, H * K))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import MLAState
-from .norm import RMSNorm
+from .norm import compute_dtype, RMSNorm
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -57,10 +57,11 @@ class GatedMLA(nn.Module):
         return self.kv_a_layernorm(c), k_r
 
     def _output(self, o_BTHV, x):
+        wide = compute_dtype(x)
         B, T = x.shape[:2]
         o = o_BTHV.reshape(B, T, self.H * self.V)
         if self.gated:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            o = (o.to(wide) * torch.sigmoid(self.g_proj(x).to(wide))).to(x.dtype)
         return self.o_proj(o)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
@@ -87,6 +88,7 @@ class GatedMLA(nn.Module):
         """Decode against the latent cache: q~_h = W_UK,h^T q_h^nope; scores over [c ; k_r]; the context
         stays in latent space and W_UV,h lifts it per head."""
         B, T, _ = x_BTD.shape
+        wide = compute_dtype(x_BTD)
         q = self._queries(x_BTD)
         q_nope, q_r = q.split([self.N, self.R], dim=-1)
         c_new, kr_new = self._latents(x_BTD)
@@ -100,7 +102,7 @@ class GatedMLA(nn.Module):
                   + torch.einsum("bthr,bsr->bhts", q_r, state.k_rope)) * self.scale
         S = P + T
         allowed = torch.arange(S, device=x_BTD.device)[None, :] <= (P + torch.arange(T, device=x_BTD.device))[:, None]
-        scores = scores.float().masked_fill(~allowed, float("-inf"))
+        scores = scores.to(wide).masked_fill(~allowed, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(x_BTD.dtype)
         ctx = torch.einsum("bhts,bsl->bthl", p, state.latent)
         o = torch.einsum("bthl,hvl->bthv", ctx, w_uv)

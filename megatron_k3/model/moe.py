@@ -44,7 +44,10 @@ class StableLatentMoE(nn.Module):
         order = torch.argsort(expert_Nk, stable=True)  # rows grouped by expert, tokens in order
         counts_E = torch.bincount(expert_Nk, minlength=self.num_experts)
         offs_E = torch.cumsum(counts_E, 0)
-        y_sorted = self.experts(z_NL[order // k], offs_E)
+        # Gather by a permutation of the token-major copies: each row is read once, so the backward is a
+        # collision-free scatter plus a sum over k (deterministic), unlike indexing with repeated rows.
+        z_rep = z_NL.unsqueeze(1).expand(N, k, z_NL.shape[-1]).reshape(N * k, -1)
+        y_sorted = self.experts(z_rep.index_select(0, order), offs_E)
         y_Nk = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted).view(N, k, -1)
         # late routing weights: each expert's output is weighted after its down projection, summed in fp32
         r_NL = (atleast_fp32(y_Nk) * route.topk_weight_Nk.unsqueeze(-1)).sum(1).to(x_ND.dtype)

@@ -11,6 +11,11 @@ def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype for numerically sensitive math: fp32, or fp64 when the input is fp64."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps); the normalisation runs in fp32, the result in the input dtype."""
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import compute_dtype
+
 
 @dataclass
 class Routing:
@@ -47,7 +49,8 @@ class TopKRouter(nn.Module):
         return choice.topk(self.top_k, dim=-1).indices
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
-        scores = torch.sigmoid(F.linear(x_ND.float(), self.weight.float()))
+        wide = compute_dtype(x_ND)
+        scores = torch.sigmoid(F.linear(x_ND.to(wide), self.weight.to(wide)))
         if self.force_balanced:  # debug knob: round-robin, every expert gets the same number of tokens
             N = scores.shape[0]
             base = torch.arange(N, device=scores.device)[:, None] * self.top_k

@@ -14,6 +14,11 @@ from typing import Sequence
 import torch
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (fp64 stays fp64 so that reference tests can run the whole model in fp64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -22,8 +27,8 @@ def attn_res(sources: Sequence[torch.Tensor], query_D: torch.Tensor, norm_weight
              eps: float = 1e-6) -> torch.Tensor:
     """One-shot depth mix of `sources` (each [..., D]); returns [..., D] in the sources' dtype."""
     dtype = sources[0].dtype
-    V = torch.stack([s.float() for s in sources])  # [N, ..., D]
-    qk = (query_D.float() * norm_weight_D.float())
+    V = torch.stack([_f32(s) for s in sources])  # [N, ..., D]
+    qk = _f32(query_D) * _f32(norm_weight_D)
     logits = (V * _inv_rms(V, eps) * qk).sum(-1)  # [N, ...]
     alpha = torch.softmax(logits, dim=0)
     return (alpha.unsqueeze(-1) * V).sum(0).to(dtype)
@@ -33,9 +38,9 @@ def attn_res_block_stats(blocks: Sequence[torch.Tensor], queries_QD: torch.Tenso
                          eps: float = 1e-6):
     """Phase 1 of the two-phase form: online-softmax statistics of Q pseudo-queries over the completed
     blocks, computed once per block. Returns (m [Q, ...], Z [Q, ...], num [Q, ..., D]) in fp32."""
-    V = torch.stack([b.float() for b in blocks])  # [N, ..., D]
+    V = torch.stack([_f32(b) for b in blocks])  # [N, ..., D]
     K = V * _inv_rms(V, eps)
-    qk = (queries_QD.float() * norm_weights_QD.float())  # [Q, D]
+    qk = _f32(queries_QD) * _f32(norm_weights_QD)  # [Q, D]
     shape = (qk.shape[0],) + (1,) * (K.dim() - 1) + (qk.shape[-1],)
     logits = (K.unsqueeze(0) * qk.view(shape)).sum(-1)  # [Q, N, ...]
     m = logits.amax(dim=1)
@@ -50,8 +55,8 @@ def attn_res_merge(stats, q_index: int, partial: torch.Tensor, query_D: torch.Te
     """Phase 2: score the running partial sum with pseudo-query `q_index` and merge it into that query's
     statistics; equals `attn_res(blocks + [partial], ...)` up to rounding."""
     m, Z, num = (t[q_index] for t in stats)
-    p = partial.float()
-    r = (p * _inv_rms(p, eps) * (query_D.float() * norm_weight_D.float())).sum(-1)
+    p = _f32(partial)
+    r = (p * _inv_rms(p, eps) * (_f32(query_D) * _f32(norm_weight_D))).sum(-1)
     M = torch.maximum(m, r)
     a, b = torch.exp(m - M), torch.exp(r - M)
     return ((a.unsqueeze(-1) * num + b.unsqueeze(-1) * p) / (a * Z + b).unsqueeze(-1)).to(partial.dtype)
