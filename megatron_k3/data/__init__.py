@@ -1,0 +1,1 @@
+"""Data: tokenizers, the embedded default corpus, packed datasets with document boundaries, samplers."""

@@ -1,0 +1,111 @@
+"""The embedded default corpus: the Python standard library's source files found on this machine.
+
+No download: tens of MB of real code. A byte-level BPE is trained on it once, the files are tokenized
+once (documents separated by the end-of-document token) and both are cached under a key derived from
+the file list, so later runs start in seconds. The last `valid_fraction` of documents (in a fixed,
+seeded order) is the held-out split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from .tokenizer import eod_id, load_tokenizer, train_bpe
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def stdlib_files() -> list:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts]
+    if not files:
+        raise FileNotFoundError(f"no Python source files under the standard library at {root}")
+    return sorted(files)
+
+
+def _key(files, vocab_size: int) -> str:
+    import tokenizers
+
+    h = hashlib.sha256(f"v1|{vocab_size}|{tokenizers.__version__}".encode())
+    for f in files:
+        h.update(f"{f}|{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def build_embedded_corpus(cache_dir: str | Path | None, vocab_size: int, progress: bool = True) -> Path:
+    """Build (or find) the cached corpus; returns its directory holding tokenizer.json, tokens.npy,
+    doc_offsets.npy and meta.json. Safe against concurrent builders: everything is written to a temporary
+    directory and renamed into place."""
+    files = stdlib_files()
+    base = Path(cache_dir) if cache_dir else REPO_ROOT / ".cache" / "embedded"
+    out = base / _key(files, vocab_size)
+    if (out / "meta.json").is_file():
+        return out
+    tmp = base / f".tmp-{out.name}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    order = list(files)
+    random.Random(0).shuffle(order)  # fixed document order; the tail is the held-out split
+    log.info("building the embedded corpus from %d standard-library files (once; cached in %s)", len(files), out)
+    tok = train_bpe((_read(f) for f in order), vocab_size, tmp / "tokenizer.json")
+    eod = eod_id(tok)
+    from tqdm import tqdm
+
+    pieces, offsets, n = [], [0], 0
+    bar = tqdm(total=len(order), desc="tokenizing stdlib", unit="file", disable=not progress)
+    for i in range(0, len(order), 64):
+        batch = order[i:i + 64]
+        for enc in tok.encode_batch([_read(f) for f in batch]):
+            ids = np.asarray(enc.ids + [eod], dtype=np.uint16)
+            pieces.append(ids)
+            n += ids.size
+            offsets.append(n)
+        bar.update(len(batch))
+        bar.set_postfix(tokens=f"{n / 1e6:.1f}M")
+    bar.close()
+    np.save(tmp / "tokens.npy", np.concatenate(pieces))
+    np.save(tmp / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
+    meta = {"files": len(order), "tokens": n, "vocab_size": tok.get_vocab_size(), "eod_id": eod,
+            "bytes": sum(f.stat().st_size for f in order)}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first; use theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class EmbeddedCorpus:
+    """Token stream + document offsets of the cached corpus, split into train and valid by documents."""
+
+    def __init__(self, cache_dir, vocab_size: int, valid_fraction: float, progress: bool = True):
+        self.dir = build_embedded_corpus(cache_dir, vocab_size, progress)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        self.tokens = np.load(self.dir / "tokens.npy", mmap_mode="r")
+        offsets = np.load(self.dir / "doc_offsets.npy")
+        n_docs = len(offsets) - 1
+        n_valid = max(1, int(round(n_docs * valid_fraction)))
+        self.split_at = int(offsets[n_docs - n_valid])
+        self.eod_id = int(self.meta["eod_id"])
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.tokenizer_path = self.dir / "tokenizer.json"
+
+    def split(self, name: str) -> np.ndarray:
+        return self.tokens[: self.split_at] if name == "train" else self.tokens[self.split_at:]
+
+    def tokenizer(self):
+        return load_tokenizer(self.tokenizer_path)

@@ -1,0 +1,1 @@
+"""The training loop, checkpoints and metrics."""

@@ -1,0 +1,242 @@
+"""The training loop: micro-batches and gradient accumulation to the global batch, warmup + cosine LR,
+gradient clipping, fp32 or bf16 autocast, periodic evaluation, metrics, checkpoints and exact resume.
+
+Data parallelism here is plain: each rank reads its slice of every global batch and gradients are
+averaged with one all-reduce per parameter (the DeepSpeed engine and model-parallel groups arrive with
+the parallelism issue). With one process nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, RunConfig
+from ..data.corpus import EmbeddedCorpus
+from ..data.dataset import GlobalOrder, TokenSampleDataset, make_batch
+from ..model import K3ForCausalLM
+from ..optim.schedule import lr_at
+from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
+from .metrics import MetricsLogger, expert_load_stats, perplexity
+
+log = logging.getLogger("megatron_k3.train")
+
+
+class Stop(Exception):
+    pass
+
+
+def _device(run: RunConfig) -> torch.device:
+    if run.train.device == "cuda" or (run.train.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda", "no CUDA device is visible; use cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def build_data(run: RunConfig, rank: int):
+    d = run.data
+    if d.name != "embedded":
+        raise ConfigError("data", d.name, "only 'embedded' is available until the data issue lands")
+    if rank == 0:
+        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, d.valid_fraction)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, d.valid_fraction, progress=False)
+    if corpus.vocab_size > run.model.vocab_size:
+        raise ConfigError("model.vocab_size", run.model.vocab_size,
+                          f"must be >= the tokenizer's vocabulary ({corpus.vocab_size})")
+    try:
+        train = TokenSampleDataset(corpus.split("train"), run.train.seq_length, corpus.eod_id, "train split")
+        valid = TokenSampleDataset(corpus.split("valid"), run.train.seq_length, corpus.eod_id, "valid split")
+    except ValueError as e:
+        raise ConfigError("train.seq_length", run.train.seq_length, str(e)) from None
+    return corpus, train, valid
+
+
+def param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, run_dir: Path):
+        self.run, self.run_dir = run, Path(run_dir)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp = self.world  # every rank is a data-parallel replica until model parallelism lands
+        self.device = _device(run)
+        t = run.train
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
+        self.corpus, self.train_ds, self.valid_ds = build_data(run, self.rank)
+        self.order = GlobalOrder(len(self.train_ds), t.seed)
+        torch.manual_seed(t.seed)
+        self.model = K3ForCausalLM(run.model).to(self.device)
+        o = run.optim
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.moe = self.model.moe_layers()
+        self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
+        self.step, self.consumed, self.tokens = 0, 0, 0
+        self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                         if run.precision.dtype == "bf16" else _null())
+        self.start_time = time.time()
+
+    # ------------------------------------------------------------------ resume / save
+    def maybe_resume(self):
+        try:
+            path = resolve_load_path(self.run.checkpoint.load, self.ckpt_dir)
+        except FileNotFoundError as e:
+            raise ConfigError("checkpoint.load", self.run.checkpoint.load, str(e)) from None
+        if path is None:
+            if self.run.checkpoint.load == "auto":
+                log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.ckpt_dir)
+            return
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
+        if meta.get("global_batch_size") != self.run.train.global_batch_size:
+            log.warning("resuming with global_batch_size %s (checkpoint had %s)",
+                        self.run.train.global_batch_size, meta.get("global_batch_size"))
+        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
+
+    def save(self):
+        if self.rank == 0:
+            meta = {"consumed_samples": self.consumed, "tokens": self.tokens,
+                    "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
+                    "model": dataclasses.asdict(self.run.model)}
+            path = save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, meta,
+                                   self.run.checkpoint.keep_last)
+            log.info("saved checkpoint %s", path)
+        if dist.is_initialized():
+            dist.barrier()
+
+    # ------------------------------------------------------------------ one step
+    def _samples(self, micro: int, dataset_order, dataset) -> list:
+        mbs = self.run.train.micro_batch_size
+        base = self.consumed + micro * mbs * self.dp + self.rank * mbs
+        return [dataset[dataset_order.index(base + j)] for j in range(mbs)]
+
+    def _forward(self, samples):
+        b = make_batch(samples, self.corpus.eod_id, self.run.data.reset_at_document_boundaries)
+        with self.autocast:
+            out = self.model(b.input_ids.to(self.device), labels=b.labels.to(self.device),
+                             cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device))
+        return out, b.num_tokens
+
+    def train_step(self) -> dict:
+        t0 = time.time()
+        self.model.train()
+        o = self.run.optim
+        lr = lr_at(self.step + 1, self.run.train.steps, o.lr, o.min_lr, o.warmup_steps, o.decay)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
+        tokens = 0
+        for micro in range(self.num_micro):
+            out, n = self._forward(self._samples(micro, self.order, self.train_ds))
+            (out.loss / self.num_micro).backward()
+            loss_sum += out.loss.detach().double().cpu()
+            tokens += n
+            for i, m in enumerate(self.moe):
+                loads[i] += m.tokens_per_expert_E.double().cpu()
+        loss = loss_sum / self.num_micro
+        if self.world > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.world)
+            stats = torch.cat([loss.view(1), loads.flatten()]).to(self.device)
+            dist.all_reduce(stats)
+            loss, loads = stats[0].cpu() / self.world, stats[1:].cpu().view_as(loads)
+            tokens *= self.world
+        clip = self.run.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed += self.run.train.global_batch_size
+        self.tokens += tokens
+        dt = time.time() - t0
+        rec = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+               "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
+        if self.moe:
+            st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k)
+            rec["expert_load"] = st["summary"]
+            rec["expert_load_per_layer"] = dict(st["per_layer"], layers=self.moe_layer_ids)
+        return rec, loads
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        mbs, total, n = self.run.train.micro_batch_size, 0.0, 0
+        limit = len(self.valid_ds)
+        for it in range(self.run.train.eval_iters):
+            idx = [(it * mbs * self.dp + self.rank * mbs + j) % limit for j in range(mbs)]
+            out, _ = self._forward([self.valid_ds[i] for i in idx])
+            total += out.loss.double().item()
+            n += 1
+        val = torch.tensor([total / n], dtype=torch.float64)
+        if self.world > 1:
+            val = val.to(self.device)
+            dist.all_reduce(val)
+            val = val.cpu() / self.world
+        return float(val)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, config_dict: dict) -> dict:
+        t = self.run.train
+        self.maybe_resume()
+        logger = MetricsLogger(self.run_dir, self.run.logging.wandb, config_dict, self.moe_layer_ids,
+                               enabled=self.rank == 0)
+        last = {}
+        try:
+            if self.rank == 0:
+                log.info("training %s: %d params, %d steps of %d sequences x %d tokens (%d micro-batches of %d "
+                         "per rank, dp=%d) on %s", self.run.model.name,
+                         sum(p.numel() for p in self.model.parameters()), t.steps, t.global_batch_size,
+                         t.seq_length, self.num_micro, t.micro_batch_size, self.dp, self.device)
+            while self.step < t.steps:
+                rec, loads = self.train_step()
+                if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
+                    rec["eval_loss"] = self.evaluate()
+                    rec["eval_ppl"] = perplexity(rec["eval_loss"])
+                if self.step % t.log_interval == 0 or self.step == t.steps or "eval_loss" in rec:
+                    logger.log(rec, loads)
+                    if self.rank == 0:
+                        log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s%s", self.step, t.steps,
+                                 rec["loss"], rec["lr"], rec["grad_norm"], rec["tokens_per_s"],
+                                 f" eval_loss {rec['eval_loss']:.4f}" if "eval_loss" in rec else "")
+                last = rec
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}; stopping without saving")
+                exit_now = (t.exit_interval and self.step % t.exit_interval == 0) or (
+                    t.exit_duration_mins and (time.time() - self.start_time) / 60 >= t.exit_duration_mins)
+                if self.step == t.steps or exit_now or (t.save_interval and self.step % t.save_interval == 0):
+                    self.save()
+                if exit_now and self.step < t.steps:
+                    log.info("exit requested at step %d (exit_interval / exit_duration_mins); checkpoint saved",
+                             self.step)
+                    break
+        finally:
+            logger.close()
+        return last
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

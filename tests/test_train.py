@@ -1,0 +1,81 @@
+"""Training from the command line: one-line config errors, exact resume, metrics and the offline W&B run."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_k3.train import main
+from megatron_k3.training.wandb_files import find_run_files, history
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small and fast: a 4-layer K3 (KDA, KDA, KDA, MLA; MoE; AttnRes) on 64-token sequences.
+FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
+        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=2",
+        "train.global_batch_size=4", "train.eval_interval=5", "train.eval_iters=1", "optim.warmup_steps=3"]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.top_k=99", "model.top_k"),
+    ("train.micro_batch_size=-2", "train.micro_batch_size"),
+    ("model.hidden_size=wide", "model.hidden_size"),
+    ("parallel.tp=3", "parallel.tp"),
+    ("train.global_batch_size=6", "train.global_batch_size"),
+    ("model.no_such_key=1", "model.no_such_key"),
+    ("optim=sgd", "optim"),
+])
+def test_bad_override_exits_with_one_line(override, key):
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "megatron_k3.train", override], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and key in lines[0] and override.split("=")[1] in lines[0], p.stderr
+    assert time.time() - t < 30  # before any compute
+
+
+def test_sequence_length_the_data_cannot_serve(tmp_path):
+    rc = main(FAST + ["train.seq_length=100000000", f"hydra.run.dir={tmp_path}", "logging.wandb.mode=disabled"])
+    assert rc == 2
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_resume_is_bitwise_identical(tmp_path):
+    a, b = tmp_path / "straight", tmp_path / "resumed"
+    common = FAST + ["train.steps=20", "logging.wandb.mode=disabled", "train.save_interval=0"]
+    assert main(common + [f"hydra.run.dir={a}"]) == 0
+    assert main(common + [f"hydra.run.dir={b}", "train.exit_interval=10"]) == 0
+    assert max(_losses(b)) == 10 and (b / "checkpoints" / "step_00000010" / "meta.json").is_file()
+    assert main(common + [f"hydra.run.dir={b}", "checkpoint.load=auto"]) == 0
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 21))
+    assert all(la[s] == lb[s] for s in la), [(s, la[s], lb[s]) for s in la if la[s] != lb[s]]
+
+
+def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
+    assert main(FAST + ["train.steps=6", f"hydra.run.dir={tmp_path}", "logging.wandb.media_interval=3"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s"):
+            assert isinstance(r[k], (int, float))
+        assert set(r["expert_load"]) == {"max_over_mean", "cv", "dropped_frac"}
+        assert r["expert_load"]["max_over_mean"] >= 1.0 and r["expert_load"]["dropped_frac"] == 0.0
+    assert rows[-1]["tokens"] == 6 * 4 * 64 and "eval_loss" in rows[4]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    files = find_run_files(tmp_path)
+    assert len(files) == 1
+    hist = history(files[0])
+    assert [h["step"] for h in hist] == list(range(1, 7))
+    assert [h["train/loss"] for h in hist] == [r["loss"] for r in rows]
+    assert all("expert_load/max_over_mean" in h and "expert_load_layer/001/cv" in h for h in hist)
+    assert any("expert_load/heatmap/path" in h for h in hist)  # media every media_interval steps
+    n_series = len({k.split("/_")[0] for h in hist for k in h})
+    assert n_series < 100  # bounded: global + 2 per MoE layer + top/bottom experts + media
