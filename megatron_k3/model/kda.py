@@ -101,7 +101,8 @@ class KimiDeltaAttention(nn.Module):
             o, S = recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
         else:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=keep,
-                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+                             lower_bound=self.lower_bound if self.gate_kind == "lowerbound" else None)
         if keep:
             state.recurrent = S
         gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)

@@ -1,0 +1,1 @@
+"""Checkpoint layouts of other stacks (Hugging Face Kimi Linear, Kimi K3)."""

@@ -1,0 +1,293 @@
+"""KDA ops: chunk_kda (torch path) and recurrent_kda against flash-linear-attention's naive recurrence."""
+
+import functools
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_k3.ops.kda import chunk_kda, recurrent_kda
+
+# fp32 results against a reference: the chunked form sums up to chunk_size products in a different order than
+# the recurrence, so both carry ~1e-7 relative rounding; 1e-5 leaves margin (measured as max|a-b| / max|b|).
+RTOL = 1e-5
+
+
+def _load_fla_naive():
+    # load fla/ops/kda/naive.py by path: importing the fla package pulls in Triton and takes seconds
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("flash-linear-attention is not installed")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
+    mod_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def fla_naive():
+    return _load_fla_naive()
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, HV=None, seed=0, gate="sigmoid", init=True, N=None):
+    """q, k l2-normalised; g <= 0 per the chosen gate; beta in (0, 1). float64 leaves, shared by all runs."""
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(randn(B, T, H, K), dim=-1)
+    k = F.normalize(randn(B, T, H, K), dim=-1)
+    v = randn(B, T, HV, V)
+    if gate == "sigmoid":  # K3's bounded gate: g in (-5, 0)
+        g = -5.0 * torch.sigmoid(randn(B, T, HV, K))
+    elif gate == "logsigmoid":  # Kimi-Linear-like, unbounded below but mostly mild
+        g = F.logsigmoid(randn(B, T, HV, K) + 2.0)
+    elif gate == "strong":  # every step close to the lower bound -5
+        g = -5.0 * torch.sigmoid(8.0 + randn(B, T, HV, K))
+    elif gate == "mixed":  # per channel anywhere in (-5, 0): strong and weak decays side by side
+        g = -5.0 * torch.sigmoid(4.0 * randn(B, T, HV, K))
+    else:
+        raise AssertionError(gate)
+    beta = torch.sigmoid(randn(B, T, HV))
+    h0 = randn(N or B, HV, K, V) if init else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+
+
+def run(fn, inputs, dtype, seed=1, **kwargs):
+    """Forward + backward of (o, final_state) with fixed random cotangents; returns outputs and input grads."""
+    leaves = {name: (x.detach().to(dtype).requires_grad_() if x is not None else None) for name, x in inputs.items()}
+    o, s = fn(**leaves, output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+    ds = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
+    ((o * do).sum() + (s * ds).sum()).backward()
+    grads = {f"d{name}": x.grad for name, x in leaves.items() if x is not None}
+    return {"o": o.detach(), "final_state": s.detach(), **grads}
+
+
+def assert_close(ours, ref, rtol=RTOL, label=""):
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        assert torch.isfinite(ours[name]).all(), f"{label} {name} is not finite"
+        err = rel_err(ours[name], ref[name])
+        assert err < rtol, f"{label} {name}: relative error {err:.2e} >= {rtol:.0e}"
+
+
+def naive_reference(inputs, dtype=torch.float32):
+    naive = fla_naive().naive_recurrent_kda
+    return run(lambda **kw: naive(**kw), inputs, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chunk_kda against fla's naive recurrence
+
+
+@functools.lru_cache(maxsize=None)
+def _case(T, init):
+    inputs = make_inputs(B=2, T=T, H=2, K=16, V=16, seed=T, init=init)
+    return inputs, naive_reference(inputs)
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["zero_state", "init_state"])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("T", [1, 63, 64, 65])
+def test_chunk_matches_naive_recurrent(T, chunk_size, init):
+    inputs, ref = _case(T, init)
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=chunk_size, backend="torch")
+    assert_close(ours, ref, label=f"T={T} C={chunk_size}")
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_long_sequence(chunk_size):
+    inputs, ref = _case(1000, True)
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=chunk_size, backend="torch")
+    assert_close(ours, ref, label=f"T=1000 C={chunk_size}")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 20, 24])
+def test_chunk_sizes_that_are_not_powers_of_two(chunk_size):
+    # odd factors make the intra-chunk scores use pairwise diagonal blocks (e.g. 24 = 3 * 2^3)
+    inputs = make_inputs(B=1, T=50, H=2, K=16, V=8, seed=3, gate="logsigmoid")
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=chunk_size, backend="torch")
+    assert_close(ours, naive_reference(inputs), label=f"C={chunk_size}")
+
+
+def test_chunk_gva_matches_naive():
+    inputs = make_inputs(B=1, T=70, H=2, K=16, V=8, HV=4, seed=5)
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=32, backend="torch")
+    assert_close(ours, naive_reference(inputs), label="HV=2H")
+
+
+def test_auto_backend_on_cpu_is_the_torch_path():
+    inputs = make_inputs(B=1, T=40, H=1, K=8, V=8, seed=6)
+    args = {name: x.float() for name, x in inputs.items()}
+    o_auto, _ = chunk_kda(**args, chunk_size=16)
+    o_torch, _ = chunk_kda(**args, chunk_size=16, backend="torch")
+    torch.testing.assert_close(o_auto, o_torch, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gates at K3's lower bound (-5 per step): a 64-token chunk reaches G = -320, where exp(-G) overflows fp32
+
+
+@pytest.mark.parametrize("gate", ["strong", "mixed"])
+def test_chunk_strong_gates_are_finite_and_exact(gate):
+    inputs = make_inputs(B=1, T=150, H=2, K=16, V=16, seed=7, gate=gate)
+    chunk_G = inputs["g"][:, :64].sum(1)
+    assert chunk_G.min() < -88, "the test must reach a chunk decay whose reciprocal overflows fp32"
+    ref = run(recurrent_kda, inputs, torch.float64)  # float64 reference
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=64, backend="torch")
+    assert_close(ours, ref, label=f"gate={gate}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# packed documents
+
+
+DOC_LENGTHS = [1, 17, 64, 100, 3]
+
+
+def _per_document_reference(inputs, cu, fn, dtype, **kwargs):
+    """Runs each document on its own (own initial state) and combines results and grads in the packed layout."""
+    leaves = {name: (x.detach().to(dtype).requires_grad_() if x is not None else None) for name, x in inputs.items()}
+    outs, finals = [], []
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        doc = {name: leaves[name][:, a:b] for name in ("q", "k", "v", "g", "beta")}
+        h0 = leaves["initial_state"][n : n + 1] if leaves["initial_state"] is not None else None
+        o, s = fn(**doc, initial_state=h0, output_final_state=True, **kwargs)
+        outs.append(o)
+        finals.append(s)
+    o, s = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+    ds = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
+    ((o * do).sum() + (s * ds).sum()).backward()
+    grads = {f"d{name}": x.grad for name, x in leaves.items() if x is not None}
+    return {"o": o.detach(), "final_state": s.detach(), **grads}
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["zero_state", "init_state"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_cu_seqlens_matches_separate_documents(chunk_size, init):
+    cu = [0]
+    for n in DOC_LENGTHS:
+        cu.append(cu[-1] + n)
+    inputs = make_inputs(B=1, T=cu[-1], H=2, K=16, V=16, seed=11, init=init, N=len(DOC_LENGTHS))
+    naive = fla_naive().naive_recurrent_kda
+    ref = _per_document_reference(inputs, cu, naive, torch.float32)
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    ours = run(chunk_kda, inputs, torch.float32, chunk_size=chunk_size, cu_seqlens=cu_t, backend="torch")
+    assert_close(ours, ref, label=f"cu_seqlens C={chunk_size}")
+    rec = run(recurrent_kda, inputs, torch.float32, cu_seqlens=cu_t)
+    assert_close(rec, ref, label="recurrent cu_seqlens")
+
+
+def test_cu_seqlens_with_an_empty_document_keeps_its_state():
+    cu = [0, 5, 5, 30]
+    inputs = make_inputs(B=1, T=30, H=1, K=8, V=8, seed=12, N=3)
+    args = {name: x.float() for name, x in inputs.items()}
+    _, s = chunk_kda(**args, output_final_state=True, chunk_size=16, cu_seqlens=torch.tensor(cu))
+    torch.testing.assert_close(s[1], args["initial_state"][1], rtol=0, atol=0)
+    ref = _per_document_reference(inputs, [0, 5, 30], recurrent_kda, torch.float64)
+    assert rel_err(s[[0, 2]], ref["final_state"]) < RTOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the recurrent reference itself
+
+
+@pytest.mark.parametrize("HV", [2, 4], ids=["HV=H", "HV=2H"])
+def test_recurrent_matches_naive_recurrent(HV):
+    inputs = make_inputs(B=2, T=37, H=2, K=16, V=8, HV=HV, seed=13)
+    ours = run(recurrent_kda, inputs, torch.float32)
+    assert_close(ours, naive_reference(inputs), label=f"recurrent HV={HV}")
+
+
+def test_decode_steps_continue_the_prefill():
+    inputs = make_inputs(B=2, T=70, H=2, K=16, V=16, seed=14)
+    args = {name: x.float() for name, x in inputs.items()}
+    o_full, s_full = chunk_kda(**args, output_final_state=True, backend="torch")
+    head = {name: args[name][:, :67] for name in ("q", "k", "v", "g", "beta")}
+    _, s = chunk_kda(**head, initial_state=args["initial_state"], output_final_state=True, backend="torch")
+    for t in range(67, 70):
+        step = {name: args[name][:, t : t + 1] for name in ("q", "k", "v", "g", "beta")}
+        o_t, s = recurrent_kda(**step, initial_state=s, output_final_state=True)
+        assert rel_err(o_t[:, 0], o_full[:, t]) < RTOL
+    assert rel_err(s, s_full) < RTOL
+
+
+def test_dtypes_and_optional_state():
+    inputs = make_inputs(B=1, T=20, H=1, K=8, V=8, seed=15, init=False)
+    args = {name: (x.bfloat16() if x is not None else None) for name, x in inputs.items()}
+    for fn in (chunk_kda, recurrent_kda):
+        o, s = fn(**args)
+        assert o.dtype == torch.bfloat16 and s is None
+        o, s = fn(**args, output_final_state=True)
+        assert s.dtype == torch.float32 and s.shape == (1, 1, 8, 8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input validation and imports
+
+
+def _bad_cases():
+    B, T, H, K, V = 2, 10, 2, 4, 4
+    ok = dict(
+        q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
+        g=-torch.rand(B, T, H, K), beta=torch.rand(B, T, H),
+    )
+    one = {name: x[:1] for name, x in ok.items()}
+    return [
+        ("q", dict(ok, q=torch.randn(B, T, H * K))),
+        ("k", dict(ok, k=torch.randn(B, T, H, K + 1))),
+        ("v", dict(ok, v=torch.randn(B, T + 1, H, V))),
+        ("v", dict(ok, v=torch.randn(B, T, 3, V))),  # HV not a multiple of H
+        ("g", dict(ok, g=-torch.rand(B, T, H, K + 1))),
+        ("beta", dict(ok, beta=torch.rand(B, T, H, 1))),
+        ("initial_state", dict(ok, initial_state=torch.zeros(B, H, K, V + 1))),
+        ("cu_seqlens", dict(ok, cu_seqlens=torch.tensor([0, 4, 10]))),  # B != 1
+        ("cu_seqlens", dict(one, cu_seqlens=torch.tensor([0, 6, 4, 10]))),  # not monotonic
+        ("cu_seqlens", dict(one, cu_seqlens=torch.tensor([0, 4, 9]))),  # does not end at T
+        ("cu_seqlens", dict(one, cu_seqlens=torch.tensor([[0, 10]]))),  # not 1-D
+        ("initial_state", dict(one, cu_seqlens=torch.tensor([0, 4, 10]), initial_state=torch.zeros(1, H, K, V))),
+        ("chunk_size", dict(ok, chunk_size=0)),
+        ("chunk_size", dict(ok, chunk_size=16.0)),
+    ]
+
+
+@pytest.mark.parametrize("arg,kwargs", _bad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_inputs_raise_value_error_naming_the_argument(arg, kwargs):
+    with pytest.raises(ValueError, match=arg):
+        chunk_kda(**kwargs)
+    if arg != "chunk_size":
+        with pytest.raises(ValueError, match=arg):
+            recurrent_kda(**kwargs)
+
+
+def test_backend_choice():
+    args = dict(q=torch.randn(1, 4, 1, 4), k=torch.randn(1, 4, 1, 4), v=torch.randn(1, 4, 1, 4),
+                g=-torch.rand(1, 4, 1, 4), beta=torch.rand(1, 4, 1))
+    with pytest.raises(ValueError, match="backend"):
+        chunk_kda(**args, backend="triton")
+    with pytest.raises(RuntimeError, match="fla"):
+        chunk_kda(**args, backend="fla")  # CPU tensors
+
+
+def test_import_does_not_touch_fla_or_triton():
+    code = "import sys, megatron_k3.ops.kda; bad = [m for m in ('fla', 'triton') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
