@@ -230,10 +230,11 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     name: str = "embedded"  # embedded (the Python standard library, no download) or indexed
-    paths: list = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix, ...] or [prefix]
+    paths: list = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]
+    split: str = "98,2,0"  # train,valid,test proportions over contiguous document ranges (Megatron style)
+    tokenizer: str = ""  # indexed: the tokenizer.json the data was made with (checks model.vocab_size)
     cache_dir: str = ""  # embedded: where the tokenizer and token cache live ('' = <repo>/.cache)
-    tokenizer_vocab_size: int = 8192
-    valid_fraction: float = 0.02
+    tokenizer_vocab_size: int = 8192  # embedded: BPE vocabulary trained on the corpus
     reset_at_document_boundaries: bool = True  # KDA state, conv and MLA attention restart per document
 
 
@@ -347,9 +348,26 @@ class RunConfig:
             raise ConfigError("logging.wandb.mode", self.logging.wandb.mode, "valid: offline, online, disabled")
         if self.data.name not in ("embedded", "indexed"):
             raise ConfigError("data", self.data.name, "valid: embedded, indexed")
-        if not (0 < self.data.valid_fraction < 1):
-            raise ConfigError("data.valid_fraction", self.data.valid_fraction, "must lie in (0, 1)")
+        if self.data.name == "indexed" and not self.data.paths:
+            raise ConfigError("data.paths", list(self.data.paths),
+                              "data=indexed needs Megatron .bin/.idx prefixes: [prefix, ...] or [weight, prefix, ...]")
+        try:
+            parse_split(self.data.split)
+        except ValueError as e:
+            raise ConfigError("data.split", self.data.split, str(e)) from None
         return self
+
+
+def parse_split(split) -> list:
+    """'98,2,0' -> three non-negative proportions (train, valid, test), normalised to sum to 1."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError("expected comma-separated proportions like '98,2,0'") from None
+    parts += [0.0] * (3 - len(parts))
+    if len(parts) != 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError("expected three non-negative proportions like '98,2,0'")
+    return [p / sum(parts) for p in parts]
 
 
 def _apply_overrides(cfg, overrides: Iterable[str], prefix: str):

@@ -89,17 +89,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_data_parallel_matches_one_process(tmp_path):
-    """torchrun with 2 gloo ranks (each half of every global batch, gradients all-reduced) gives the
-    single-process losses; rank 0 alone writes metrics."""
-    args = FAST + ["train.steps=4", "train.global_batch_size=8", "train.eval_interval=0",
-                   "logging.wandb.mode=disabled"]
-    assert main(args + [f"hydra.run.dir={tmp_path / 'dp1'}"]) == 0
+def _torchrun(args, run_dir):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_port", str(_free_port()), "-m", "megatron_k3.train", *args,
-                        f"hydra.run.dir={tmp_path / 'dp2'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    l1, l2 = _losses(tmp_path / "dp1"), _losses(tmp_path / "dp2")
-    assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
-    for s in l1:  # fp32; gradient sums in a different order across ranks
-        assert abs(l1[s] - l2[s]) <= 1e-5 * abs(l1[s])
+                        f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_data_parallel_and_resume_across_data_parallel_sizes(tmp_path):
+    """torchrun with 2 gloo ranks (each reads half of every global batch; gradients all-reduced) gives the
+    single-process losses, and a run stopped under DP=2 resumes under DP=1 (and the reverse) on exactly the
+    global sample sequence of the uninterrupted run."""
+    args = FAST + ["train.steps=4", "train.global_batch_size=8", "train.eval_interval=0",
+                   "logging.wandb.mode=disabled"]
+    straight = tmp_path / "dp1"
+    assert main(args + [f"hydra.run.dir={straight}"]) == 0
+    a, b = tmp_path / "dp2_then_dp1", tmp_path / "dp1_then_dp2"
+    _torchrun(args + ["train.exit_interval=2"], a)
+    assert max(_losses(a)) == 2
+    assert main(args + [f"hydra.run.dir={a}", "checkpoint.load=auto"]) == 0
+    assert main(args + [f"hydra.run.dir={b}", "train.exit_interval=2"]) == 0
+    _torchrun(args + ["checkpoint.load=auto"], b)
+    ref = _losses(straight)
+    for run in (a, b):
+        got = _losses(run)
+        assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+        for s in ref:  # fp32; gradient sums in a different order across ranks
+            assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (run.name, s, ref[s], got[s])

@@ -1,9 +1,9 @@
 """The embedded default corpus: the Python standard library's source files found on this machine.
 
 No download: tens of MB of real code. A byte-level BPE is trained on it once, the files are tokenized
-once (documents separated by the end-of-document token) and both are cached under a key derived from
-the file list, so later runs start in seconds. The last `valid_fraction` of documents (in a fixed,
-seeded order) is the held-out split.
+once (each document ends with the end-of-document token) and both are cached under a key derived from
+the file list, so later runs start in seconds. Documents are stored in a fixed shuffled order, so the
+contiguous ranges of `data.split` are random samples of the library.
 """
 
 from __future__ import annotations
@@ -90,22 +90,18 @@ def build_embedded_corpus(cache_dir: str | Path | None, vocab_size: int, progres
 
 
 class EmbeddedCorpus:
-    """Token stream + document offsets of the cached corpus, split into train and valid by documents."""
+    """The cached corpus as documents (each file's tokens followed by the end-of-document token)."""
 
-    def __init__(self, cache_dir, vocab_size: int, valid_fraction: float, progress: bool = True):
+    def __init__(self, cache_dir, vocab_size: int, progress: bool = True):
+        from .dataset import ArrayDocuments
+
         self.dir = build_embedded_corpus(cache_dir, vocab_size, progress)
         self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.tokens = np.load(self.dir / "tokens.npy", mmap_mode="r")
-        offsets = np.load(self.dir / "doc_offsets.npy")
-        n_docs = len(offsets) - 1
-        n_valid = max(1, int(round(n_docs * valid_fraction)))
-        self.split_at = int(offsets[n_docs - n_valid])
+        self.documents = ArrayDocuments(np.load(self.dir / "tokens.npy", mmap_mode="r"),
+                                        np.load(self.dir / "doc_offsets.npy"), name=f"embedded corpus {self.dir}")
         self.eod_id = int(self.meta["eod_id"])
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_path = self.dir / "tokenizer.json"
-
-    def split(self, name: str) -> np.ndarray:
-        return self.tokens[: self.split_at] if name == "train" else self.tokens[self.split_at:]
 
     def tokenizer(self):
         return load_tokenizer(self.tokenizer_path)

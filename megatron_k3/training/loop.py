@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from ..config import ConfigError, RunConfig
 from ..data.corpus import EmbeddedCorpus
-from ..data.dataset import GlobalOrder, TokenSampleDataset, make_batch
+from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, make_batch, rank_sample_ids,
+                            split_documents)
+from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
 from ..optim.schedule import lr_at
 from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
@@ -41,25 +43,66 @@ def _device(run: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def build_data(run: RunConfig, rank: int):
-    d = run.data
-    if d.name != "embedded":
-        raise ConfigError("data", d.name, "only 'embedded' is available until the data issue lands")
-    if rank == 0:
-        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, d.valid_fraction)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, d.valid_fraction, progress=False)
-    if corpus.vocab_size > run.model.vocab_size:
-        raise ConfigError("model.vocab_size", run.model.vocab_size,
-                          f"must be >= the tokenizer's vocabulary ({corpus.vocab_size})")
+def _parse_paths(paths) -> list:
+    """[prefix, ...] (equal weights) or [weight, prefix, weight, prefix, ...] -> [(weight, prefix)]."""
+    items = [str(p) for p in paths]
     try:
-        train = TokenSampleDataset(corpus.split("train"), run.train.seq_length, corpus.eod_id, "train split")
-        valid = TokenSampleDataset(corpus.split("valid"), run.train.seq_length, corpus.eod_id, "valid split")
-    except ValueError as e:
-        raise ConfigError("train.seq_length", run.train.seq_length, str(e)) from None
-    return corpus, train, valid
+        float(items[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return [(1.0, p) for p in items]
+    if len(items) % 2:
+        raise ConfigError("data.paths", items, "weighted form needs pairs: [weight, prefix, weight, prefix, ...]")
+    try:
+        return [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)]
+    except ValueError:
+        raise ConfigError("data.paths", items, "weighted form needs pairs: [weight, prefix, ...]") from None
+
+
+def build_data(run: RunConfig, rank: int):
+    """(train dataset, valid dataset, eod id or None) for data=embedded or data=indexed."""
+    d, T, seed = run.data, run.train.seq_length, run.train.seed
+    if d.name == "embedded":
+        if rank == 0:
+            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, progress=False)
+        vocab, sources = corpus.vocab_size, [(1.0, corpus.documents)]
+    else:
+        from ..data.indexed import IndexedDataset, IndexedDatasetError
+
+        sources = []
+        for w, prefix in _parse_paths(d.paths):
+            try:
+                sources.append((w, IndexedDocuments(IndexedDataset(prefix), name=prefix)))
+            except (IndexedDatasetError, FileNotFoundError, OSError) as e:
+                raise ConfigError("data.paths", prefix, str(e)) from None
+        vocab = 0
+        if d.tokenizer:
+            try:
+                vocab = load_tokenizer(d.tokenizer).get_vocab_size()
+            except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
+                raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
+    if vocab > run.model.vocab_size:
+        raise ConfigError("model.vocab_size", run.model.vocab_size, f"must be >= the tokenizer's vocabulary ({vocab})")
+    splits = {"train": [], "valid": []}
+    for w, docs in sources:
+        ids = split_documents(len(docs), d.split)
+        for name in splits:
+            try:
+                splits[name].append((w, PackedDataset(docs, ids[name], T, seed, f"{docs.name} ({name} split)")))
+            except ValueError as e:
+                raise ConfigError("train.seq_length", T, str(e)) from None
+    out = []
+    for name in ("train", "valid"):
+        parts = splits[name]
+        out.append(parts[0][1] if len(parts) == 1 else
+                   BlendedDataset([p for _, p in parts], [w for w, _ in parts], name=f"{name} blend"))
+    return out[0], out[1]
 
 
 def param_groups(model, weight_decay: float):
@@ -78,8 +121,7 @@ class Trainer:
         self.device = _device(run)
         t = run.train
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.corpus, self.train_ds, self.valid_ds = build_data(run, self.rank)
-        self.order = GlobalOrder(len(self.train_ds), t.seed)
+        self.train_ds, self.valid_ds = build_data(run, self.rank)
         torch.manual_seed(t.seed)
         self.model = K3ForCausalLM(run.model).to(self.device)
         o = run.optim
@@ -122,13 +164,12 @@ class Trainer:
             dist.barrier()
 
     # ------------------------------------------------------------------ one step
-    def _samples(self, micro: int, dataset_order, dataset) -> list:
-        mbs = self.run.train.micro_batch_size
-        base = self.consumed + micro * mbs * self.dp + self.rank * mbs
-        return [dataset[dataset_order.index(base + j)] for j in range(mbs)]
+    def _samples(self, dataset, consumed: int, micro: int) -> list:
+        ids = rank_sample_ids(consumed, micro, self.rank, self.dp, self.run.train.micro_batch_size)
+        return [dataset.sample(c) for c in ids]
 
     def _forward(self, samples):
-        b = make_batch(samples, self.corpus.eod_id, self.run.data.reset_at_document_boundaries)
+        b = make_batch(samples, self.run.data.reset_at_document_boundaries)
         with self.autocast:
             out = self.model(b.input_ids.to(self.device), labels=b.labels.to(self.device),
                              cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device))
@@ -145,7 +186,7 @@ class Trainer:
         loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
         tokens = 0
         for micro in range(self.num_micro):
-            out, n = self._forward(self._samples(micro, self.order, self.train_ds))
+            out, n = self._forward(self._samples(self.train_ds, self.consumed, micro))
             (out.loss / self.num_micro).backward()
             loss_sum += out.loss.detach().double().cpu()
             tokens += n
@@ -180,11 +221,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        mbs, total, n = self.run.train.micro_batch_size, 0.0, 0
-        limit = len(self.valid_ds)
-        for it in range(self.run.train.eval_iters):
-            idx = [(it * mbs * self.dp + self.rank * mbs + j) % limit for j in range(mbs)]
-            out, _ = self._forward([self.valid_ds[i] for i in idx])
+        total, n = 0.0, 0
+        for it in range(self.run.train.eval_iters):  # the same held-out samples at every evaluation
+            out, _ = self._forward(self._samples(self.valid_ds, 0, it))
             total += out.loss.double().item()
             n += 1
         val = torch.tensor([total / n], dtype=torch.float64)
