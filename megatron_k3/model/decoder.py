@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..ops.attn_res import attn_res
+from ..parallel.layers import current_tp, mark_partial_grad
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import StableLatentMoE
@@ -63,6 +64,12 @@ class DecoderLayer(nn.Module):
             # names follow the K3 checkpoint: self_attention_res_{proj,norm}, mlp_res_{proj,norm}
             self.self_attention_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
+        tp = current_tp()
+        if tp.size > 1 and tp.sequence_parallel:  # norms and depth mixes see this rank's sequence shard only
+            for m in [self.input_layernorm, self.post_attention_layernorm] + (
+                    [self.self_attention_res, self.mlp_res] if self.attn_res else []):
+                for p in m.parameters():
+                    mark_partial_grad(p)
 
     def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None) -> ResidualState:
         if not self.attn_res:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, current_tp, full_shape,
+                               mark_partial_grad, shard_tensor, vocab_parallel_cross_entropy)
+from ..parallel.mappings import all_reduce_grad_hook, gather_last
 from .cache import InferenceCache
 from .decoder import DecoderLayer, DepthMix, ResidualState
-from .experts import GroupedExperts
 from .kda import KimiDeltaAttention
 from .moe import StableLatentMoE
 from .norm import RMSNorm
@@ -32,15 +33,22 @@ class K3Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp = current_tp()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res:
             self.output_attn_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
+        if tp.size > 1 and tp.sequence_parallel:  # applied to this rank's sequence shard only
+            for m in [self.norm] + ([self.output_attn_res] if cfg.attn_res else []):
+                for p in m.parameters():
+                    mark_partial_grad(p)
 
     def forward(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: InferenceCache | None = None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids_BT)
+        if self.tp.sequence_parallel and cache is not None:
+            raise ValueError("sequence parallelism is for training; decode with parallel.sequence_parallel=false")
+        h = self.embed_tokens(input_ids_BT)  # [B, T/tp, D] under sequence parallelism
         st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
         for i, layer in enumerate(self.layers):
             st = layer(st, cu_seqlens=cu_seqlens, cache_state=cache.layers[i] if cache is not None else None)
@@ -54,50 +62,79 @@ class K3ForCausalLM(nn.Module):
     def __init__(self, cfg, init: bool = True):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = current_tp()
         self.model = K3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp=tp)  # vocabulary-parallel
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if tp.size > 1:  # replicated parameters with per-rank partial gradients are summed over TP
+            for p in self.parameters():
+                if getattr(p, "tp_partial_grad", False):
+                    p.register_hook(all_reduce_grad_hook(tp.group))
         if init:
             self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None):
-        """normal(0, initializer_range) for every matrix and expert weight, ones for norms, zeros for the
-        AttnRes pseudo-queries and the router bias, and the KDA gate/conv init of the KDA layer."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(seed)
+        """Initialise every parameter from its full (unsharded) value, drawn in parameter order, and keep this
+        rank's slice, so any tensor-parallel layout starts from exactly the single-process weights:
+        normal(0, initializer_range) for matrices, embeddings and experts, ones for norms, zeros for the
+        AttnRes pseudo-queries and the router bias, and the KDA gate/conv init."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.cfg.initializer_range
+        depth_mix_projs = {id(m.proj) for m in self.modules() if isinstance(m, DepthMix)}
+        owner = {}
+        for mname, m in self.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                owner[id(p)] = (m, pname)
+        for name, p in self.named_parameters():
+            m, pname = owner[id(p)]
+            shape = full_shape(p, self.tp)
+            full = None
+            if isinstance(m, KimiDeltaAttention):
+                full = m.init_full(pname, shape, gen)
+            if full is None:
+                if isinstance(m, RMSNorm):
+                    full = torch.ones(shape)
+                elif id(m) in depth_mix_projs:
+                    full = torch.zeros(shape)
+                elif pname == "bias":
+                    full = torch.zeros(shape)
+                else:
+                    full = torch.empty(shape).normal_(0.0, std, generator=gen)
+            p.copy_(shard_tensor(full, p, self.tp))
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std, generator=gen)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, GroupedExperts):
-                for w in (m.w1, m.w2, m.w3):
-                    w.normal_(0.0, std, generator=gen)
-            elif isinstance(m, TopKRouter):
-                m.weight.normal_(0.0, std, generator=gen)
+            if isinstance(m, TopKRouter):
                 m.e_score_correction_bias.zero_()
-            elif isinstance(m, KimiDeltaAttention):
-                m.reset_kda_parameters(gen)
-                m.o_norm.fill_(1.0)
-        for m in self.modules():  # pseudo-queries start at zero: uniform depth weights at init
-            if isinstance(m, DepthMix):
-                m.proj.weight.zero_()
+
+    def load_full_state_dict(self, full: dict, strict: bool = True):
+        """Load an unsharded (single-process) state dict, keeping this rank's slice of each tensor."""
+        own = self.state_dict()
+        missing = [k for k in own if k not in full]
+        unexpected = [k for k in full if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        params = dict(self.named_parameters())
+        sharded = {k: (shard_tensor(v, params[k], self.tp) if k in params else v) for k, v in full.items() if k in own}
+        return self.load_state_dict(sharded, strict=strict)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None) -> CausalLMOutput:
+                cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None,
+                return_logits: bool | None = None) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with the inputs (label t is the token after t; -100 is
-        ignored); cu_seqlens: document offsets of a packed row (B = 1)."""
+        ignored); cu_seqlens: document offsets of a packed row (B = 1). Under tensor parallelism the logits
+        are vocabulary-sharded and the loss is the vocab-parallel cross-entropy; full logits are gathered
+        only when asked for (return_logits, default: when no labels are given)."""
         h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
-        logits = self.lm_head(h)
+        logits = self.lm_head(self.tp.enter(h))  # [B, T, V/tp]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.tp,
+                                                self.tp.rank * logits.shape[-1])
+        if return_logits is None:
+            return_logits = labels is None
+        if self.tp.size > 1:
+            logits = gather_last(logits, self.tp.group) if return_logits else None
         return CausalLMOutput(logits=logits, loss=loss, cache=cache)
 
     def new_cache(self) -> InferenceCache:
@@ -115,4 +152,5 @@ class K3ForCausalLM(nn.Module):
 
     def moe_layers(self):
         return [m for m in self.modules() if isinstance(m, StableLatentMoE)]
+
 

@@ -16,6 +16,8 @@ from torch import nn
 
 from ..ops.kda import chunk_kda, recurrent_kda
 from ..ops.short_conv import causal_conv1d
+from ..parallel.layers import (ColumnParallelLinear, RowParallelLinear, current_tp, mark_partial_grad,
+                               mark_sharded)
 from .cache import KDAState
 from .norm import compute_dtype, l2norm
 
@@ -23,55 +25,62 @@ from .norm import compute_dtype, l2norm
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        D, H, K, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        self.tp = tp = current_tp()
+        D, K, W = cfg.hidden_size, cfg.kda_head_dim, cfg.kda_conv_size
+        H = tp.divide(cfg.kda_num_heads, "model.kda_num_heads")  # this rank's heads
         self.layer_idx, self.H, self.K, self.W = layer_idx, H, K, W
-        HK = H * K
-        self.q_proj = nn.Linear(D, HK, bias=False)
-        self.k_proj = nn.Linear(D, HK, bias=False)
-        self.v_proj = nn.Linear(D, HK, bias=False)
-        # depthwise causal conv filters, nn.Conv1d layout [C, 1, W], kept in fp32
-        self.q_conv1d = nn.Parameter(torch.empty(HK, 1, W))
-        self.k_conv1d = nn.Parameter(torch.empty(HK, 1, W))
-        self.v_conv1d = nn.Parameter(torch.empty(HK, 1, W))
+        HK_full = cfg.kda_num_heads * K
+        self.q_proj = ColumnParallelLinear(D, HK_full, tp=tp)
+        self.k_proj = ColumnParallelLinear(D, HK_full, tp=tp)
+        self.v_proj = ColumnParallelLinear(D, HK_full, tp=tp)
+        # depthwise causal conv filters, nn.Conv1d layout [C, 1, W], kept in fp32; split with the heads
+        self.q_conv1d = mark_sharded(nn.Parameter(torch.empty(H * K, 1, W)), 0)
+        self.k_conv1d = mark_sharded(nn.Parameter(torch.empty(H * K, 1, W)), 0)
+        self.v_conv1d = mark_sharded(nn.Parameter(torch.empty(H * K, 1, W)), 0)
         R = cfg.decay_rank
-        self.f_a_proj = nn.Linear(D, R, bias=False)
-        self.f_b_proj = nn.Linear(R, HK, bias=False)
-        self.A_log = nn.Parameter(torch.empty(H))
-        self.dt_bias = nn.Parameter(torch.empty(HK))
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.f_a_proj = ColumnParallelLinear(D, R, gather_output=True, tp=tp)  # the low-rank bottleneck stays whole
+        self.f_b_proj = ColumnParallelLinear(R, HK_full, tp=tp)
+        self.A_log = mark_sharded(nn.Parameter(torch.empty(H)), 0)
+        self.dt_bias = mark_sharded(nn.Parameter(torch.empty(H * K)), 0)
+        self.b_proj = ColumnParallelLinear(D, cfg.kda_num_heads, tp=tp)
         self.gate_kind = cfg.kda_gate
         self.lower_bound = cfg.kda_gate_lower_bound
         self.lowrank_gate = cfg.kda_output_gate == "lowrank"
         if self.lowrank_gate:
-            self.g_a_proj = nn.Linear(D, K, bias=False)
-            self.g_b_proj = nn.Linear(K, HK, bias=cfg.kda_output_gate_bias)
+            self.g_a_proj = ColumnParallelLinear(D, K, gather_output=True, tp=tp)
+            self.g_b_proj = ColumnParallelLinear(K, HK_full, bias=cfg.kda_output_gate_bias, tp=tp)
         else:
-            self.g_proj = nn.Linear(D, HK, bias=False)
+            self.g_proj = ColumnParallelLinear(D, HK_full, tp=tp)
         self.o_norm = nn.Parameter(torch.ones(K))  # RMSNorm weight shared by all heads
-        self.o_proj = nn.Linear(HK, D, bias=False)
+        if tp.size > 1:
+            mark_partial_grad(self.o_norm)  # each rank applies it to its own heads only
+        self.o_proj = RowParallelLinear(HK_full, D, tp=tp)
         self.eps = cfg.rms_norm_eps
         self.chunk_size = cfg.kda_chunk_size
         self.a_log_init = cfg.kda_a_log_init
 
-    @torch.no_grad()
-    def reset_kda_parameters(self, generator: torch.Generator | None = None):
-        """Gate and conv init: A_log = 0 (K3) or log U(1, 16) (fla); dt_bias = inverse-softplus of
-        dt ~ logU(1e-3, 1e-1); conv filters as nn.Conv1d (uniform +-1/sqrt(W))."""
-        if self.a_log_init == "zero":
-            self.A_log.zero_()
-        else:
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16, generator=generator).log())
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
-        dt = dt.exp().clamp_min(1e-4)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        bound = 1.0 / math.sqrt(self.W)
-        for w in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
-            w.uniform_(-bound, bound, generator=generator)
+    def init_full(self, name: str, shape, generator=None):
+        """Initial value of the full (unsharded) parameter `name`: A_log = 0 (K3) or log U(1, 16) (fla);
+        dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1); conv filters as nn.Conv1d (uniform +-1/sqrt(W));
+        o_norm ones. None for the projections (the model's normal init)."""
+        if name == "A_log":
+            if self.a_log_init == "zero":
+                return torch.zeros(shape)
+            return torch.empty(shape).uniform_(1, 16, generator=generator).log()
+        if name == "dt_bias":
+            dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
+            return dt + torch.log(-torch.expm1(-dt))
+        if name.endswith("conv1d"):
+            bound = 1.0 / math.sqrt(self.W)
+            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+        if name == "o_norm":
+            return torch.ones(shape)
+        return None
 
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Per-step, per-channel log-decay g [B, T, H, K] in fp32."""
         wide = compute_dtype(x_BTD)
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).to(wide) + self.dt_bias.to(wide)
+        z = self.f_b_proj(self.tp.copy(self.f_a_proj(x_BTD))).to(wide) + self.dt_bias.to(wide)
         z = z.view(*x_BTD.shape[:2], self.H, self.K)
         a = self.A_log.to(wide).exp()[:, None]
         if self.gate_kind == "lowerbound":
@@ -80,6 +89,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: KDAState | None = None) -> torch.Tensor:
+        x_BTD = self.tp.enter(x_BTD)  # whole sequence on every TP rank; this rank's heads below
         B, T, _ = x_BTD.shape
         H, K = self.H, self.K
         wide = compute_dtype(x_BTD)
@@ -105,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
                              lower_bound=self.lower_bound if self.gate_kind == "lowerbound" else None)
         if keep:
             state.recurrent = S
-        gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)
+        gate = self.g_b_proj(self.tp.copy(self.g_a_proj(x_BTD))) if self.lowrank_gate else self.g_proj(x_BTD)
         of = o.to(wide)
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.to(wide)
         of = of * torch.sigmoid(gate.to(wide).view(B, T, H, K))

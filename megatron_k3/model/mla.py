@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import MLAState
-from .norm import compute_dtype, RMSNorm
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp
+from .norm import RMSNorm, compute_dtype
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -27,29 +28,32 @@ def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 class GatedMLA(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        D, H = cfg.hidden_size, cfg.mla_num_heads
+        self.tp = tp = current_tp()
+        D, Hf = cfg.hidden_size, cfg.mla_num_heads
+        H = tp.divide(Hf, "model.mla_num_heads")  # this rank's heads
         self.layer_idx, self.H = layer_idx, H
         self.N, self.R, self.V, self.L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qk = self.N + self.R
         self.q_lora_rank = cfg.q_lora_rank
-        if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=False)
+        if self.q_lora_rank:  # the compressions stay whole on every rank (column-parallel, gathered)
+            self.q_a_proj = ColumnParallelLinear(D, self.q_lora_rank, gather_output=True, tp=tp)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.mla_latent_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, Hf * qk, tp=tp)
         else:
-            self.q_proj = nn.Linear(D, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.L + self.R, bias=False)
+            self.q_proj = ColumnParallelLinear(D, Hf * qk, tp=tp)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(D, self.L + self.R, gather_output=True, tp=tp)
         self.kv_a_layernorm = RMSNorm(self.L, cfg.mla_latent_norm_eps)
-        self.kv_b_proj = nn.Linear(self.L, H * (self.N + self.V), bias=False)
+        self.kv_b_proj = ColumnParallelLinear(self.L, Hf * (self.N + self.V), tp=tp)
         self.gated = cfg.mla_output_gate
         if self.gated:
-            self.g_proj = nn.Linear(D, H * self.V, bias=False)
-        self.o_proj = nn.Linear(H * self.V, D, bias=False)
+            self.g_proj = ColumnParallelLinear(D, Hf * self.V, tp=tp)
+        self.o_proj = RowParallelLinear(Hf * self.V, D, tp=tp)
         self.scale = qk ** -0.5
 
     def _queries(self, x):
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q = (self.q_b_proj(self.tp.copy(self.q_a_layernorm(self.q_a_proj(x)))) if self.q_lora_rank
+             else self.q_proj(x))
         return q.view(B, T, self.H, self.N + self.R)
 
     def _latents(self, x):
@@ -66,6 +70,7 @@ class GatedMLA(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: MLAState | None = None) -> torch.Tensor:
+        x_BTD = self.tp.enter(x_BTD)  # whole sequence on every TP rank; this rank's heads below
         if state is not None and state.length > 0:
             return self.forward_absorbed(x_BTD, state)
         B, T, _ = x_BTD.shape
@@ -73,7 +78,8 @@ class GatedMLA(nn.Module):
         c, k_r = self._latents(x_BTD)
         if state is not None:
             state.latent, state.k_rope = c.detach(), k_r.detach()
-        kv = self.kv_b_proj(c).view(B, T, self.H, self.N + self.V)
+        kv = self.kv_b_proj(self.tp.copy(c)).view(B, T, self.H, self.N + self.V)
+        k_r = self.tp.copy(k_r)  # complete on every rank; used by this rank's heads
         k_nope, v = kv.split([self.N, self.V], dim=-1)
         k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, T, self.H, self.R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]

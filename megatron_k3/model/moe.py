@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .experts import GroupedExperts
+from ..parallel.layers import current_tp, mark_partial_grad
 from .norm import RMSNorm, atleast_fp32
 from .router import TopKRouter
 from .situ import GatedMLP
@@ -19,6 +20,7 @@ from .situ import GatedMLP
 class StableLatentMoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        self.tp = tp = current_tp()
         D, L = cfg.hidden_size, cfg.expert_width
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.gate = TopKRouter(D, cfg.num_experts, cfg.top_k, cfg.routed_scaling_factor, cfg.norm_topk_prob,
@@ -30,8 +32,12 @@ class StableLatentMoE(nn.Module):
         self.latent_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.moe_latent_norm else None
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.hidden_act,
                                       cfg.situ_beta_gate, cfg.situ_beta_up)
-        self.shared_experts = (GatedMLP(D, cfg.shared_ffn_size, cfg.hidden_act, cfg.situ_beta_gate, cfg.situ_beta_up)
-                               if cfg.num_shared_experts else None)
+        self.shared_experts = (GatedMLP(D, cfg.shared_ffn_size, cfg.hidden_act, cfg.situ_beta_gate, cfg.situ_beta_up,
+                                        tp=tp) if cfg.num_shared_experts else None)
+        if tp.size > 1 and tp.sequence_parallel:  # replicated weights applied to this rank's tokens only
+            for name, p in self.named_parameters():
+                if not name.startswith("shared_experts."):
+                    mark_partial_grad(p)
         # Detached per-expert token counts of the last forward, for load metrics and balancing.
         self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts), persistent=False)
 
@@ -63,5 +69,5 @@ class StableLatentMoE(nn.Module):
         if self.latent:
             r = self.latent_up_proj(r)
         if self.shared_experts is not None:
-            r = r + self.shared_experts(x_ND)
+            r = r + self.shared_experts(x_BTD).reshape(r.shape)
         return r.view(shape)

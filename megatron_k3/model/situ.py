@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp
 from .norm import atleast_fp32
 
 
@@ -30,14 +31,17 @@ def glu_act(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float = 4
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): the dense FFN of layer 0 and the shared experts."""
+    """down(act(gate(x)) * up(x)): the dense FFN of layer 0 and the shared experts. Megatron-style under
+    tensor parallelism: gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, dim: int, inter: int, act: str, beta_gate: float = 4.0, beta_up: float = 25.0):
+    def __init__(self, dim: int, inter: int, act: str, beta_gate: float = 4.0, beta_up: float = 25.0, tp=None):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, inter, bias=False)
-        self.up_proj = nn.Linear(dim, inter, bias=False)
-        self.down_proj = nn.Linear(inter, dim, bias=False)
+        self.tp = tp or current_tp()
+        self.gate_proj = ColumnParallelLinear(dim, inter, tp=self.tp)
+        self.up_proj = ColumnParallelLinear(dim, inter, tp=self.tp)
+        self.down_proj = RowParallelLinear(inter, dim, tp=self.tp)
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.enter(x)
         return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.act, self.beta_gate, self.beta_up))

@@ -1,0 +1,199 @@
+"""Autograd-aware collectives for tensor and sequence parallelism.
+
+Every function takes the process group explicitly; with a group of size 1 (or None) each is the
+identity, so the model is exactly the single-device model when nothing is parallel.
+
+  copy_to_region        fwd identity            bwd all-reduce     (enter a TP region from a full tensor)
+  reduce_from_region    fwd all-reduce          bwd identity       (leave a TP region, no SP)
+  gather_last           fwd all-gather dim -1   bwd split dim -1   (column-parallel gather_output)
+  split_last            fwd split dim -1        bwd all-gather
+  gather_seq            fwd all-gather dim 1    bwd reduce-scatter (enter a TP region under SP)
+  reduce_scatter_seq    fwd reduce-scatter d1   bwd all-gather     (leave a TP region under SP)
+  split_seq             fwd split dim 1         bwd all-gather     (shard a full activation under SP)
+  gather_seq_full       fwd all-gather dim 1    bwd split          (un-shard a replicated activation)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
+
+
+def _all_reduce(x, group):
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x, dim, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x, dim, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} tensor-parallel ranks")
+    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+
+
+def _reduce_scatter(x, dim, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} ranks")
+    parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
+    out = torch.empty_like(parts[0])
+    full = torch.stack(parts)  # [n, ...]: every rank sums every chunk, then keeps its own
+    if hasattr(dist, "reduce_scatter_tensor"):
+        try:
+            dist.reduce_scatter_tensor(out.view(1, *out.shape), full, group=group)
+            return out
+        except (RuntimeError, NotImplementedError):
+            pass
+    dist.all_reduce(full, group=group)
+    return full[_rank(group)].contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, -1, ctx.group), None
+
+
+class _SplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, -1, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, 1, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, 1, ctx.group), None
+
+
+class _SplitSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, 1, ctx.group), None
+
+
+class _GatherSeqFull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, 1, ctx.group), None
+
+
+def copy_to_region(x, group):
+    return x if _size(group) == 1 else _Copy.apply(x, group)
+
+
+def reduce_from_region(x, group):
+    return x if _size(group) == 1 else _Reduce.apply(x, group)
+
+
+def gather_last(x, group):
+    return x if _size(group) == 1 else _GatherLast.apply(x, group)
+
+
+def split_last(x, group):
+    return x if _size(group) == 1 else _SplitLast.apply(x, group)
+
+
+def gather_seq(x, group):
+    return x if _size(group) == 1 else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x, group):
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+
+
+def split_seq(x, group):
+    return x if _size(group) == 1 else _SplitSeq.apply(x, group)
+
+
+def gather_seq_full(x, group):
+    return x if _size(group) == 1 else _GatherSeqFull.apply(x, group)
+
+
+def all_reduce_grad_hook(group):
+    """A parameter hook that sums the gradient over `group`: for replicated parameters that see only this
+    rank's sequence shard under sequence parallelism."""
+    def hook(g):
+        return _all_reduce(g.clone(), group)
+    return hook
