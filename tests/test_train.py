@@ -116,3 +116,19 @@ def test_data_parallel_and_resume_across_data_parallel_sizes(tmp_path):
         assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
         for s in ref:  # fp32; gradient sums in a different order across ranks
             assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (run.name, s, ref[s], got[s])
+
+
+def test_tensor_and_sequence_parallel_training_matches_one_process_and_resumes(tmp_path):
+    """torchrun tp=2 with sequence parallelism: the same losses as one process; stopped at step 2 and
+    resumed from its per-TP-shard checkpoint, the same losses again."""
+    args = FAST + ["train.steps=4", "train.eval_interval=0", "logging.wandb.mode=disabled"]
+    assert main(args + [f"hydra.run.dir={tmp_path / 'one'}"]) == 0
+    tp = args + ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    _torchrun(tp + ["train.exit_interval=2"], tmp_path / "tp2")
+    assert sorted(p.name for p in (tmp_path / "tp2" / "checkpoints" / "step_00000002").glob("model*")) == [
+        "model_tp00.safetensors", "model_tp01.safetensors"]
+    _torchrun(tp + ["checkpoint.load=auto"], tmp_path / "tp2")
+    ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "tp2")
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for s in ref:
+        assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (s, ref[s], got[s])

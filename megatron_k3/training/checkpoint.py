@@ -56,21 +56,32 @@ def _model_tensors(model: torch.nn.Module) -> dict:
     return out
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, meta: dict, keep_last: int = 0) -> Path:
+def write_shard(tmp: Path, model, optimizer, suffix: str = ""):
+    """Write this rank's model and optimizer files (suffix names the shard, e.g. '_tp1')."""
+    save_file(_model_tensors(model), str(tmp / f"model{suffix}.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"state{suffix}.pt")
+    for name in (f"model{suffix}.safetensors", f"state{suffix}.pt"):
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def begin(ckpt_dir: str | Path, step: int, unique: bool = True) -> tuple:
+    """(temporary directory, final directory) of a checkpoint being written."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"{_PREFIX}{step:08d}"
-    tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+    tmp = ckpt_dir / (f".tmp-{final.name}-{os.getpid()}" if unique else f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(_model_tensors(model), str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / "state.pt")
-    meta = dict(meta, step=step, format_version=FORMAT_VERSION, saved_at=time.time(), complete=True)
+    return tmp, final
+
+
+def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
+    """Write meta.json, rename the directory into place, update `latest`, prune old checkpoints."""
+    ckpt_dir = final.parent
+    meta = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time(), complete=True)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():  # a re-save of the same step replaces the old one atomically enough: move it aside
+    if final.exists():  # a re-save of the same step: move the old one aside first
         old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
@@ -85,6 +96,13 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, meta: dic
         for old in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, meta: dict, keep_last: int = 0) -> Path:
+    """One-process checkpoint: model.safetensors, state.pt (optimizer + RNG), meta.json."""
+    tmp, final = begin(ckpt_dir, step)
+    write_shard(tmp, model, optimizer)
+    return commit(tmp, final, dict(meta, step=step), keep_last)
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list:
@@ -120,18 +138,21 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
     return p
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer=None, suffix: str = "") -> dict:
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}")
-    tensors = load_file(str(path / "model.safetensors"))
+    if not (path / f"model{suffix}.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: no model{suffix}.safetensors (saved under another tensor-parallel layout? "
+                                f"this checkpoint has {sorted(p.name for p in path.glob('model*.safetensors'))})")
+    tensors = load_file(str(path / f"model{suffix}.safetensors"))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {k for k in missing if _is_alias(model, k, tensors)}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ValueError(f"{path}: model keys do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    state = torch.load(path / f"state{suffix}.pt", weights_only=True, map_location="cpu")
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])

@@ -25,6 +25,9 @@ from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, mak
 from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
 from ..optim.schedule import lr_at
+from ..parallel import state
+from ..parallel.layers import set_sequence_parallel
+from . import checkpoint as ckpt
 from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
 from .metrics import MetricsLogger, expert_load_stats, perplexity
 
@@ -117,7 +120,13 @@ class Trainer:
         self.run, self.run_dir = run, Path(run_dir)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.dp = self.world  # every rank is a data-parallel replica until model parallelism lands
+        if dist.is_initialized():
+            state.initialize_from_config(run)
+        set_sequence_parallel(run.parallel.sequence_parallel and run.parallel.tp > 1)
+        self.dp, self.dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+        self.dp_group = state.get_data_parallel_group()
+        self.tp, self.tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.tp_group = state.get_tensor_model_parallel_group()
         self.device = _device(run)
         t = run.train
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
@@ -145,27 +154,40 @@ class Trainer:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.ckpt_dir)
             return
-        meta = load_checkpoint(path, self.model, self.optimizer)
+        meta = load_checkpoint(path, self.model, self.optimizer, self._shard_suffix())
         self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
         if meta.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
                         self.run.train.global_batch_size, meta.get("global_batch_size"))
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
 
+    def _shard_suffix(self) -> str:
+        return f"_tp{self.tp_rank:02d}" if self.tp > 1 else ""
+
     def save(self):
-        if self.rank == 0:
-            meta = {"consumed_samples": self.consumed, "tokens": self.tokens,
-                    "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
-                    "model": dataclasses.asdict(self.run.model)}
+        meta = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
+                "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
+                "tensor_parallel": self.tp, "model": dataclasses.asdict(self.run.model)}
+        if self.world == 1:
             path = save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, meta,
                                    self.run.checkpoint.keep_last)
             log.info("saved checkpoint %s", path)
-        if dist.is_initialized():
-            dist.barrier()
+            return
+        # every TP shard of DP replica 0 writes its own files into one temporary directory; rank 0 commits it
+        tmp, final = (ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else
+                      (None, None))
+        dist.barrier()
+        tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
+        if self.dp_rank == 0:
+            ckpt.write_shard(tmp, self.model, self.optimizer, self._shard_suffix())
+        dist.barrier()
+        if self.rank == 0:
+            log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta, self.run.checkpoint.keep_last))
+        dist.barrier()
 
     # ------------------------------------------------------------------ one step
     def _samples(self, dataset, consumed: int, micro: int) -> list:
-        ids = rank_sample_ids(consumed, micro, self.rank, self.dp, self.run.train.micro_batch_size)
+        ids = rank_sample_ids(consumed, micro, self.dp_rank, self.dp, self.run.train.micro_batch_size)
         return [dataset.sample(c) for c in ids]
 
     def _forward(self, samples):
@@ -193,17 +215,16 @@ class Trainer:
             for i, m in enumerate(self.moe):
                 loads[i] += m.tokens_per_expert_E.double().cpu()
         loss = loss_sum / self.num_micro
-        if self.world > 1:
+        if self.dp > 1:  # average gradients and statistics over the data-parallel group only
             for p in self.model.parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(self.world)
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad.div_(self.dp)
             stats = torch.cat([loss.view(1), loads.flatten()]).to(self.device)
-            dist.all_reduce(stats)
-            loss, loads = stats[0].cpu() / self.world, stats[1:].cpu().view_as(loads)
-            tokens *= self.world
-        clip = self.run.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            dist.all_reduce(stats, group=self.dp_group)
+            loss, loads = stats[0].cpu() / self.dp, stats[1:].cpu().view_as(loads)
+            tokens *= self.dp
+        grad_norm = self._clip_grad_norm(self.run.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -219,6 +240,27 @@ class Trainer:
         return rec, loads
 
     @torch.no_grad()
+    def _clip_grad_norm(self, clip: float) -> float:
+        """Global gradient norm over the whole (tensor-sharded) model, then clip. Sharded parameters count
+        their squares on every TP rank (summed over TP); replicated ones once."""
+        sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for p in self.model.parameters():
+            if p.grad is not None:
+                sq = p.grad.double().pow(2).sum().cpu()
+                if getattr(p, "tp_split_dim", None) is not None and self.tp > 1:
+                    sharded += sq
+                else:
+                    replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        norm = float((sharded + replicated).sqrt())
+        if clip > 0 and norm > clip:
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
+        return norm
+
+    @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         total, n = 0.0, 0
@@ -227,10 +269,10 @@ class Trainer:
             total += out.loss.double().item()
             n += 1
         val = torch.tensor([total / n], dtype=torch.float64)
-        if self.world > 1:
+        if self.dp > 1:
             val = val.to(self.device)
-            dist.all_reduce(val)
-            val = val.cpu() / self.world
+            dist.all_reduce(val, group=self.dp_group)
+            val = val.cpu() / self.dp
         return float(val)
 
     # ------------------------------------------------------------------ the loop
