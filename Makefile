@@ -26,6 +26,7 @@ train: install
 bench: install
 	$(PY) bench/kda.py
 	$(PY) bench/train_step.py
+	$(PY) bench/indexed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
