@@ -253,8 +253,14 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
-    dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32)
+    name: str = "fp32"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8 (megatron_k3.precision)
+    dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32); mx_qat and te_* need bf16
+    # mx_qat: routed experts' weights and input activations fake-quantised to MX, blocks along the reduction dim
+    mx_weight_format: str = "e2m1"  # MXFP4
+    mx_act_format: str = "e4m3"  # MXFP8
+    mx_block_size: int = 32
+    mx_weight_scale_mode: str = "floor"  # floor (OCP spec) or rceil (Blackwell hardware)
+    mx_act_scale_mode: str = "floor"
 
 
 @dataclass
@@ -319,6 +325,22 @@ class RunConfig:
         for heads_key in ("kda_num_heads", "mla_num_heads"):
             if getattr(m, heads_key) % p.tp:
                 raise ConfigError("parallel.tp", p.tp, f"must divide model.{heads_key}={getattr(m, heads_key)}")
+        if p.tp > 1:  # every tensor split by tensor parallelism must divide evenly
+            splits = {"vocab_size": m.vocab_size, "decay_rank (kda_decay_rank or kda_head_dim)": m.decay_rank,
+                      "kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+                      "dense_intermediate_size": m.dense_intermediate_size}
+            if m.q_lora_rank:
+                splits["q_lora_rank"] = m.q_lora_rank
+            if m.kda_output_gate == "lowrank":
+                splits["kda_head_dim"] = m.kda_head_dim
+            if m.num_shared_experts and m.first_k_dense < m.num_layers:
+                splits["shared_ffn_size"] = m.shared_ffn_size
+            for what, n in splits.items():
+                if n % p.tp:
+                    raise ConfigError("parallel.tp", p.tp, f"must divide model.{what}={n}")
+            if p.sequence_parallel and (t.micro_batch_size * t.seq_length) % p.tp:
+                raise ConfigError("parallel.sequence_parallel", True,
+                                  f"needs train.micro_batch_size*train.seq_length divisible by parallel.tp={p.tp}")
         if m.first_k_dense < m.num_layers and m.num_experts % p.ep:
             raise ConfigError("parallel.ep", p.ep, f"must divide model.num_experts={m.num_experts}")
         if p.ep > self.cluster.supernode_size:
@@ -342,8 +364,27 @@ class RunConfig:
             raise ConfigError("optim", o.name, "valid: adamw (muon lands with the Per-Head Muon issue)")
         if o.decay not in ("cosine", "constant"):
             raise ConfigError("optim.decay", o.decay, "valid: cosine, constant")
-        if self.precision.dtype not in ("fp32", "bf16"):
-            raise ConfigError("precision.dtype", self.precision.dtype, "valid: fp32, bf16")
+        pr = self.precision
+        if pr.dtype not in ("fp32", "bf16"):
+            raise ConfigError("precision.dtype", pr.dtype, "valid: fp32, bf16")
+        if pr.name not in ("fp32", "bf16", "mx_qat", "te_fp8", "te_mxfp8"):
+            raise ConfigError("precision", pr.name, "valid: fp32, bf16, mx_qat, te_fp8, te_mxfp8")
+        if pr.name in ("mx_qat", "te_fp8", "te_mxfp8") and pr.dtype != "bf16":
+            raise ConfigError("precision.dtype", pr.dtype, f"precision={pr.name} runs the rest of the model in bf16")
+        if pr.name == "mx_qat":
+            for k, ok in (("mx_weight_format", ("e2m1", "e4m3", "e5m2")), ("mx_act_format", ("e2m1", "e4m3", "e5m2")),
+                          ("mx_weight_scale_mode", ("floor", "rceil")), ("mx_act_scale_mode", ("floor", "rceil"))):
+                if getattr(pr, k) not in ok:
+                    raise ConfigError(f"precision.{k}", getattr(pr, k), "valid: " + ", ".join(ok))
+            bs = pr.mx_block_size
+            if not isinstance(bs, int) or bs <= 0:
+                raise ConfigError("precision.mx_block_size", bs, "must be a positive integer")
+            if m.first_k_dense < m.num_layers:
+                for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
+                             ("moe_intermediate_size", m.moe_intermediate_size)):
+                    if v % bs:
+                        raise ConfigError(f"model.{k}", v, f"precision=mx_qat needs a multiple of "
+                                          f"precision.mx_block_size={bs}")
         if self.logging.wandb.mode not in ("offline", "online", "disabled"):
             raise ConfigError("logging.wandb.mode", self.logging.wandb.mode, "valid: offline, online, disabled")
         if self.data.name not in ("embedded", "indexed"):

@@ -47,12 +47,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, inter, width))
         self.w2 = nn.Parameter(torch.empty(num_experts, width, inter))
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
+        # Quantisation-aware training hook (precision=mx_qat, set by megatron_k3.precision.qat): an object with
+        # weight(w) and act(x) that fake-quantise along the last (reduction) dimension; None = off.
+        self.qat = None
 
     def forward(self, z_ML: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        gate = grouped_mm(z_ML, self.w1.transpose(1, 2), offs_E)
-        up = grouped_mm(z_ML, self.w3.transpose(1, 2), offs_E)
+        w1, w3, w2, q = self.w1, self.w3, self.w2, self.qat
+        if q is not None:
+            w1, w3, w2, z_ML = q.weight(w1), q.weight(w3), q.weight(w2), q.act(z_ML)
+        gate = grouped_mm(z_ML, w1.transpose(1, 2), offs_E)
+        up = grouped_mm(z_ML, w3.transpose(1, 2), offs_E)
         h = glu_act(gate, up, self.act, self.beta_gate, self.beta_up)
-        return grouped_mm(h, self.w2.transpose(1, 2), offs_E)
+        if q is not None:
+            h = q.act(h)
+        return grouped_mm(h, w2.transpose(1, 2), offs_E)
 
     def forward_reference(self, z_ML: torch.Tensor, expert_M: torch.Tensor) -> torch.Tensor:
         """Plain per-row reference (any dtype, any order): row m goes through expert expert_M[m]."""

@@ -26,6 +26,7 @@ from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
 from ..optim.schedule import lr_at
 from ..parallel import state
+from ..precision import forward_context, prepare_model_for_precision
 from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
 from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
@@ -133,6 +134,7 @@ class Trainer:
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         torch.manual_seed(t.seed)
         self.model = K3ForCausalLM(run.model).to(self.device)
+        prepare_model_for_precision(self.model, run.precision, self.device)
         o = run.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
@@ -140,8 +142,6 @@ class Trainer:
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
         self.step, self.consumed, self.tokens = 0, 0, 0
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if run.precision.dtype == "bf16" else _null())
         self.start_time = time.time()
 
     # ------------------------------------------------------------------ resume / save
@@ -192,7 +192,7 @@ class Trainer:
 
     def _forward(self, samples):
         b = make_batch(samples, self.run.data.reset_at_document_boundaries)
-        with self.autocast:
+        with forward_context(self.run.precision, self.device):
             out = self.model(b.input_ids.to(self.device), labels=b.labels.to(self.device),
                              cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device))
         return out, b.num_tokens
@@ -314,10 +314,3 @@ class Trainer:
             logger.close()
         return last
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

@@ -1,0 +1,211 @@
+"""precision=mx_qat (the routed experts' MX fake-quantisation), its K3 checkpoint export/import (bit-exact against
+the QAT forward), the precision config, and the TransformerEngine precisions' failure on a CPU machine."""
+
+import sys
+
+import pytest
+import torch
+
+from megatron_k3.config import ConfigError, PrecisionConfig, RunConfig, compose_run_config, load_model_config
+from megatron_k3.interop.k3_experts import (dequantize_k3_weight, export_model_experts, import_model_experts,
+                                            quantize_k3_weight)
+from megatron_k3.model import K3ForCausalLM
+from megatron_k3.model.experts import GroupedExperts
+from megatron_k3.model.situ import glu_act
+from megatron_k3.ops.mx import fake_quant_mx
+from megatron_k3.precision import (ExpertQAT, autocast_dtype, enable_expert_qat, forward_context,
+                                   prepare_model_for_precision)
+
+MX_QAT = PrecisionConfig(name="mx_qat", dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_config("k3_tiny")
+
+
+def _experts(seed=0, E=4, L=64, I=64):
+    torch.manual_seed(seed)
+    ex = GroupedExperts(E, L, I, "situ")
+    for p in ex.parameters():
+        p.data.normal_(0, 0.05)
+    counts = torch.tensor([5, 0, 9, 6])
+    z = torch.randn(int(counts.sum()), L)
+    return ex, z, torch.cumsum(counts, 0)
+
+
+def test_expert_forward_is_the_fake_quantised_computation():
+    """QAT forward == the plain computation on fake-quantised weights (E2M1 along the reduction dim: L for
+    w1/w3 [E, I, L], I for w2 [E, L, I]), input and SiTU output (E4M3); gradients reach the fp32 masters
+    straight through."""
+    ex, z, offs = _experts()
+    ex.qat = ExpertQAT()
+    zq = z.clone().requires_grad_()
+    y = ex(zq, offs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    starts = [0] + offs[:-1].tolist()
+    ref_w = {n: fake_quant_mx(getattr(ex, n).detach(), "e2m1").requires_grad_() for n in ("w1", "w2", "w3")}
+    zr = z.clone().requires_grad_()
+    zf = fake_quant_mx(zr, "e4m3")
+    outs = []
+    for e, (s, t) in enumerate(zip(starts, offs.tolist())):
+        h = glu_act(zf[s:t] @ ref_w["w1"][e].T, zf[s:t] @ ref_w["w3"][e].T, "situ")
+        outs.append(fake_quant_mx(h, "e4m3") @ ref_w["w2"][e].T)
+    ref = torch.cat(outs)
+    ref.backward(g)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)  # fp32; grouped_mm vs per-expert matmul summation order
+    for n in ("w1", "w2", "w3"):
+        assert torch.allclose(getattr(ex, n).grad, ref_w[n].grad, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(zq.grad, zr.grad, rtol=1e-4, atol=1e-6)
+    ex.qat = None
+    assert not torch.allclose(ex(z, offs), ref, rtol=1e-3, atol=1e-4)  # the hook is what changed the result
+
+
+def test_prepare_hooks_only_the_routed_experts(tiny):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(tiny)
+    n_params = {k: v.clone() for k, v in model.state_dict().items()}
+    prepare_model_for_precision(model, MX_QAT)
+    hooked = [n for n, m in model.named_modules() if getattr(m, "qat", None) is not None]
+    assert hooked == [f"model.layers.{i}.mlp.experts" for i in range(tiny.first_k_dense, tiny.num_layers)]
+    assert all(isinstance(model.get_submodule(n), GroupedExperts) for n in hooked)
+    sd = model.state_dict()  # no parameters, buffers or keys added
+    assert sd.keys() == n_params.keys() and all(torch.equal(sd[k], n_params[k]) for k in sd)
+    assert autocast_dtype(MX_QAT) is torch.bfloat16
+    with forward_context(MX_QAT, "cpu"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
+    with forward_context(PrecisionConfig(), "cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    enable_expert_qat(model, None)
+    assert not any(getattr(m, "qat", None) for m in model.modules())
+
+
+def test_mx_qat_trains_a_few_steps(tiny):
+    torch.manual_seed(0)
+    model = prepare_model_for_precision(K3ForCausalLM(tiny), MX_QAT)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, tiny.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    ctx = forward_context(MX_QAT, "cpu")
+    losses = []
+    for _ in range(4):
+        with ctx:
+            loss = model(ids, labels=ids.roll(-1, 1)).loss
+        loss.backward()
+        w1 = model.model.layers[1].mlp.experts.w1
+        assert w1.grad is not None and w1.grad.abs().sum() > 0 and w1.dtype == torch.float32  # fp32 masters
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_export_import_is_bit_exact(tiny, autocast):
+    """QAT model -> K3 tensors -> a fresh model with the same other weights: its logits equal the QAT model's bit
+    for bit, whether it re-quantises the imported weights (full QAT) or only the activations, and re-exporting
+    gives the same bytes (dequantised MX weights are exactly representable, and quantisation is idempotent)."""
+    torch.manual_seed(0)
+    model = prepare_model_for_precision(K3ForCausalLM(tiny), MX_QAT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, tiny.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+    ctx = forward_context(MX_QAT if autocast else PrecisionConfig(name="mx_qat", dtype="fp32"), "cpu")
+    with ctx:
+        model(ids, labels=ids.roll(-1, 1)).loss.backward()
+    opt.step()  # move the masters off their init
+    with torch.no_grad(), ctx:
+        ref = model(ids).logits
+    exported = export_model_experts(model)
+    E, I, L = tiny.num_experts, tiny.moe_intermediate_size, tiny.expert_width
+    n_moe = tiny.num_layers - tiny.first_k_dense
+    assert len(exported) == n_moe * E * 3 * 2
+    k = f"model.layers.{tiny.first_k_dense}.block_sparse_moe.experts.{E - 1}"
+    assert exported[f"{k}.w1.weight_packed"].shape == (I, L // 2) and exported[f"{k}.w1.weight_scale"].shape == (I, L // 32)
+    assert exported[f"{k}.w2.weight_packed"].shape == (L, I // 2) and exported[f"{k}.w2.weight_scale"].shape == (L, I // 32)
+    assert all(t.dtype == torch.uint8 for t in exported.values())
+
+    fresh = K3ForCausalLM(tiny)
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items()})
+    used = import_model_experts(fresh, exported)
+    assert sorted(used) == sorted(exported)
+    for acts_only in (True, False):
+        enable_expert_qat(fresh, ExpertQAT(weights=not acts_only))
+        with torch.no_grad(), ctx:
+            assert torch.equal(fresh(ids).logits, ref)
+    again = export_model_experts(fresh)
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
+    enable_expert_qat(fresh, None)  # without the activation fake-quant the logits do differ
+    with torch.no_grad(), ctx:
+        assert not torch.equal(fresh(ids).logits, ref)
+
+
+def test_k3_layout_decodes_by_hand():
+    """weight_packed / weight_scale decoded with the K3 rule written out: low nibble = even column, bit 3 = sign,
+    w = LUT[code] * 2^(scale - 127) with one scale per 32 input columns."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 64, generator=g) * torch.tensor([1e-3, 1.0, 50.0]).unsqueeze(1)
+    packed, scale = quantize_k3_weight(w)
+    assert packed.shape == (3, 32) and scale.shape == (3, 2)
+    lut = [0, .5, 1, 1.5, 2, 3, 4, 6]
+    by_hand = torch.zeros(3, 64)
+    for r in range(3):
+        for c in range(64):
+            byte = int(packed[r, c // 2])
+            code = byte & 0xF if c % 2 == 0 else byte >> 4
+            v = lut[code & 7] * (-1 if code & 8 else 1)
+            by_hand[r, c] = v * 2.0 ** (int(scale[r, c // 32]) - 127)
+    assert torch.equal(dequantize_k3_weight(packed, scale), by_hand)
+    assert torch.equal(by_hand, fake_quant_mx(w, "e2m1"))
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_k3_weight(packed, scale[:, :1])
+
+
+def test_import_reports_missing_and_mismatched(tiny):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(tiny)
+    exported = export_model_experts(model)
+    missing = dict(exported)
+    key = next(iter(missing))
+    del missing[key]
+    with pytest.raises(KeyError, match="no model.layers"):
+        import_model_experts(K3ForCausalLM(tiny), missing)
+
+
+def test_precision_config_validation(tiny):
+    RunConfig(model=tiny, precision=MX_QAT).validate()
+    bad = [
+        (PrecisionConfig(name="mx_qat", dtype="fp32"), "precision.dtype"),
+        (PrecisionConfig(name="int4", dtype="bf16"), "precision"),
+        (PrecisionConfig(name="mx_qat", dtype="bf16", mx_act_format="e3m4"), "precision.mx_act_format"),
+        (PrecisionConfig(name="mx_qat", dtype="bf16", mx_weight_scale_mode="even"), "precision.mx_weight_scale_mode"),
+        (PrecisionConfig(name="mx_qat", dtype="bf16", mx_block_size=128), "model.moe_latent_size"),
+    ]
+    for pr, key in bad:
+        with pytest.raises(ConfigError) as e:
+            RunConfig(model=tiny, precision=pr).validate()
+        assert e.value.key == key, (pr, e.value)
+    for name in ("mx_qat", "te_fp8", "te_mxfp8", "bf16"):  # the YAML files compose onto the schema
+        run, _, _ = compose_run_config([f"precision={name}"])
+        assert run.precision.name == name and run.precision.dtype == "bf16"
+
+
+def test_te_precisions_fail_clearly_without_gpu(tiny):
+    """On a CPU machine te_fp8 / te_mxfp8 stop with one ConfigError line naming what is missing, without
+    importing TransformerEngine."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: bench/gpu_check.py covers the TE paths")
+    before = "transformer_engine" in sys.modules
+    model = K3ForCausalLM(tiny)
+    for name, sm in (("te_fp8", "9.0"), ("te_mxfp8", "10.0")):
+        with pytest.raises(ConfigError) as e:
+            prepare_model_for_precision(model, PrecisionConfig(name=name, dtype="bf16"))
+        msg = str(e.value)
+        assert "\n" not in msg and f"precision='{name}'" in msg and f"needs an SM >= {sm} GPU" in msg
+        try:
+            import importlib.util
+            installed = importlib.util.find_spec("transformer_engine") is not None
+        except (ImportError, ValueError):
+            installed = False
+        assert installed or "TransformerEngine is not installed" in msg
+    assert ("transformer_engine" in sys.modules) == before
