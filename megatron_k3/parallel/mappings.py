@@ -72,123 +72,49 @@ def _reduce_scatter(x, dim, group):
     return full[_rank(group)].contiguous()
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x, group):
+    return x.view_as(x)
+
+
+def _reduce_copy(x, group):
+    return _all_reduce(x.clone(), group)
+
+
+class _Collective(torch.autograd.Function):
+    """One autograd pair: `fwd(x, group)` forward, `bwd(grad, group)` backward."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _GatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, -1, group)
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _split(g, -1, ctx.group), None
+        return ctx.bwd(g, ctx.group), None, None, None
 
 
-class _SplitLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, -1, ctx.group), None
+def _pair(fwd, bwd):
+    def apply(x, group):
+        return x if _size(group) == 1 else _Collective.apply(x, group, fwd, bwd)
+    return apply
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, 1, ctx.group), None
+def _last(op):
+    return lambda x, group: op(x, -1, group)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, 1, ctx.group), None
+def _seq(op):
+    return lambda x, group: op(x, 1, group)
 
 
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, 1, ctx.group), None
-
-
-class _GatherSeqFull(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, 1, ctx.group), None
-
-
-def copy_to_region(x, group):
-    return x if _size(group) == 1 else _Copy.apply(x, group)
-
-
-def reduce_from_region(x, group):
-    return x if _size(group) == 1 else _Reduce.apply(x, group)
-
-
-def gather_last(x, group):
-    return x if _size(group) == 1 else _GatherLast.apply(x, group)
-
-
-def split_last(x, group):
-    return x if _size(group) == 1 else _SplitLast.apply(x, group)
-
-
-def gather_seq(x, group):
-    return x if _size(group) == 1 else _GatherSeq.apply(x, group)
-
-
-def reduce_scatter_seq(x, group):
-    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group)
-
-
-def split_seq(x, group):
-    return x if _size(group) == 1 else _SplitSeq.apply(x, group)
-
-
-def gather_seq_full(x, group):
-    return x if _size(group) == 1 else _GatherSeqFull.apply(x, group)
+copy_to_region = _pair(_identity, _all_reduce)
+reduce_from_region = _pair(_reduce_copy, _identity)
+gather_last = _pair(_last(_all_gather), _last(_split))
+split_last = _pair(_last(_split), _last(_all_gather))
+gather_seq = _pair(_seq(_all_gather), _seq(_reduce_scatter))
+reduce_scatter_seq = _pair(_seq(_reduce_scatter), _seq(_all_gather))
+split_seq = _pair(_seq(_split), _seq(_all_gather))
+gather_seq_full = _pair(_seq(_all_gather), _seq(_split))
 
 
 def all_reduce_grad_hook(group):
