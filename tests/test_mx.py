@@ -70,8 +70,8 @@ EDGE_BLOCKS = {
     "e2m1_midpoints": block(4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0),
     "e2m1_saturation": block(7.9, -7.9, 6.5, 7.0, 1.0),
     # amax 256 -> X = 1 for E4M3: subnormals 2^-9.., their midpoints and ties
-    "e4m3_subnormals": block(256.0, 2.0 ** -7, 1.5 * 2.0 ** -8, 2.0 ** -10, 3 * 2.0 ** -10, -2.0 ** -10, 1.4 * 2.0 ** -9,
-                             5 * 2.0 ** -10, 7 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10),
+    "e4m3_subnormals": block(256.0, 2.0 ** -7, 1.5 * 2.0 ** -8, 2.0 ** -10, 3 * 2.0 ** -10, -2.0 ** -10,
+                             1.4 * 2.0 ** -9, 5 * 2.0 ** -10, 7 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10),
     "e4m3_saturation": block(1.9 * 256, 464.0, 470.0, -500.0, 448.0, 456.0),
     "e4m3_midpoints": block(256.0, 1.0625, 1.1875, 17.0, 19.0, 272.0, 304.0, -1.0625),
     # amax 32768 -> X = 1 for E5M2: subnormals 2^-16.. and saturation
@@ -161,7 +161,8 @@ def test_rceil_is_the_exact_ceiling():
             base = torch.tensor(MAXN[fmt] * 2.0 ** k)
             for j in (-2, -1, 0, 1, 2, 3):
                 amax = (base.view(torch.int32) + j).view(torch.float32)
-                codes, scales = quantize_mx(block(float(amax), 1e-30 * float(amax)).view(1, 32), fmt, scale_mode="rceil")
+                x = block(float(amax), 1e-30 * float(amax)).view(1, 32)
+                codes, scales = quantize_mx(x, fmt, scale_mode="rceil")
                 q = amax.double() / MAXN[fmt]  # exact enough: fp32 / fp32 in fp64 decides every case here
                 e = int(torch.ceil(torch.log2(q)).item()) if j != 0 else k
                 rows.append(scales.item() - 127)

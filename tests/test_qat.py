@@ -1,6 +1,7 @@
 """precision=mx_qat (the routed experts' MX fake-quantisation), its K3 checkpoint export/import (bit-exact against
 the QAT forward), the precision config, and the TransformerEngine precisions' failure on a CPU machine."""
 
+import importlib.util
 import sys
 
 import pytest
@@ -121,8 +122,10 @@ def test_export_import_is_bit_exact(tiny, autocast):
     n_moe = tiny.num_layers - tiny.first_k_dense
     assert len(exported) == n_moe * E * 3 * 2
     k = f"model.layers.{tiny.first_k_dense}.block_sparse_moe.experts.{E - 1}"
-    assert exported[f"{k}.w1.weight_packed"].shape == (I, L // 2) and exported[f"{k}.w1.weight_scale"].shape == (I, L // 32)
-    assert exported[f"{k}.w2.weight_packed"].shape == (L, I // 2) and exported[f"{k}.w2.weight_scale"].shape == (L, I // 32)
+    shapes = {n: tuple(exported[f"{k}.{n}"].shape) for n in ("w1.weight_packed", "w1.weight_scale",
+                                                                "w2.weight_packed", "w2.weight_scale")}
+    assert shapes == {"w1.weight_packed": (I, L // 2), "w1.weight_scale": (I, L // 32),
+                      "w2.weight_packed": (L, I // 2), "w2.weight_scale": (L, I // 32)}
     assert all(t.dtype == torch.uint8 for t in exported.values())
 
     fresh = K3ForCausalLM(tiny)
@@ -163,13 +166,17 @@ def test_k3_layout_decodes_by_hand():
 
 def test_import_reports_missing_and_mismatched(tiny):
     torch.manual_seed(0)
-    model = K3ForCausalLM(tiny)
-    exported = export_model_experts(model)
-    missing = dict(exported)
-    key = next(iter(missing))
-    del missing[key]
-    with pytest.raises(KeyError, match="no model.layers"):
+    exported = export_model_experts(K3ForCausalLM(tiny))
+    key = next(iter(exported))
+    missing = {k: v for k, v in exported.items() if k != key}
+    with pytest.raises(KeyError, match=f"no {key}"):
         import_model_experts(K3ForCausalLM(tiny), missing)
+    wide = dict(exported)  # an expert matrix twice as wide as the model's
+    base = key.rsplit(".", 1)[0]
+    wide[f"{base}.weight_packed"] = torch.cat([exported[f"{base}.weight_packed"]] * 2, 1)
+    wide[f"{base}.weight_scale"] = torch.cat([exported[f"{base}.weight_scale"]] * 2, 1)
+    with pytest.raises(ValueError, match="the model expects"):
+        import_model_experts(K3ForCausalLM(tiny), wide)
 
 
 def test_precision_config_validation(tiny):
@@ -202,10 +209,6 @@ def test_te_precisions_fail_clearly_without_gpu(tiny):
             prepare_model_for_precision(model, PrecisionConfig(name=name, dtype="bf16"))
         msg = str(e.value)
         assert "\n" not in msg and f"precision='{name}'" in msg and f"needs an SM >= {sm} GPU" in msg
-        try:
-            import importlib.util
-            installed = importlib.util.find_spec("transformer_engine") is not None
-        except (ImportError, ValueError):
-            installed = False
+        installed = importlib.util.find_spec("transformer_engine") is not None
         assert installed or "TransformerEngine is not installed" in msg
     assert ("transformer_engine" in sys.modules) == before

@@ -105,7 +105,7 @@ def _mul_pow2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """floor(log2 a) for finite a > 0 (exact, subnormals included); 0 maps to a large negative value."""
+    """floor(log2 a) for finite a > 0, exact (subnormals included); a = 0 gives -1, callers clamp it."""
     return torch.frexp(a).exponent - 1
 
 

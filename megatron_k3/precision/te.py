@@ -40,8 +40,8 @@ def import_te(name: str):
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
     except (ImportError, OSError) as e:  # OSError: the package is there but its CUDA libraries are not
-        raise ConfigError("precision", name, f"TransformerEngine is not installed (requirements-gpu.txt): "
-                                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ConfigError("precision", name, f"TransformerEngine is not installed (requirements-gpu.txt): {why}") from None
     return te, recipe
 
 
@@ -81,10 +81,16 @@ def check_available(name: str, device) -> None:
         raise ConfigError("precision", name, f"TransformerEngine reports the recipe unavailable: {reason}")
 
 
+_RECIPE_CACHE: dict = {}
+
+
 def make_recipe(name: str):
-    cls, _, _, _ = _recipe_info(name)
-    _, recipe = import_te(name)
-    return getattr(recipe, cls)(fp8_format=recipe.Format.E4M3)
+    """The precision's TE recipe (E4M3 forward and backward), one object per precision and process."""
+    if name not in _RECIPE_CACHE:
+        cls, _, _, _ = _recipe_info(name)
+        _, recipe = import_te(name)
+        _RECIPE_CACHE[name] = getattr(recipe, cls)(fp8_format=recipe.Format.E4M3)
+    return _RECIPE_CACHE[name]
 
 
 def te_autocast(name: str):
