@@ -115,7 +115,9 @@ def main():
         return 2
     rows = [("check", "ours", "fla", "result")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    for fn in (kda_check, model_check):
+    from megatron_k3.precision.te import gpu_check as precision_check  # MX ops on CUDA, mx_qat, TE recipes
+
+    for fn in (kda_check, model_check, precision_check):
         try:
             fn(args, rows)
         except Exception as e:  # noqa: BLE001 - report every check, keep going
