@@ -6,11 +6,8 @@ identity, so the model is exactly the single-device model when nothing is parall
   copy_to_region        fwd identity            bwd all-reduce     (enter a TP region from a full tensor)
   reduce_from_region    fwd all-reduce          bwd identity       (leave a TP region, no SP)
   gather_last           fwd all-gather dim -1   bwd split dim -1   (column-parallel gather_output)
-  split_last            fwd split dim -1        bwd all-gather
   gather_seq            fwd all-gather dim 1    bwd reduce-scatter (enter a TP region under SP)
   reduce_scatter_seq    fwd reduce-scatter d1   bwd all-gather     (leave a TP region under SP)
-  split_seq             fwd split dim 1         bwd all-gather     (shard a full activation under SP)
-  gather_seq_full       fwd all-gather dim 1    bwd split          (un-shard a replicated activation)
 """
 
 from __future__ import annotations
@@ -110,11 +107,8 @@ def _seq(op):
 copy_to_region = _pair(_identity, _all_reduce)
 reduce_from_region = _pair(_reduce_copy, _identity)
 gather_last = _pair(_last(_all_gather), _last(_split))
-split_last = _pair(_last(_split), _last(_all_gather))
 gather_seq = _pair(_seq(_all_gather), _seq(_reduce_scatter))
 reduce_scatter_seq = _pair(_seq(_reduce_scatter), _seq(_all_gather))
-split_seq = _pair(_seq(_split), _seq(_all_gather))
-gather_seq_full = _pair(_seq(_all_gather), _seq(_split))
 
 
 def all_reduce_grad_hook(group):
