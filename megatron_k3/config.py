@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Dict, Iterable
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -208,6 +208,9 @@ class ParallelConfig:
     order: str = "tp-cp-ep-dp-pp"
     sequence_parallel: bool = False
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, else gloo), nccl, gloo
+    zero_stage: int = 1  # DeepSpeed ZeRO over the data-parallel group: 0 (plain all-reduce), 1 (optimizer states
+    #                      partitioned), 2 (gradients too)
+    deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed config
 
 
 @dataclass
@@ -255,6 +258,8 @@ class OptimConfig:
 class PrecisionConfig:
     name: str = "fp32"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8 (megatron_k3.precision)
     dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32); mx_qat and te_* need bf16
+    param_dtype: str = "fp32"  # bf16: DeepSpeed's bf16 mode (module weights and gradients bf16; fp32 master
+    #                            weights, fp32 gradient accumulation and optimizer states in ZeRO's partitions)
     # mx_qat: routed experts' weights and input activations fake-quantised to MX, blocks along the reduction dim
     mx_weight_format: str = "e2m1"  # MXFP4
     mx_act_format: str = "e4m3"  # MXFP8
@@ -367,6 +372,12 @@ class RunConfig:
         pr = self.precision
         if pr.dtype not in ("fp32", "bf16"):
             raise ConfigError("precision.dtype", pr.dtype, "valid: fp32, bf16")
+        if pr.param_dtype not in ("fp32", "bf16"):
+            raise ConfigError("precision.param_dtype", pr.param_dtype, "valid: fp32, bf16")
+        if p.zero_stage not in (0, 1, 2):
+            raise ConfigError("parallel.zero_stage", p.zero_stage,
+                              "valid: 0, 1, 2 (ZeRO-3 would partition parameters that tensor/expert parallelism "
+                              "already shards)")
         if pr.name not in ("fp32", "bf16", "mx_qat", "te_fp8", "te_mxfp8"):
             raise ConfigError("precision", pr.name, "valid: fp32, bf16, mx_qat, te_fp8, te_mxfp8")
         if pr.name in ("mx_qat", "te_fp8", "te_mxfp8") and pr.dtype != "bf16":

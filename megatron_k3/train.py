@@ -109,6 +109,9 @@ def main(argv=None) -> int:
     finally:
         import torch.distributed as dist
 
+        from megatron_k3.training.engine import shutdown
+
+        shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:

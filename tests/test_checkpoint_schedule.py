@@ -6,7 +6,13 @@ import math
 import torch
 
 from megatron_k3.optim.schedule import lr_at
-from megatron_k3.training.checkpoint import list_checkpoints, load_checkpoint, resolve_load_path, save_checkpoint
+from megatron_k3.training.checkpoint import list_checkpoints, read_meta, read_shard, resolve_load_path, save_checkpoint
+
+
+def _tensors(model, opt):
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = {n: {k: v for k, v in opt.state[p].items() if v.dim() > 0} for n, p in model.named_parameters()}
+    return weights, states
 
 
 def test_incomplete_or_corrupt_checkpoints_are_never_picked(tmp_path):
@@ -14,7 +20,8 @@ def test_incomplete_or_corrupt_checkpoints_are_never_picked(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    save_checkpoint(tmp_path, 5, model, opt, {"consumed_samples": 40, "tokens": 0})
+    weights, states = _tensors(model, opt)
+    save_checkpoint(tmp_path, 5, weights, states, {"note": "x"}, {"consumed_samples": 40, "tokens": 0})
     (tmp_path / ".tmp-step_00000009-123").mkdir()  # a save that died before its rename
     (tmp_path / "step_00000010").mkdir()  # no meta.json
     (tmp_path / "step_00000011").mkdir()
@@ -22,18 +29,17 @@ def test_incomplete_or_corrupt_checkpoints_are_never_picked(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000005"]
     assert resolve_load_path("auto", tmp_path).name == "step_00000005"
     assert (tmp_path / "latest").read_text().strip() == "step_00000005"
-    fresh = torch.nn.Linear(3, 2)
-    fresh_opt = torch.optim.AdamW(fresh.parameters())
-    meta = load_checkpoint(tmp_path / "step_00000005", fresh, fresh_opt)
-    assert meta["consumed_samples"] == 40 and torch.equal(fresh.weight, model.weight)
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    meta = read_meta(tmp_path / "step_00000005")
+    w, st, extra = read_shard(tmp_path / "step_00000005")
+    assert meta["consumed_samples"] == 40 and extra == {"note": "x"} and torch.equal(w["weight"], model.weight)
+    assert torch.equal(st["weight"]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     model = torch.nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in range(1, 6):
-        save_checkpoint(tmp_path, s, model, opt, {"consumed_samples": s, "tokens": 0}, keep_last=2)
+        save_checkpoint(tmp_path, s, dict(model.state_dict()), {}, {}, {"consumed_samples": s, "tokens": 0},
+                        keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
     assert json.loads((tmp_path / "step_00000005" / "meta.json").read_text())["complete"] is True
 

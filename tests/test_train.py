@@ -132,3 +132,35 @@ def test_tensor_and_sequence_parallel_training_matches_one_process_and_resumes(t
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     for s in ref:
         assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (s, ref[s], got[s])
+
+
+def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
+    """`deepspeed --num_gpus 2 megatron_k3/train.py` (the launcher sets RANK/LOCAL_RANK and passes --local_rank)
+    runs the same entry point: two ranks, ZeRO-2, DeepSpeed's bf16 mode."""
+    import shutil
+
+    exe = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
+    assert exe, "the deepspeed launcher is installed with the package"
+    args = FAST + ["train.steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "precision=bf16",
+                   "parallel.zero_stage=2", f"hydra.run.dir={tmp_path}"]
+    p = subprocess.run([exe, "--num_gpus", "2", "--master_port", str(_free_port()), "megatron_k3/train.py"] + args,
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = _losses(tmp_path)
+    assert sorted(losses) == [1, 2, 3] and all(9.0 < v < 9.2 for v in losses.values()), losses
+    assert (tmp_path / "checkpoints" / "step_00000003" / "optim.safetensors").is_file()
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("model.kda_num_heads=3", "parallel.tp"),  # tp=2 does not divide the heads
+    ("parallel.pp=4", "parallel"),  # tp*pp does not divide the world of 2
+])
+def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragment):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(_free_port()), "-m", "megatron_k3.train", "parallel.tp=2", override,
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: invalid config") and fragment in line]
+    # Each rank validates before its first collective and exits 2 with the line; torchrun stops the group at the
+    # first exit, so the second rank's line may or may not make it out.
+    assert 1 <= len(errors) <= 2 and "megatron_k3/" not in p.stderr, p.stderr  # no traceback of ours

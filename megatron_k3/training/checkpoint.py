@@ -1,4 +1,6 @@
-"""Checkpoints for an exact resume: model (safetensors), optimizer, RNG states, data position and step.
+"""Checkpoints for an exact resume: fp32 master weights and per-parameter optimizer states (safetensors, full
+size per tensor-parallel shard, so any data-parallel size or ZeRO stage can load them), RNG states, data
+position and step.
 
 Written atomically: everything goes to a temporary directory that is renamed into place only when
 complete, so a crash mid-save never leaves a checkpoint that `load=auto` would pick. Loading never
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fp32 masters + per-parameter optimizer states (any DP size)
 _PREFIX = "step_"
 
 
@@ -46,23 +48,34 @@ def set_rng_state(st: dict):
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def _model_tensors(model: torch.nn.Module) -> dict:
-    out, seen = {}, {}
-    for k, v in model.state_dict().items():
-        if v.data_ptr() in seen:  # tied weights are stored once; the alias is restored by load_state_dict
-            continue
-        seen[v.data_ptr()] = k
-        out[k] = v.detach().contiguous().cpu()
-    return out
-
-
-def write_shard(tmp: Path, model, optimizer, suffix: str = ""):
-    """Write this rank's model and optimizer files (suffix names the shard, e.g. '_tp1')."""
-    save_file(_model_tensors(model), str(tmp / f"model{suffix}.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"state{suffix}.pt")
-    for name in (f"model{suffix}.safetensors", f"state{suffix}.pt"):
+def write_shard(tmp: Path, suffix: str, model: dict, optim: dict, extra: dict):
+    """Write one shard's files (suffix names it, e.g. '_tp01'): `model{suffix}.safetensors` (fp32 master weights
+    and buffers under the module's state-dict names), `optim{suffix}.safetensors` (each parameter's optimizer
+    states, full size, as `name::key`), `state{suffix}.pt` (RNG and optimizer scalars; tensors and plain types
+    only, so it loads with weights_only=True)."""
+    flat = {f"{n}::{k}": v.contiguous() for n, st in optim.items() for k, v in st.items()}
+    files = {f"model{suffix}.safetensors": lambda f: save_file({k: v.contiguous() for k, v in model.items()}, f),
+             f"optim{suffix}.safetensors": lambda f: save_file(flat, f),
+             f"state{suffix}.pt": lambda f: torch.save(extra, f)}
+    for name, write in files.items():
+        write(str(tmp / name))
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
+
+
+def read_shard(path: Path, suffix: str = "") -> tuple:
+    """(model tensors, {param: {key: tensor}}, extra) of one shard written by `write_shard`."""
+    path = Path(path)
+    if not (path / f"model{suffix}.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: no model{suffix}.safetensors (saved under another tensor-parallel layout? "
+                                f"this checkpoint has {sorted(p.name for p in path.glob('model*.safetensors'))})")
+    model = load_file(str(path / f"model{suffix}.safetensors"))
+    optim = {}
+    for k, v in load_file(str(path / f"optim{suffix}.safetensors")).items():
+        name, key = k.rsplit("::", 1)
+        optim.setdefault(name, {})[key] = v
+    extra = torch.load(path / f"state{suffix}.pt", weights_only=True, map_location="cpu")
+    return model, optim, extra
 
 
 def begin(ckpt_dir: str | Path, step: int, unique: bool = True) -> tuple:
@@ -98,10 +111,11 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     return final
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, meta: dict, keep_last: int = 0) -> Path:
-    """One-process checkpoint: model.safetensors, state.pt (optimizer + RNG), meta.json."""
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: dict, optim: dict, extra: dict, meta: dict,
+                    keep_last: int = 0) -> Path:
+    """A one-shard checkpoint: `write_shard` files plus meta.json, committed atomically."""
     tmp, final = begin(ckpt_dir, step)
-    write_shard(tmp, model, optimizer)
+    write_shard(tmp, "", model, optim, extra)
     return commit(tmp, final, dict(meta, step=step), keep_last)
 
 
@@ -138,27 +152,10 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
     return p
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, suffix: str = "") -> dict:
+def read_meta(path: str | Path) -> dict:
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}")
-    if not (path / f"model{suffix}.safetensors").is_file():
-        raise FileNotFoundError(f"{path}: no model{suffix}.safetensors (saved under another tensor-parallel layout? "
-                                f"this checkpoint has {sorted(p.name for p in path.glob('model*.safetensors'))})")
-    tensors = load_file(str(path / f"model{suffix}.safetensors"))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = {k for k in missing if _is_alias(model, k, tensors)}
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path}: model keys do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    state = torch.load(path / f"state{suffix}.pt", weights_only=True, map_location="cpu")
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+        raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION} "
+                         f"(written by an older megatron-k3; convert it or start fresh)")
     return meta
-
-
-def _is_alias(model, key, tensors) -> bool:
-    sd = model.state_dict()
-    return any(sd[key].data_ptr() == sd[k].data_ptr() for k in tensors if k in sd and k != key)

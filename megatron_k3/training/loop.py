@@ -1,9 +1,9 @@
 """The training loop: micro-batches and gradient accumulation to the global batch, warmup + cosine LR,
 gradient clipping, fp32 or bf16 autocast, periodic evaluation, metrics, checkpoints and exact resume.
 
-Data parallelism here is plain: each rank reads its slice of every global batch and gradients are
-averaged with one all-reduce per parameter (the DeepSpeed engine and model-parallel groups arrive with
-the parallelism issue). With one process nothing is communicated.
+The optimizer runs inside the DeepSpeed engine (engine.py): ZeRO-1/2 over the data-parallel group, gradient
+accumulation and clipping; the model's tensor-parallel collectives are its own. Each data-parallel rank reads
+its slice of every global batch (`rank_sample_ids`), so the order of samples does not depend on the layout.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from ..parallel import state
 from ..precision import forward_context, prepare_model_for_precision
 from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
-from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
+from . import engine as ds_engine
+from .checkpoint import read_meta, read_shard, resolve_load_path
 from .metrics import MetricsLogger, expert_load_stats, perplexity
 
 log = logging.getLogger("megatron_k3.train")
@@ -119,25 +120,25 @@ def param_groups(model, weight_decay: float):
 class Trainer:
     def __init__(self, run: RunConfig, run_dir: Path):
         self.run, self.run_dir = run, Path(run_dir)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if dist.is_initialized():
-            state.initialize_from_config(run)
+        ds_engine.ensure_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        state.initialize_from_config(run)
         set_sequence_parallel(run.parallel.sequence_parallel and run.parallel.tp > 1)
         self.dp, self.dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
         self.dp_group = state.get_data_parallel_group()
         self.tp, self.tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-        self.tp_group = state.get_tensor_model_parallel_group()
         self.device = _device(run)
         t = run.train
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         torch.manual_seed(t.seed)
-        self.model = K3ForCausalLM(run.model).to(self.device)
-        prepare_model_for_precision(self.model, run.precision, self.device)
+        model = K3ForCausalLM(run.model).to(self.device)
+        prepare_model_for_precision(model, run.precision, self.device)
         o = run.optim
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                      eps=o.eps, foreach=False)
+        self.engine = ds_engine.initialize(model, optimizer, run)
+        self.model = self.engine.module
         self.moe = self.model.moe_layers()
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
         self.step, self.consumed, self.tokens = 0, 0, 0
@@ -154,7 +155,24 @@ class Trainer:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.ckpt_dir)
             return
-        meta = load_checkpoint(path, self.model, self.optimizer, self._shard_suffix())
+        try:
+            meta = read_meta(path)
+            model_t, optim_t, extra = read_shard(path, self._shard_suffix())
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise ConfigError("checkpoint.load", str(path), str(e)) from None
+        if meta.get("tensor_parallel", 1) != self.tp:
+            raise ConfigError("parallel.tp", self.tp, f"the checkpoint {path} was saved with tensor_parallel="
+                              f"{meta.get('tensor_parallel', 1)} (convert it, or resume with that size)")
+        named = list(self.model.named_parameters())
+        missing = [n for n, _ in named if n not in model_t]
+        if missing:
+            raise ConfigError("checkpoint.load", str(path), f"parameters missing from the checkpoint: {missing[:5]}")
+        buffers = {k: v for k, v in model_t.items() if k not in dict(named)}
+        _, unexpected = self.model.load_state_dict(buffers, strict=False)
+        if unexpected:
+            raise ConfigError("checkpoint.load", str(path), f"tensors the model does not have: {unexpected[:5]}")
+        ds_engine.load_full_states(self.engine, named, model_t, optim_t, extra["optimizer_scalars"])
+        ckpt.set_rng_state(extra["rng"])
         self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
         if meta.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
@@ -165,21 +183,24 @@ class Trainer:
         return f"_tp{self.tp_rank:02d}" if self.tp > 1 else ""
 
     def save(self):
+        """Every rank takes part (ZeRO gathers each parameter's partitions over DP); data-parallel rank 0 of each
+        tensor-parallel shard writes its files into one temporary directory, which rank 0 commits."""
         meta = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                 "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
-                "tensor_parallel": self.tp, "model": dataclasses.asdict(self.run.model)}
-        if self.world == 1:
-            path = save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, meta,
-                                   self.run.checkpoint.keep_last)
-            log.info("saved checkpoint %s", path)
-            return
-        # every TP shard of DP replica 0 writes its own files into one temporary directory; rank 0 commits it
-        tmp, final = (ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else
-                      (None, None))
+                "tensor_parallel": self.tp, "zero_stage": self.run.parallel.zero_stage,
+                "model": dataclasses.asdict(self.run.model)}
+        named = list(self.model.named_parameters())
+        weights, states, scalars = ds_engine.full_states(self.engine, named)
+        tmp, final = ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else (None, None)
         dist.barrier()
         tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
         if self.dp_rank == 0:
-            ckpt.write_shard(tmp, self.model, self.optimizer, self._shard_suffix())
+            model_t = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            model_t.update(weights)  # fp32 masters over the module's (possibly bf16) parameters
+            for k in [k for k in model_t if k not in weights and k not in dict(self.model.named_buffers())]:
+                del model_t[k]  # aliases of tied parameters: stored once
+            ckpt.write_shard(tmp, self._shard_suffix(), model_t, states,
+                             {"rng": ckpt.rng_state(), "optimizer_scalars": scalars})
         dist.barrier()
         if self.rank == 0:
             log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta, self.run.checkpoint.keep_last))
@@ -202,63 +223,38 @@ class Trainer:
         self.model.train()
         o = self.run.optim
         lr = lr_at(self.step + 1, self.run.train.steps, o.lr, o.min_lr, o.warmup_steps, o.decay)
-        for g in self.optimizer.param_groups:
+        for g in self.engine.optimizer.param_groups:
             g["lr"] = lr
         loss_sum = torch.zeros((), dtype=torch.float64)
         loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
         tokens = 0
         for micro in range(self.num_micro):
             out, n = self._forward(self._samples(self.train_ds, self.consumed, micro))
-            (out.loss / self.num_micro).backward()
+            self.engine.backward(out.loss)  # DeepSpeed scales by 1/num_micro and reduces at the boundary
+            self.engine.step()  # a no-op except after the last micro-batch
             loss_sum += out.loss.detach().double().cpu()
             tokens += n
             for i, m in enumerate(self.moe):
                 loads[i] += m.tokens_per_expert_E.double().cpu()
         loss = loss_sum / self.num_micro
-        if self.dp > 1:  # average gradients and statistics over the data-parallel group only
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.dp_group)
-                    p.grad.div_(self.dp)
+        if self.dp > 1:  # statistics of the global batch
             stats = torch.cat([loss.view(1), loads.flatten()]).to(self.device)
             dist.all_reduce(stats, group=self.dp_group)
             loss, loads = stats[0].cpu() / self.dp, stats[1:].cpu().view_as(loads)
             tokens *= self.dp
-        grad_norm = self._clip_grad_norm(self.run.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.engine.get_global_grad_norm()
         self.step += 1
         self.consumed += self.run.train.global_batch_size
         self.tokens += tokens
         dt = time.time() - t0
-        rec = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+        rec = {"step": self.step, "loss": float(loss), "lr": lr,
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
         if self.moe:
             st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k)
             rec["expert_load"] = st["summary"]
             rec["expert_load_per_layer"] = dict(st["per_layer"], layers=self.moe_layer_ids)
         return rec, loads
-
-    @torch.no_grad()
-    def _clip_grad_norm(self, clip: float) -> float:
-        """Global gradient norm over the whole (tensor-sharded) model, then clip. Sharded parameters count
-        their squares on every TP rank (summed over TP); replicated ones once."""
-        sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for p in self.model.parameters():
-            if p.grad is not None:
-                sq = p.grad.double().pow(2).sum().cpu()
-                if getattr(p, "tp_split_dim", None) is not None and self.tp > 1:
-                    sharded += sq
-                else:
-                    replicated += sq
-        if self.tp > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        norm = float((sharded + replicated).sqrt())
-        if clip > 0 and norm > clip:
-            for g in grads:
-                g.mul_(clip / (norm + 1e-6))
-        return norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
