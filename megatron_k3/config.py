@@ -87,6 +87,8 @@ class ModelConfig:
     router_num_groups: int = 1
     router_topk_groups: int = 1
     router_force_balanced: bool = False  # debug knob: round-robin routing, for throughput ceilings
+    moe_overflow: str = "dropless"  # drop: static-shape dispatch with fixed capacity; dropless: every assignment
+    moe_capacity_factor: float = 1.25  # drop: slots per expert = ceil(factor * tokens * top_k / num_experts)
 
     # ---- Block Attention Residuals
     attn_res: bool = True
@@ -177,6 +179,10 @@ class ModelConfig:
             if self.router_topk_groups > self.router_num_groups:
                 raise ConfigError(key("router_topk_groups"), self.router_topk_groups,
                                   f"must be <= router_num_groups={self.router_num_groups}")
+            if self.moe_overflow not in ("drop", "dropless"):
+                raise ConfigError(key("moe_overflow"), self.moe_overflow, "valid: drop, dropless")
+            if not self.moe_capacity_factor > 0:
+                raise ConfigError(key("moe_capacity_factor"), self.moe_capacity_factor, "must be > 0")
             per_group = self.num_experts // self.router_num_groups
             if self.router_num_groups > 1 and self.top_k > self.router_topk_groups * per_group:
                 raise ConfigError(key("top_k"), self.top_k,
@@ -255,6 +261,16 @@ class OptimConfig:
 
 
 @dataclass
+class MoEConfig:
+    """How the routers' selection bias is balanced (megatron_k3.training.balancing)."""
+    balancing: str = "quantile"  # quantile (K3's Quantile Balancing), sign (DeepSeek-V3's +-rate), none
+    quantile_estimator: str = "auto"  # exact (gather every margin), histogram (pooled counts), auto (by size)
+    exact_max_margins: int = 4_000_000  # auto: exact while tokens x experts per layer and step stay below this
+    histogram_bins: int = 4096  # histogram: error of the quantile <= one bin width = range / bins
+    sign_rate: float = 1e-3  # sign: bias step per optimizer step
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8 (megatron_k3.precision)
     dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32); mx_qat and te_* need bf16
@@ -299,6 +315,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -396,6 +413,18 @@ class RunConfig:
                     if v % bs:
                         raise ConfigError(f"model.{k}", v, f"precision=mx_qat needs a multiple of "
                                           f"precision.mx_block_size={bs}")
+        mo = self.moe
+        if mo.balancing not in ("quantile", "sign", "none"):
+            raise ConfigError("moe.balancing", mo.balancing, "valid: quantile, sign, none")
+        if mo.quantile_estimator not in ("auto", "exact", "histogram"):
+            raise ConfigError("moe.quantile_estimator", mo.quantile_estimator, "valid: auto, exact, histogram")
+        if mo.histogram_bins < 2:
+            raise ConfigError("moe.histogram_bins", mo.histogram_bins, "must be >= 2")
+        if m.first_k_dense < m.num_layers and p.ep > 1 and p.zero_stage == 0:
+            raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
+        if m.first_k_dense < m.num_layers and p.tp > 1 and (t.micro_batch_size * t.seq_length) % p.tp:
+            raise ConfigError("parallel.tp", p.tp, f"each TP rank routes 1/tp of the tokens: needs "
+                              f"train.micro_batch_size*train.seq_length divisible by parallel.tp")
         if self.logging.wandb.mode not in ("offline", "online", "disabled"):
             raise ConfigError("logging.wandb.mode", self.logging.wandb.mode, "valid: offline, online, disabled")
         if self.data.name not in ("embedded", "indexed"):

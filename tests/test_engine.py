@@ -29,15 +29,20 @@ def _full_params(trainer):
     """Every parameter at full (unsharded) size: tensor-parallel shards gathered over the TP group."""
     from megatron_k3.parallel import state
 
+    def gather(t, dim, group, size):
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
     out = {}
     g, size = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_world_size()
     for n, p in trainer.model.named_parameters():
         t = p.detach().float()
         d = getattr(p, "tp_split_dim", None)
         if d is not None and size > 1:
-            parts = [torch.empty_like(t) for _ in range(size)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=g)
-            t = torch.cat(parts, d)
+            t = gather(t, d, g, size)
+        if getattr(p, "ep_size", 1) > 1:  # this rank's experts -> all experts in global order
+            t = gather(t, 0, state.get_expert_model_parallel_group(), p.ep_size)
         out[n] = t.clone()
     return out
 
@@ -51,7 +56,9 @@ def _train(rank, world, overrides, run_dir):
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
         losses = [trainer.train_step()[0]["loss"] for _ in range(STEPS)]
-        return losses, _full_params(trainer), type(trainer.engine.optimizer).__name__
+        extra = {"dropped": [float(m.dropped_assignments) for m in trainer.moe],
+                 "bias": [m.gate.e_score_correction_bias.clone() for m in trainer.moe]}
+        return losses, _full_params(trainer), type(trainer.engine.optimizer).__name__, extra
     finally:
         shutdown()
 
@@ -75,9 +82,9 @@ def _rel(a, b):
     (1, ["train.micro_batch_size=2"], "DeepSpeedZeroOptimizer"),
 ], ids=["dp2-zero1", "dp2-zero2", "tp2xdp2-zero1", "tp2xdp2-zero2", "tp2-sp", "dp2-zero0", "one-process"])
 def test_layout_equals_single_process(reference, tmp_path, world, overrides, optimizer):
-    ref_losses, ref_params, _ = reference
+    ref_losses, ref_params, _, _ = reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
-    for rank, (losses, params, opt_name) in enumerate(results):
+    for rank, (losses, params, opt_name, _) in enumerate(results):
         assert opt_name == optimizer
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)

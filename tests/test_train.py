@@ -66,7 +66,8 @@ def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
     for r in rows:
         for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s"):
             assert isinstance(r[k], (int, float))
-        assert set(r["expert_load"]) == {"max_over_mean", "cv", "dropped_frac"}
+        assert set(r["expert_load"]) == {"max_over_mean", "cv", "dropped_frac", "dead_experts", "bias_std",
+                                         "bias_absmax"}
         assert r["expert_load"]["max_over_mean"] >= 1.0 and r["expert_load"]["dropped_frac"] == 0.0
     assert rows[-1]["tokens"] == 6 * 4 * 64 and "eval_loss" in rows[4]
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
@@ -76,6 +77,7 @@ def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
     assert [h["step"] for h in hist] == list(range(1, 7))
     assert [h["train/loss"] for h in hist] == [r["loss"] for r in rows]
     assert all("expert_load/max_over_mean" in h and "expert_load_layer/001/cv" in h for h in hist)
+    assert hist[-1]["expert_load/bias_std"] > 0  # Quantile Balancing moved the selection bias
     assert any("expert_load/heatmap/path" in h for h in hist)  # media every media_interval steps
     n_series = len({k.split("/_")[0] for h in hist for k in h})
     assert n_series < 100  # bounded: global + 2 per MoE layer + top/bottom experts + media

@@ -1,8 +1,11 @@
 """Routed experts stored as batched weights [E, ...], run as one grouped GEMM over expert-sorted rows.
 
 Legend: M routed rows (token-expert pairs, sorted by expert), L expert width (latent), I expert
-intermediate size, E experts. offs_E holds the cumulative row count per expert (int32, on device), so
-nothing syncs with the host on the grouped-GEMM path.
+intermediate size, E experts, C rows per expert (static buffers). offs_E holds the cumulative row count per
+expert (int32, on device), so nothing syncs with the host on the grouped-GEMM path.
+
+Under expert parallelism a rank holds the block of experts [offset, offset + E/ep) of the E global ones; the
+weights keep the global layout's names and [E, ...] order (`parallel.layers.shard_tensor` / `full_shape`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.layers import EPContext, mark_expert_sharded
 from .situ import glu_act
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,12 +44,18 @@ class GroupedExperts(nn.Module):
     """E gated MLPs: y = w2 act(w1 z, w3 z), weights w1/w3 [E, I, L] and w2 [E, L, I] ([out, in] per expert)."""
 
     def __init__(self, num_experts: int, width: int, inter: int, act: str, beta_gate: float = 4.0,
-                 beta_up: float = 25.0):
+                 beta_up: float = 25.0, ep: EPContext | None = None):
         super().__init__()
-        self.num_experts, self.width, self.inter = num_experts, width, inter
-        self.w1 = nn.Parameter(torch.empty(num_experts, inter, width))
-        self.w3 = nn.Parameter(torch.empty(num_experts, inter, width))
-        self.w2 = nn.Parameter(torch.empty(num_experts, width, inter))
+        ep = ep or EPContext()
+        if num_experts % ep.size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {ep.size}")
+        self.num_experts, self.width, self.inter = num_experts, width, inter  # num_experts: global
+        self.num_local = num_experts // ep.size
+        self.expert_offset = ep.rank * self.num_local  # global id of local expert 0
+        El = self.num_local
+        self.w1 = mark_expert_sharded(nn.Parameter(torch.empty(El, inter, width)), ep)
+        self.w3 = mark_expert_sharded(nn.Parameter(torch.empty(El, inter, width)), ep)
+        self.w2 = mark_expert_sharded(nn.Parameter(torch.empty(El, width, inter)), ep)
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
         # Quantisation-aware training hook (precision=mx_qat, set by megatron_k3.precision.qat): an object with
         # weight(w) and act(x) that fake-quantise along the last (reduction) dimension; None = off.
@@ -61,6 +71,19 @@ class GroupedExperts(nn.Module):
         if q is not None:
             h = q.act(h)
         return grouped_mm(h, w2.transpose(1, 2), offs_E)
+
+    def forward_batched(self, x_ECL: torch.Tensor) -> torch.Tensor:
+        """Static shapes: C rows for each local expert, [El, C, L] -> [El, C, L], as batched GEMMs."""
+        w1, w3, w2, q = self.w1, self.w3, self.w2, self.qat
+        if q is not None:
+            w1, w3, w2, x_ECL = q.weight(w1), q.weight(w3), q.weight(w2), q.act(x_ECL)
+        dt = x_ECL.dtype
+        gate = torch.bmm(x_ECL, w1.to(dt).transpose(1, 2))
+        up = torch.bmm(x_ECL, w3.to(dt).transpose(1, 2))
+        h = glu_act(gate, up, self.act, self.beta_gate, self.beta_up)
+        if q is not None:
+            h = q.act(h)
+        return torch.bmm(h, w2.to(h.dtype).transpose(1, 2))
 
     def forward_reference(self, z_ML: torch.Tensor, expert_M: torch.Tensor) -> torch.Tensor:
         """Plain per-row reference (any dtype, any order): row m goes through expert expert_M[m]."""

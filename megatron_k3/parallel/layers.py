@@ -99,6 +99,34 @@ def current_tp() -> TPContext:
                      _SEQUENCE_PARALLEL)
 
 
+@dataclass(frozen=True)
+class EPContext:
+    """The expert-parallel group a MoE layer dispatches over: this rank holds experts
+    [rank * E / size, (rank + 1) * E / size) of E."""
+    group: object = None
+    size: int = 1
+    rank: int = 0
+
+
+def current_ep() -> EPContext:
+    if not dist.is_initialized():
+        return EPContext()
+    from . import state
+
+    if not state.model_parallel_is_initialized() or state.get_expert_model_parallel_world_size() == 1:
+        return EPContext()
+    return EPContext(state.get_expert_model_parallel_group(), state.get_expert_model_parallel_world_size(),
+                     state.get_expert_model_parallel_rank())
+
+
+def mark_expert_sharded(p: nn.Parameter, ep: EPContext) -> nn.Parameter:
+    """A routed-expert weight [E_local, ...]: this rank's block of experts along dim 0. Excluded from the dense
+    data-parallel reduction (it is reduced over the expert-data-parallel group instead)."""
+    p.ep_size, p.ep_rank = ep.size, ep.rank
+    p.expert_parallel = ep.size > 1
+    return p
+
+
 def mark_sharded(p: nn.Parameter, dim: int) -> nn.Parameter:
     p.tp_split_dim = dim
     p.tensor_model_parallel = True  # the names DeepSpeed and Megatron look for (grad-norm bookkeeping)
@@ -219,6 +247,9 @@ def vocab_parallel_cross_entropy(logits_local, labels, tp: TPContext, vocab_star
 
 def shard_tensor(full: torch.Tensor, p: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """This rank's slice of a full (unsharded) tensor for parameter p."""
+    ep = getattr(p, "ep_size", 1)
+    if ep > 1:
+        full = full.chunk(ep, dim=0)[p.ep_rank]
     dim = getattr(p, "tp_split_dim", None)
     if dim is None or tp.size == 1:
         return full
@@ -230,4 +261,5 @@ def full_shape(p: torch.Tensor, tp: TPContext) -> tuple:
     shape = list(p.shape)
     if dim is not None:
         shape[dim] *= tp.size
+    shape[0] *= getattr(p, "ep_size", 1)
     return tuple(shape)

@@ -8,6 +8,9 @@ identity, so the model is exactly the single-device model when nothing is parall
   gather_last           fwd all-gather dim -1   bwd split dim -1   (column-parallel gather_output)
   gather_seq            fwd all-gather dim 1    bwd reduce-scatter (enter a TP region under SP)
   reduce_scatter_seq    fwd reduce-scatter d1   bwd all-gather     (leave a TP region under SP)
+  split_rows            fwd keep my rows        bwd all-gather dim 0 (MoE: each TP rank routes its rows)
+  gather_rows           fwd all-gather dim 0    bwd keep my rows
+  all_to_all            fwd all-to-all          bwd the reverse all-to-all (expert dispatch)
 """
 
 from __future__ import annotations
@@ -104,11 +107,44 @@ def _seq(op):
     return lambda x, group: op(x, 1, group)
 
 
+def _first(op):
+    return lambda x, group: op(x, 0, group)
+
+
 copy_to_region = _pair(_identity, _all_reduce)
 reduce_from_region = _pair(_reduce_copy, _identity)
 gather_last = _pair(_last(_all_gather), _last(_split))
 gather_seq = _pair(_seq(_all_gather), _seq(_reduce_scatter))
 reduce_scatter_seq = _pair(_seq(_reduce_scatter), _seq(_all_gather))
+gather_rows = _pair(_first(_all_gather), _first(_split))
+split_rows = _pair(_first(_split), _first(_all_gather))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        x = x.contiguous()
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows,) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        rows = g.shape[0] if ctx.in_splits is None else sum(ctx.in_splits)
+        out = g.new_empty((rows,) + tuple(g.shape[1:]))
+        dist.all_to_all_single(out, g, ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x, group, out_splits=None, in_splits=None):
+    """Rows of x go to the ranks of `group` in order: equal blocks when the split sizes are None (static
+    shapes, no host synchronisation), else `in_splits[r]` rows to rank r and `out_splits[r]` rows from it."""
+    if _size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, out_splits, in_splits)
 
 
 def all_reduce_grad_hook(group):

@@ -102,8 +102,82 @@ def deepspeed_config(run: RunConfig, dp: int) -> dict:
     return _merge(cfg, extra)
 
 
+def tp_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    dist.all_reduce(t, group=state.get_tensor_model_parallel_group())
+    return t
+
+
+def is_expert_parallel(p) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
+class ExpertOptimizer:
+    """The routed experts under expert parallelism (ep > 1), outside DeepSpeed.
+
+    DeepSpeed's ZeRO flattens and reduces every parameter it manages over the dense data-parallel group, which
+    would add expert e of one EP rank to expert e + E/ep of another. So the local experts get their own
+    optimizer of the same kind (fp32 master copies when the module is bf16): their gradients are summed over
+    the expert-data-parallel group (ranks holding the same experts) and divided by the dense DP size -- each
+    expert has received the tokens of every DP replica in its EP group, so the sum over EDP covers the global
+    batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`)."""
+
+    def __init__(self, named_params, make_optimizer):
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.optimizer = make_optimizer(self.masters)
+        self.edp_group = state.get_expert_data_parallel_group()
+        self.ep_group = state.get_expert_model_parallel_group()
+        self.dp = state.get_data_parallel_world_size()
+        self.sq_norm = torch.zeros((), dtype=torch.float64)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def reduce_gradients(self):
+        """After the last micro-batch's backward: gradients of the global batch into the fp32 masters, and
+        their squared norm over every expert (summed over the EP group: each rank holds different experts)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p, m in zip(self.params, self.masters):
+            g = torch.zeros_like(m) if p.grad is None else p.grad.float()
+            if dist.get_world_size(self.edp_group) > 1:
+                dist.all_reduce(g, group=self.edp_group)
+            m.grad = g.div_(self.dp)
+            sq += m.grad.double().pow(2).sum().cpu()
+            p.grad = None
+        if dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(sq, group=self.ep_group)
+        self.sq_norm = sq
+
+    @torch.no_grad()
+    def step(self, total_norm: float, clip: float):
+        if clip > 0 and (total_norm + 1e-6) / clip > 1:  # the same coefficient DeepSpeed applies to the rest
+            for m in self.masters:
+                m.grad.mul_(clip / (total_norm + 1e-6))
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            m.grad = None
+            p.copy_(m.to(p.dtype))
+
+
+def install_norm(engine, experts: ExpertOptimizer) -> None:
+    """Make DeepSpeed's global gradient norm (which it clips with) include the experts outside it."""
+    zero = _zero_optimizer(engine)
+    inner = zero.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        dense = inner(norm_type)
+        return (dense.double() ** 2 + experts.sq_norm.to(dense.device)).sqrt().to(dense.dtype)
+
+    zero.scaled_global_norm = scaled_global_norm
+
+
 def initialize(model, optimizer, run: RunConfig):
-    """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32."""
+    """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32, and
+    expert-parallel weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
     import deepspeed
 
     # The CPU accelerator would otherwise JIT-compile a shared-memory collective (tens of seconds) that gloo
@@ -111,8 +185,13 @@ def initialize(model, optimizer, run: RunConfig):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if run.logging.level.upper() != "DEBUG" else logging.DEBUG)
     cfg = deepspeed_config(run, state.get_data_parallel_world_size())
+    local_experts = {n: p.detach().clone() for n, p in model.named_parameters() if is_expert_parallel(p)}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=state.get_mpu(),
                                            dist_init_required=False)
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if n in local_experts:
+                p.copy_(local_experts[n].to(p.dtype))
     for name, buf in engine.module.named_buffers():
         if name.rsplit(".", 1)[-1] in FP32_BUFFERS and buf.dtype != torch.float32:
             buf.data = buf.data.float()
@@ -156,18 +235,58 @@ def _scalar(v):
     return float(v.item()) if torch.is_tensor(v) else v
 
 
-def full_states(engine, named_params) -> tuple:
-    """({name: fp32 master weight}, {name: {state key: full tensor}}, {group index: {scalar key: value}}).
+def _group_scalars(opt, scalar_keys, prefix) -> dict:
+    out = {}
+    for gi, group in enumerate(opt.param_groups):
+        for q in group["params"]:
+            st = opt.state.get(q)
+            if st:
+                out[f"{prefix}.{gi}"] = {k: _scalar(st[k]) for k in scalar_keys if k in st}
+                break
+    return out
 
-    Every data-parallel rank must call this (ZeRO gathers each parameter with one all-reduce over the DP group,
-    in the same order everywhere); each rank returns the full tensors of its tensor-parallel shard."""
+
+def _ensure_states(opt, elem, scalars: dict, prefix: str) -> None:
+    """Optimizer states are created lazily at the first step; build them now, shaped like the tensors they track,
+    so saved values have somewhere to go."""
+    for gi, group in enumerate(opt.param_groups):
+        sc = scalars.get(f"{prefix}.{gi}", {})
+        for q in group["params"]:
+            st = opt.state[q]
+            for k in elem:
+                if k not in st:
+                    st[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
+            for k, v in sc.items():
+                st[k] = torch.tensor(float(v), dtype=torch.float32) if isinstance(v, float) else v
+
+
+def _gather_experts(t: torch.Tensor) -> torch.Tensor:
+    group = state.get_expert_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, 0)
+
+
+def _local_experts(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(state.get_expert_model_parallel_world_size(), 0)[state.get_expert_model_parallel_rank()]
+
+
+def full_states(engine, named_params, experts: "ExpertOptimizer | None" = None) -> tuple:
+    """({name: fp32 master weight}, {name: {state key: full tensor}}, {'dense.<group>'|'experts.<group>': {scalar
+    key: value}}), at full size for this tensor-parallel shard: ZeRO's partitions gathered over data parallel,
+    expert-parallel weights gathered over the EP group (global expert order).
+
+    Every rank must call this, in the same order everywhere (it is made of collectives)."""
     zero = _zero_optimizer(engine)
     base = _base_optimizer(engine)
     elem, scalar_keys = _state_keys(base)
+    expert_names = set(experts.names) if experts is not None else set()
     weights, states = {}, {}
     if zero is not None:
         _relink(zero)
     for name, p in named_params:
+        if name in expert_names:
+            continue
         if zero is not None:
             weights[name] = p.get_full_hp_param().detach().cpu()
             states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in elem} if elem else {}
@@ -175,35 +294,28 @@ def full_states(engine, named_params) -> tuple:
             weights[name] = p.detach().float().cpu()
             st = base.state.get(p, {})
             states[name] = {k: st[k].detach().cpu() for k in elem if k in st}
-    scalars = {}
-    for gi, group in enumerate(base.param_groups):
-        for q in group["params"]:
-            st = base.state.get(q)
-            if st:
-                scalars[gi] = {k: _scalar(st[k]) for k in scalar_keys if k in st}
-                break
+    scalars = _group_scalars(base, scalar_keys, "dense")
+    if experts is not None:
+        e_elem, e_scalar = _state_keys(experts.optimizer)
+        for name, m in zip(experts.names, experts.masters):
+            weights[name] = _gather_experts(m.detach()).cpu()
+            st = experts.optimizer.state.get(m, {})
+            states[name] = {k: _gather_experts(st[k].detach()).cpu() for k in e_elem if k in st}
+        scalars.update(_group_scalars(experts.optimizer, e_scalar, "experts"))
     return weights, states, scalars
 
 
 @torch.no_grad()
-def load_full_states(engine, named_params, weights: dict, states: dict, scalars: dict) -> None:
-    """Inverse of `full_states`: every rank keeps its own partition of each master weight and optimizer state, and
-    the module's (possibly bf16) parameters are refreshed from the fp32 masters."""
+def load_full_states(engine, named_params, weights: dict, states: dict, scalars: dict,
+                     experts: "ExpertOptimizer | None" = None) -> None:
+    """Inverse of `full_states`: every rank keeps its own partition of each master weight and optimizer state
+    (and its own experts), and the module's (possibly bf16) parameters are refreshed from the fp32 masters."""
     zero = _zero_optimizer(engine)
     base = _base_optimizer(engine)
-    named_params = list(named_params)
-    elem = sorted({k for st in states.values() for k in st})
-    # Optimizer states are created lazily at the first step; build them now, shaped like the tensors they
-    # track, so the saved values have somewhere to go.
-    for gi, group in enumerate(base.param_groups):
-        sc = {int(k): v for k, v in scalars.items()}.get(gi, {})
-        for q in group["params"]:
-            st = base.state[q]
-            for k in elem:
-                if k not in st:
-                    st[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
-            for k, v in sc.items():
-                st[k] = torch.tensor(float(v), dtype=torch.float32) if isinstance(v, float) else v
+    expert_names = set(experts.names) if experts is not None else set()
+    named_params = [(n, p) for n, p in named_params if n not in expert_names]
+    elem = sorted({k for n, st in states.items() if n not in expert_names for k in st})
+    _ensure_states(base, elem, scalars, "dense")
     if zero is not None:
         _relink(zero)
     for name, p in named_params:
@@ -216,3 +328,11 @@ def load_full_states(engine, named_params, weights: dict, states: dict, scalars:
             for k, v in states.get(name, {}).items():
                 base.state[p][k].copy_(v.to(p.device))
         p.data.copy_(w.to(p.dtype))
+    if experts is not None:
+        e_elem = sorted({k for n in experts.names for k in states.get(n, {})})
+        _ensure_states(experts.optimizer, e_elem, scalars, "experts")
+        for name, p, m in zip(experts.names, experts.params, experts.masters):
+            m.copy_(_local_experts(weights[name]).to(m.device))
+            for k, v in states.get(name, {}).items():
+                experts.optimizer.state[m][k].copy_(_local_experts(v).to(m.device))
+            p.data.copy_(m.to(p.dtype))

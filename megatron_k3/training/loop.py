@@ -29,6 +29,7 @@ from ..parallel import state
 from ..precision import forward_context, prepare_model_for_precision
 from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
+from . import balancing
 from . import engine as ds_engine
 from .checkpoint import read_meta, read_shard, resolve_load_path
 from .metrics import MetricsLogger, expert_load_stats, perplexity
@@ -110,9 +111,9 @@ def build_data(run: RunConfig, rank: int):
     return out[0], out[1]
 
 
-def param_groups(model, weight_decay: float):
+def param_groups(named_params, weight_decay: float):
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for n, p in named_params:
         (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -134,16 +135,28 @@ class Trainer:
         torch.manual_seed(t.seed)
         model = K3ForCausalLM(run.model).to(self.device)
         prepare_model_for_precision(model, run.precision, self.device)
-        o = run.optim
-        optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                                      eps=o.eps, foreach=False)
+        named = list(model.named_parameters())
+        dense = [(n, p) for n, p in named if not ds_engine.is_expert_parallel(p)]
+        expert = [(n, p) for n, p in named if ds_engine.is_expert_parallel(p)]
+        optimizer = self._make_optimizer(param_groups(dense, run.optim.weight_decay))
+        # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
+        self.experts = (ds_engine.ExpertOptimizer(expert, lambda ms: self._make_optimizer(
+            param_groups(list(zip([n for n, _ in expert], ms)), run.optim.weight_decay))) if expert else None)
         self.engine = ds_engine.initialize(model, optimizer, run)
+        if self.experts is not None:
+            ds_engine.install_norm(self.engine, self.experts)
         self.model = self.engine.module
         self.moe = self.model.moe_layers()
+        self.balancers = balancing.install(self.model, run.moe, state.get_group("tp-dp-cp"),
+                                           t.global_batch_size * t.seq_length)
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
         self.step, self.consumed, self.tokens = 0, 0, 0
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.start_time = time.time()
+
+    def _make_optimizer(self, groups):
+        o = self.run.optim
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
     # ------------------------------------------------------------------ resume / save
     def maybe_resume(self):
@@ -171,7 +184,7 @@ class Trainer:
         _, unexpected = self.model.load_state_dict(buffers, strict=False)
         if unexpected:
             raise ConfigError("checkpoint.load", str(path), f"tensors the model does not have: {unexpected[:5]}")
-        ds_engine.load_full_states(self.engine, named, model_t, optim_t, extra["optimizer_scalars"])
+        ds_engine.load_full_states(self.engine, named, model_t, optim_t, extra["optimizer_scalars"], self.experts)
         ckpt.set_rng_state(extra["rng"])
         self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
         if meta.get("global_batch_size") != self.run.train.global_batch_size:
@@ -190,7 +203,7 @@ class Trainer:
                 "tensor_parallel": self.tp, "zero_stage": self.run.parallel.zero_stage,
                 "model": dataclasses.asdict(self.run.model)}
         named = list(self.model.named_parameters())
-        weights, states, scalars = ds_engine.full_states(self.engine, named)
+        weights, states, scalars = ds_engine.full_states(self.engine, named, self.experts)
         tmp, final = ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else (None, None)
         dist.barrier()
         tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
@@ -223,26 +236,37 @@ class Trainer:
         self.model.train()
         o = self.run.optim
         lr = lr_at(self.step + 1, self.run.train.steps, o.lr, o.min_lr, o.warmup_steps, o.decay)
-        for g in self.engine.optimizer.param_groups:
+        for g in self.engine.optimizer.param_groups + (self.experts.param_groups if self.experts else []):
             g["lr"] = lr
         loss_sum = torch.zeros((), dtype=torch.float64)
         loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
+        dropped = torch.zeros((), dtype=torch.float64)
         tokens = 0
         for micro in range(self.num_micro):
             out, n = self._forward(self._samples(self.train_ds, self.consumed, micro))
             self.engine.backward(out.loss)  # DeepSpeed scales by 1/num_micro and reduces at the boundary
+            last = micro == self.num_micro - 1
+            if last and self.experts is not None:
+                self.experts.reduce_gradients()
             self.engine.step()  # a no-op except after the last micro-batch
+            if last and self.experts is not None:
+                self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
             loss_sum += out.loss.detach().double().cpu()
             tokens += n
             for i, m in enumerate(self.moe):
                 loads[i] += m.tokens_per_expert_E.double().cpu()
+                dropped += m.dropped_assignments.double().cpu()
         loss = loss_sum / self.num_micro
-        if self.dp > 1:  # statistics of the global batch
-            stats = torch.cat([loss.view(1), loads.flatten()]).to(self.device)
+        if self.world > 1:  # statistics of the global batch; each TP rank routes its own 1/tp of the tokens
+            stats = torch.cat([loss.view(1), dropped.view(1), loads.flatten()]).to(self.device)
             dist.all_reduce(stats, group=self.dp_group)
-            loss, loads = stats[0].cpu() / self.dp, stats[1:].cpu().view_as(loads)
+            if self.tp > 1:
+                stats[1:] = ds_engine.tp_sum(stats[1:])
+            loss, dropped, loads = stats[0].cpu() / self.dp, stats[1].cpu(), stats[2:].cpu().view_as(loads)
             tokens *= self.dp
         grad_norm = self.engine.get_global_grad_norm()
+        for b in self.balancers:  # the next step routes with the bias this step's scores call for
+            b.step()
         self.step += 1
         self.consumed += self.run.train.global_batch_size
         self.tokens += tokens
@@ -251,7 +275,8 @@ class Trainer:
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
         if self.moe:
-            st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k)
+            st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k, dropped=float(dropped),
+                                   bias_LE=torch.stack([m.gate.e_score_correction_bias.detach().cpu() for m in self.moe]))
             rec["expert_load"] = st["summary"]
             rec["expert_load_per_layer"] = dict(st["per_layer"], layers=self.moe_layer_ids)
         return rec, loads

@@ -18,23 +18,32 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = None) -> dict:
-    """loads_LE: tokens routed to each expert in each MoE layer over one step.
+def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = None, dropped: float = 0.0,
+                      bias_LE: torch.Tensor | None = None) -> dict:
+    """loads_LE: token-expert assignments the routers chose for each expert in each MoE layer over one step
+    (before any capacity drop); dropped: assignments over capacity, not computed.
 
     max_over_mean: max over experts and layers of load / mean load; cv: coefficient of variation of the
-    per-expert load, averaged over layers; dropped_frac: token-expert assignments not computed."""
+    per-expert load, averaged over layers; dead_experts: experts with no token, summed over layers;
+    dropped_frac: dropped / all assignments; bias_*: the routers' selection bias (per layer, and its spread)."""
     loads = loads_LE.double()
     mean = loads.mean(-1, keepdim=True).clamp_min(1e-12)
     ratio = loads / mean
     cv = loads.std(-1, unbiased=False) / mean.squeeze(-1)
-    computed = loads.sum().item()
-    dropped = 0.0 if not assignments_total else max(0.0, 1.0 - computed / assignments_total)
-    return {
-        "summary": {"max_over_mean": ratio.max().item(), "cv": cv.mean().item(), "dropped_frac": dropped},
-        "per_layer": {"max_over_mean": [round(v, 5) for v in ratio.max(-1).values.tolist()],
-                      "min_over_mean": [round(v, 5) for v in ratio.min(-1).values.tolist()],
-                      "cv": [round(v, 5) for v in cv.tolist()]},
-    }
+    total = assignments_total or loads.sum().item()
+    dead = (loads == 0).sum(-1)
+    summary = {"max_over_mean": ratio.max().item(), "cv": cv.mean().item(),
+               "dropped_frac": float(dropped) / total if total else 0.0, "dead_experts": int(dead.sum())}
+    per_layer = {"max_over_mean": [round(v, 5) for v in ratio.max(-1).values.tolist()],
+                 "min_over_mean": [round(v, 5) for v in ratio.min(-1).values.tolist()],
+                 "cv": [round(v, 5) for v in cv.tolist()], "dead_experts": dead.tolist()}
+    if bias_LE is not None and bias_LE.numel():
+        b = bias_LE.double()
+        summary.update(bias_std=b.std(-1, unbiased=False).mean().item(), bias_absmax=b.abs().max().item())
+        per_layer.update(bias_std=[round(v, 6) for v in b.std(-1, unbiased=False).tolist()],
+                         bias_min=[round(v, 6) for v in b.min(-1).values.tolist()],
+                         bias_max=[round(v, 6) for v in b.max(-1).values.tolist()])
+    return {"summary": summary, "per_layer": per_layer}
 
 
 class MetricsLogger:
@@ -77,6 +86,8 @@ class MetricsLogger:
             for j, layer in enumerate(self.moe_layer_ids):
                 flat[f"expert_load_layer/{layer:03d}/max_over_mean"] = per["max_over_mean"][j]
                 flat[f"expert_load_layer/{layer:03d}/cv"] = per["cv"][j]
+                if "bias_std" in per:  # Quantile Balancing / sign: drift of the selection bias
+                    flat[f"expert_load_layer/{layer:03d}/bias_std"] = per["bias_std"][j]
         if loads_LE is not None:
             total = loads_LE.double().sum(0)
             share = total / total.mean().clamp_min(1e-12)
