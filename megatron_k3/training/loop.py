@@ -30,7 +30,8 @@ from ..precision import forward_context, prepare_model_for_precision
 from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
 from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
-from .metrics import MetricsLogger, expert_load_stats, perplexity
+from .metrics import (MetricsLogger, ModelStats, expert_load_stats, memory_stats, perplexity, throughput,
+                      train_flops_per_token)
 
 log = logging.getLogger("megatron_k3.train")
 
@@ -140,6 +141,8 @@ class Trainer:
                                            betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
         self.moe = self.model.moe_layers()
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
+        self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
+        self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.step, self.consumed, self.tokens = 0, 0, 0
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.start_time = time.time()
@@ -214,6 +217,7 @@ class Trainer:
             tokens += n
             for i, m in enumerate(self.moe):
                 loads[i] += m.tokens_per_expert_E.double().cpu()
+            self.stats.accumulate()
         loss = loss_sum / self.num_micro
         if self.dp > 1:  # average gradients and statistics over the data-parallel group only
             for p in self.model.parameters():
@@ -232,7 +236,9 @@ class Trainer:
         self.tokens += tokens
         dt = time.time() - t0
         rec = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
-               "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
+               "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+               **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world),
+               "memory": memory_stats(self.device), **self.stats.collect()}
         if self.moe:
             st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k)
             rec["expert_load"] = st["summary"]
