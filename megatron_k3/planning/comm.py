@@ -98,8 +98,11 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
         frac = lay.cp - 1  # all-gather: receive every other rank's shard
         lat = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a
         cp_bytes += kinds.count("mla") * passes * n * lat * frac
-        state = cfg.kda_num_heads / lay.tp * cfg.kda_head_dim ** 2 * 4
-        cp_bytes += kinds.count("kda") * passes * state
+        # KDA: every rank's chunk-transition [K, K] and state contribution [K, V] per head (fp32), all-gathered
+        # for the prefix scan that hands each rank its initial state
+        K = cfg.kda_head_dim
+        state = cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
+        cp_bytes += kinds.count("kda") * passes * state * frac
     cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
 
     # ---- expert parallelism, per micro-batch: dispatch + combine, forward and backward

@@ -27,6 +27,7 @@ from .params import cfg_key, model_params
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
            "SearchResult", "min_world_for_training", "model_state_bytes"]
 
+CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
 _CHEAP_FLOPS = ("kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve",
                 "kda.wy_products", "kda.state_handoff", "kda.output", "kda.diag_span", "mla.attention")
 
@@ -226,7 +227,9 @@ def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective"
         eps = [e for e in range(1, sn + 1) if cfg.num_experts % e == 0 and sn % e == 0]
     else:
         eps = [1]
-    cps = [c for c in _pow2_upto(8) if w.seq_length % c == 0 and w.seq_length // c >= 1024 or c == 1]
+    # context parallelism only where each shard keeps >= 4096 tokens: CP's latency costs (the KDA state scan
+    # across ranks, causal load imbalance in MLA) are not modelled, so short shards would look too good
+    cps = [c for c in _pow2_upto(8) if c == 1 or (w.seq_length % c == 0 and w.seq_length // c >= CP_MIN_SHARD)]
     out = []
     for tp in tps:
         for pp in pps:
