@@ -35,7 +35,7 @@ def header(cfg, cluster, counts: dict) -> list:
         f"(tools/param_count.py: total={counts['total']}, active={counts['active']}); {cfg.num_layers} layers "
         f"({cfg.layer_types().count('kda')} KDA, {cfg.layer_types().count('mla')} MLA), "
         f"{cfg.ffn_types().count('moe')} MoE x {cfg.num_experts} experts, top-{cfg.top_k}",
-        f"cluster {c.name}: {c.world_size} accelerators x {c.device_memory_gb:g} GB "
+        f"cluster {c.name}: {c.world_size} accelerator{'s' if c.world_size > 1 else ''} x {c.device_memory_gb:g} GB "
         f"({sn} supernode{'s' if sn > 1 else ''} of {min(c.supernode_size, c.world_size)}), "
         f"{c.peak_tflops_bf16:g} TFLOP/s bf16 peak ({c.gemm_efficiency:.0%} sustained in GEMMs), links "
         f"{c.intra_supernode_gbps:g} GB/s inside / {c.inter_supernode_gbps:g} GB/s across supernodes, "
@@ -80,8 +80,8 @@ def render_train(p: TrainPlan) -> list:
            "  activations by part: " + ", ".join(f"{k} {v:.3g}" for k, v in p.activation_breakdown.items()
                                                   if v > 0) + " (GB)",
            f"  stages (GB): {p.stage_memory_gb}",
-           "communication per step and device: " + ", ".join(
-               f"{k} {_bytes(v)} ({_t(p.comm_time[k])})" for k, v in p.comm_bytes.items() if v > 0) or "none",
+           "communication per step and device: " + (", ".join(
+               f"{k} {_bytes(v)} ({_t(p.comm_time[k])})" for k, v in p.comm_bytes.items() if v > 0) or "none"),
            "time per step: " + ", ".join(f"{k} {_t(v)}" for k, v in p.time_breakdown.items() if v > 0)
            + f" -> {p.step_time:.3g} s",
            f"pipeline bubble {p.bubble:.1%}; model FLOPs per step {p.model_flops_per_step:.3e}; "
