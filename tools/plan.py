@@ -149,10 +149,12 @@ def main(argv):
             lines += report.render_train_search(cfg, cluster, w, res, inf, (batch, context))
         else:
             rcs = ("none", "selective", "full") if flags["--recompute"] == "auto" else (flags["--recompute"],)
+            # sequence parallelism with TP unless the command line turns it off explicitly
+            sp = par.sequence_parallel if "parallel.sequence_parallel" in given else True
             plan = None
             for rc in rcs:
                 lay = Layout(world=cluster.world_size, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp,
-                             sequence_parallel=True, recompute=rc)
+                             sequence_parallel=sp, recompute=rc)
                 plan = plan_training(cfg, cluster, lay, w, counts)
                 if plan.fits:
                     break

@@ -190,9 +190,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             acts = in_flight * per_micro
             detail = {k: v * in_flight for k, v in cat.items()}
             if lay.recompute == "selective":  # the cheap parts of one layer rebuilt during its backward
-                full_layer = _micro_activation(cfg, lay, w, a, min(a + 1, b), False, sources, out_src, False)[0]
-                kept_layer = _micro_activation(cfg, lay, w, a, min(a + 1, b), False, sources, out_src, True)[0]
-                transient += max(0.0, full_layer - kept_layer)
+                transient += max((_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, False)[0]
+                                  - _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, True)[0])
+                                 for i in range(a, b))
         if last:
             _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
             transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)

@@ -310,11 +310,12 @@ def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernode
         world = k * sn
         dpn = cluster.devices_per_node if world % max(cluster.devices_per_node, 1) == 0 else 1
         c = replace(cluster, num_nodes=world // dpn, devices_per_node=dpn)
+        capacity = c.device_memory_gb * GB
         fits = False
         for lay in candidate_layouts(cfg, c, w, recomputes=("full",)):
             if layout_problems(cfg, c, lay, w.micro_batch_size, w.global_batch_size, w.seq_length):
                 continue
-            if plan_training(cfg, c, lay, w, counts).fits:
+            if max(s.total for s in training_memory(cfg, c, lay, w)) <= capacity:  # memory alone decides
                 fits = True
                 break
         if fits:
