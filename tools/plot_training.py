@@ -168,7 +168,7 @@ def plot_router(rows: list, out: Path):
     drift = [r.get("router", {}).get("bias_drift", np.nan) for r in recs]
     ax[1].plot(steps, std.mean(1), label="bias std (mean over layers)")
     ax[1].plot(steps, std.max(1), label="bias std (max over layers)")
-    ax[1].plot(steps, drift, label="bias drift (RMS change per logged step)", ls="--")
+    ax[1].plot(steps, drift, label="bias drift (RMS change per step)", ls="--")
     ax[1].set(title="router selection bias (Quantile Balancing)", xlabel="step")
     ax[1].legend(fontsize=8)
     fig.tight_layout()
