@@ -27,6 +27,7 @@ bench: install
 	$(PY) bench/kda.py
 	$(PY) bench/train_step.py
 	$(PY) bench/indexed.py
+	$(PY) bench/plan_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -198,10 +198,38 @@ class ClusterConfig:
     num_nodes: int = 1
     devices_per_node: int = 1
     supernode_size: int = 64  # accelerators in one high-bandwidth domain; EP groups never cross it
+    device_kind: str = "cpu"  # cpu or gpu: which kernels the planner assumes (eager torch paths or fused ones)
     device_memory_gb: float = 24.0
-    peak_tflops_bf16: float = 0.2
+    peak_tflops_bf16: float = 0.2  # dense peak per accelerator; the MFU denominator
+    peak_tflops_fp8: float = 0.0  # 0: no fp8 tensor cores (the planner then uses the bf16 peak)
+    gemm_efficiency: float = 0.6  # fraction of the peak that large GEMMs sustain (planner's compute time)
+    hbm_gbps: float = 50.0  # device memory bandwidth, GB/s (planner's decode estimate)
+    reserved_memory_gb: float = 0.0  # per device, kept free by the planner: runtime context, comm buffers, slack
     intra_supernode_gbps: float = 10.0  # per-device bandwidth inside a supernode, GB/s
     inter_supernode_gbps: float = 10.0  # per-device bandwidth across supernodes, GB/s
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def validate(self, prefix: str = "cluster") -> "ClusterConfig":
+        if self.device_kind not in ("cpu", "gpu"):
+            raise ConfigError(f"{prefix}.device_kind", self.device_kind, "valid: cpu, gpu")
+        for k in ("num_nodes", "devices_per_node", "supernode_size"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{prefix}.{k}", v, "must be a positive integer")
+        for k in ("device_memory_gb", "peak_tflops_bf16", "hbm_gbps", "intra_supernode_gbps", "inter_supernode_gbps"):
+            if not getattr(self, k) > 0:
+                raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must be > 0")
+        if self.reserved_memory_gb < 0 or self.reserved_memory_gb >= self.device_memory_gb:
+            raise ConfigError(f"{prefix}.reserved_memory_gb", self.reserved_memory_gb,
+                              f"must lie in [0, device_memory_gb={self.device_memory_gb})")
+        if self.peak_tflops_fp8 < 0:
+            raise ConfigError(f"{prefix}.peak_tflops_fp8", self.peak_tflops_fp8, "must be >= 0 (0 = none)")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ConfigError(f"{prefix}.gemm_efficiency", self.gemm_efficiency, "must lie in (0, 1]")
+        return self
 
 
 @dataclass
@@ -425,6 +453,7 @@ class RunConfig:
         if m.first_k_dense < m.num_layers and p.tp > 1 and (t.micro_batch_size * t.seq_length) % p.tp:
             raise ConfigError("parallel.tp", p.tp, f"each TP rank routes 1/tp of the tokens: needs "
                               f"train.micro_batch_size*train.seq_length divisible by parallel.tp")
+        self.cluster.validate("cluster")
         if self.logging.wandb.mode not in ("offline", "online", "disabled"):
             raise ConfigError("logging.wandb.mode", self.logging.wandb.mode, "valid: offline, online, disabled")
         if self.data.name not in ("embedded", "indexed"):
@@ -525,6 +554,14 @@ def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1):
     """Compose conf/config.yaml with Hydra (schema-checked), apply command-line overrides, validate.
     Returns (RunConfig, the composed DictConfig without `hydra`, the hydra node). Raises ConfigError
     with a one-line message on any mistake."""
+    run, cfg, hydra_node = compose_config(overrides)
+    run.validate(world_size)
+    return run, cfg, hydra_node
+
+
+def compose_config(overrides: Iterable[str] = ()):
+    """`compose_run_config` without the run's validation (the layout is not known yet): for tools such as
+    the planner that check a layout themselves. Key names and types are still checked by the schema."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
@@ -544,7 +581,6 @@ def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1):
         raise _one_line_error(e, overrides) from None
     finally:
         GlobalHydra.instance().clear()
-    run.validate(world_size)
     return run, cfg, hydra_node
 
 
@@ -587,4 +623,4 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "ConfigError", "load_model_config", "model_config_from_dict", "available_models",
-           "CONF_DIR", "replace", "compose_run_config"]
+           "CONF_DIR", "replace", "compose_run_config", "compose_config"]

@@ -33,15 +33,22 @@ class ResidualState:
 
 
 class DepthMix(nn.Module):
-    """A pseudo-query ([1, D] Linear weight, zero init) and its key-norm weight (RMSNorm weight, ones)."""
+    """A pseudo-query ([1, D] Linear weight, zero init) and its key-norm weight (RMSNorm weight, ones).
+
+    `last_weights_N` holds the depth weights of the last forward averaged over this rank's tokens (detached,
+    on device, no host sync), for the training metrics: one weight per source, the completed blocks first
+    (b_0 = the embedding) and the running partial sum last."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.proj = nn.Linear(dim, 1, bias=False)
         self.norm = RMSNorm(dim, eps)
+        self.last_weights_N: torch.Tensor | None = None
 
     def forward(self, sources):
-        return attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps)
+        h, alpha_N = attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps, return_weights=True)
+        self.last_weights_N = alpha_N.detach().flatten(1).mean(1)
+        return h
 
 
 class DecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ it is updated outside autograd (Quantile Balancing) and stays fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,9 @@ class TopKRouter(nn.Module):
         self.force_balanced = force_balanced
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        # Mean over the last forward's tokens of the entropy of the scores normalised over the experts, divided
+        # by log(num_experts): 1 = uniform, 0 = one expert. Detached, on device (no host sync), for metrics.
+        self.last_entropy: torch.Tensor | None = None
 
     def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
         """Indices of the chosen experts from the biased scores (group-limited when num_groups > 1)."""
@@ -57,6 +61,10 @@ class TopKRouter(nn.Module):
             idx = (base + torch.arange(self.top_k, device=scores.device)) % self.num_experts
         else:
             idx = self.select(scores.detach())
+        with torch.no_grad():
+            p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            ent = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+            self.last_entropy = ent / math.log(self.num_experts) if self.num_experts > 1 else ent
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

@@ -24,14 +24,16 @@ def _inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attn_res(sources: Sequence[torch.Tensor], query_D: torch.Tensor, norm_weight_D: torch.Tensor,
-             eps: float = 1e-6) -> torch.Tensor:
-    """One-shot depth mix of `sources` (each [..., D]); returns [..., D] in the sources' dtype."""
+             eps: float = 1e-6, return_weights: bool = False):
+    """One-shot depth mix of `sources` (each [..., D]); returns [..., D] in the sources' dtype, and with
+    `return_weights` also the depth weights alpha [N, ...] (fp32, differentiable)."""
     dtype = sources[0].dtype
     V = torch.stack([_f32(s) for s in sources])  # [N, ..., D]
     qk = _f32(query_D) * _f32(norm_weight_D)
     logits = (V * _inv_rms(V, eps) * qk).sum(-1)  # [N, ...]
     alpha = torch.softmax(logits, dim=0)
-    return (alpha.unsqueeze(-1) * V).sum(0).to(dtype)
+    h = (alpha.unsqueeze(-1) * V).sum(0).to(dtype)
+    return (h, alpha) if return_weights else h
 
 
 def attn_res_block_stats(blocks: Sequence[torch.Tensor], queries_QD: torch.Tensor, norm_weights_QD: torch.Tensor,

@@ -75,7 +75,10 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def deepspeed_config(run: RunConfig, dp: int) -> dict:
+BUCKET = 50_000_000  # elements per ZeRO reduce / all-gather bucket (DeepSpeed allocates one of this size)
+
+
+def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> dict:
     """The DeepSpeed JSON config of a run (`parallel.deepspeed` entries are merged over it, for knobs we do not
     set: bucket sizes, overlap, ...). DeepSpeed checks train_batch = micro_batch * grad_accum * dp."""
     t, p = run.train, run.parallel
@@ -92,8 +95,10 @@ def deepspeed_config(run: RunConfig, dp: int) -> dict:
         "steps_per_print": 2 ** 31 - 1,  # we log
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # our optimizers are plain torch.optim ones
+        # buckets no larger than the model: DeepSpeed allocates them whole (200 MB each at fp32 otherwise)
         "zero_optimization": {"stage": p.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
-                              "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
+                              "reduce_bucket_size": min(BUCKET, num_params or BUCKET),
+                              "allgather_bucket_size": min(BUCKET, num_params or BUCKET)},
         "bf16": {"enabled": bf16},
     }
     if bf16:  # accumulate micro-batch gradients in fp32, as Megatron does
@@ -175,6 +180,10 @@ def install_norm(engine, experts: ExpertOptimizer) -> None:
     zero.scaled_global_norm = scaled_global_norm
 
 
+def optimizer_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def initialize(model, optimizer, run: RunConfig):
     """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32, and
     expert-parallel weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
@@ -184,7 +193,8 @@ def initialize(model, optimizer, run: RunConfig):
     # does not need.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if run.logging.level.upper() != "DEBUG" else logging.DEBUG)
-    cfg = deepspeed_config(run, state.get_data_parallel_world_size())
+    cfg = deepspeed_config(run, state.get_data_parallel_world_size(),
+                           sum(p.numel() for p in optimizer_params(optimizer)))
     local_experts = {n: p.detach().clone() for n, p in model.named_parameters() if is_expert_parallel(p)}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=state.get_mpu(),
                                            dist_init_required=False)

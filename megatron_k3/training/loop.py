@@ -32,7 +32,8 @@ from . import checkpoint as ckpt
 from . import balancing
 from . import engine as ds_engine
 from .checkpoint import read_meta, read_shard, resolve_load_path
-from .metrics import MetricsLogger, expert_load_stats, perplexity
+from .metrics import (MetricsLogger, ModelStats, expert_load_stats, memory_stats, perplexity, throughput,
+                      train_flops_per_token)
 
 log = logging.getLogger("megatron_k3.train")
 
@@ -150,6 +151,8 @@ class Trainer:
         self.balancers = balancing.install(self.model, run.moe, state.get_group("tp-dp-cp"),
                                            t.global_batch_size * t.seq_length)
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
+        self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
+        self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.step, self.consumed, self.tokens = 0, 0, 0
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.start_time = time.time()
@@ -256,6 +259,7 @@ class Trainer:
             for i, m in enumerate(self.moe):
                 loads[i] += m.tokens_per_expert_E.double().cpu()
                 dropped += m.dropped_assignments.double().cpu()
+            self.stats.accumulate()
         loss = loss_sum / self.num_micro
         if self.world > 1:  # statistics of the global batch; each TP rank routes its own 1/tp of the tokens
             stats = torch.cat([loss.view(1), dropped.view(1), loads.flatten()]).to(self.device)
@@ -273,7 +277,9 @@ class Trainer:
         dt = time.time() - t0
         rec = {"step": self.step, "loss": float(loss), "lr": lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
+               "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+               **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world),
+               "memory": memory_stats(self.device), **self.stats.collect()}
         if self.moe:
             st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k, dropped=float(dropped),
                                    bias_LE=torch.stack([m.gate.e_score_correction_bias.detach().cpu() for m in self.moe]))

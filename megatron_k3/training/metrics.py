@@ -1,9 +1,13 @@
 """Metrics: `metrics.jsonl` (one JSON object per logged step, flushed per line) and W&B (offline by
-default, inside the run directory), expert load included.
+default, inside the run directory): loss, learning rate, gradient norm, throughput, model FLOPs and MFU,
+memory, expert load, router entropy and selection-bias drift, AttnRes depth weights.
 
-Expert load at full size is 896 experts x 92 MoE layers; W&B gets a bounded set of series: global
-summaries, two per MoE layer (max/mean and CV), the most and least loaded experts, and the full
-[layers x experts] load as an image and a histogram every `media_interval` steps.
+At full size there are 896 experts x 92 MoE layers and 187 depth mixes; W&B gets a bounded set of series
+(`wandb_scalars`): global summaries, two per MoE layer (expert load max/mean and CV), the most and least
+loaded experts, the output mix's weight per AttnRes block, and every `media_interval` steps images and a
+table for the per-layer detail (expert load [layers x experts] and its history, depth weights [sub-layers
+x blocks], router entropy and bias statistics per layer). metrics.jsonl holds the per-layer detail every
+logged step and the per-expert token counts every `media_interval` steps (`expert_load_per_expert`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,176 @@ def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = No
     return {"summary": summary, "per_layer": per_layer}
 
 
+def train_flops_per_token(model_cfg, seq_length: int) -> float:
+    """Model FLOPs of one training token (forward + backward, causal attention, no recomputation)."""
+    from ..planning.flops import model_flops
+
+    return model_flops(model_cfg, seq_length, "causal").train_per_token
+
+
+def throughput(flops_per_token: float, tokens: int, seconds: float, peak_tflops: float, world: int) -> dict:
+    """Model FLOPs of the step, achieved model TFLOP/s per device, and MFU against the cluster's peak."""
+    flops = flops_per_token * tokens
+    per_device = flops / max(seconds, 1e-9) / max(world, 1)
+    return {"model_flops_per_step": flops, "model_tflops_per_s_per_device": per_device / 1e12,
+            "mfu": per_device / (peak_tflops * 1e12) if peak_tflops > 0 else 0.0}
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Peak memory of this process: CUDA's allocator high-water mark on GPU, the peak resident set on CPU."""
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"kind": "cpu_peak_rss", "peak_gb": rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+
+
+class ModelStats:
+    """Per-step statistics read off the model: router entropy per MoE layer and AttnRes depth weights per mix
+    (averaged over the step's micro-batches; `accumulate` after each), and the routers' selection-bias
+    statistics with their drift since the previous `collect` (the RMS change of the bias, i.e. how far
+    Quantile Balancing moved it). Values stay on the device until `collect`."""
+
+    def __init__(self, model):
+        from ..model.decoder import DepthMix
+
+        self.routers = [m.gate for m in model.moe_layers()]
+        self.moe_layer_ids = [i for i, layer in enumerate(getattr(model.model, "layers", []))
+                              if getattr(layer, "ffn_type", None) == "moe"]
+        self.mixes = []  # (layer index or -1 for the output mix, "pre_mixer" | "pre_ffn" | "output", module)
+        for i, layer in enumerate(getattr(model.model, "layers", [])):
+            for what, name in (("pre_mixer", "self_attention_res"), ("pre_ffn", "mlp_res")):
+                m = getattr(layer, name, None)
+                if isinstance(m, DepthMix):
+                    self.mixes.append((i, what, m))
+        out = getattr(model.model, "output_attn_res", None)
+        if isinstance(out, DepthMix):
+            self.mixes.append((-1, "output", out))
+        self._entropy, self._weights, self._n = None, {}, 0
+        self._prev_bias = None
+
+    def accumulate(self):
+        ents = [r.last_entropy for r in self.routers if r.last_entropy is not None]
+        if ents:
+            e = torch.stack([x.float() for x in ents])
+            self._entropy = e if self._entropy is None else self._entropy + e
+        for j, (_, _, m) in enumerate(self.mixes):
+            if m.last_weights_N is not None:
+                w = m.last_weights_N.float()
+                self._weights[j] = w if j not in self._weights else self._weights[j] + w
+        self._n += 1
+
+    def collect(self) -> dict:
+        out = {}
+        n = max(self._n, 1)
+        if self.routers:
+            bias = torch.stack([r.e_score_correction_bias.detach().float() for r in self.routers]).cpu()
+            drift = ((bias - self._prev_bias).pow(2).mean(-1).sqrt() if self._prev_bias is not None
+                     else torch.zeros(bias.shape[0]))
+            self._prev_bias = bias.clone()
+            per = {"layers": self.moe_layer_ids, "bias_mean": bias.mean(-1), "bias_std": bias.std(-1, unbiased=False),
+                   "bias_min": bias.min(-1).values, "bias_max": bias.max(-1).values, "bias_drift": drift}
+            if self._entropy is not None:
+                per["entropy"] = self._entropy.cpu() / n
+            out["router_per_layer"] = {k: (v if k == "layers" else [round(float(x), 6) for x in v])
+                                       for k, v in per.items()}
+            out["router"] = {"bias_absmax": float(bias.abs().max()), "bias_std": float(bias.std(-1, unbiased=False).mean()),
+                             "bias_drift": float(drift.pow(2).mean().sqrt())}
+            if self._entropy is not None:
+                e = self._entropy.cpu() / n
+                out["router"].update(entropy_mean=float(e.mean()), entropy_min=float(e.min()))
+        if self._weights:
+            ar = {"layers": [], "pre_mixer": [], "pre_ffn": [], "output": None}
+            rows = {}
+            for j, (layer, what, _) in enumerate(self.mixes):
+                if j in self._weights:
+                    w = [round(float(x), 6) for x in (self._weights[j].cpu() / n)]
+                    if what == "output":
+                        ar["output"] = w
+                    else:
+                        rows.setdefault(layer, {})[what] = w
+            for layer in sorted(rows):
+                ar["layers"].append(layer)
+                ar["pre_mixer"].append(rows[layer].get("pre_mixer"))
+                ar["pre_ffn"].append(rows[layer].get("pre_ffn"))
+            out["attn_res_weights"] = ar
+            flat = [w for w in ar["pre_mixer"] + ar["pre_ffn"] if w]
+            out["attn_res"] = {"embedding_weight": sum(w[0] for w in flat) / len(flat) if flat else 0.0,
+                               "partial_weight": sum(w[-1] for w in flat) / len(flat) if flat else 0.0}
+        self._entropy, self._weights, self._n = None, {}, 0
+        return out
+
+
+def attn_res_matrix(ar: dict):
+    """[sub-layers x sources] depth weights from a record's `attn_res_weights`, NaN where a mix has fewer
+    sources (source j = block j: b_0 the embedding, ..., the last being the running partial sum). Rows: the
+    pre-mixer and pre-FFN mix of every layer in order, then the output mix. Returns (matrix, row labels)."""
+    import numpy as np
+
+    rows, labels = [], []
+    for layer, a, f in zip(ar["layers"], ar["pre_mixer"], ar["pre_ffn"]):
+        for what, w in (("mixer", a), ("ffn", f)):
+            if w:
+                rows.append(w)
+                labels.append(f"L{layer} {what}")
+    if ar.get("output"):
+        rows.append(ar["output"])
+        labels.append("output")
+    width = max((len(r) for r in rows), default=0)
+    m = np.full((len(rows), width), np.nan)
+    for i, r in enumerate(rows):
+        m[i, :len(r)] = r
+    return m, labels
+
+
+def wandb_scalars(record: dict, loads_LE: torch.Tensor | None, moe_layer_ids: list, top_experts: int) -> dict:
+    """The scalar W&B series of one record: bounded at full size (no per-expert or per-mix series)."""
+    flat = {"step": record["step"]}
+    for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mfu",
+              "model_tflops_per_s_per_device", "model_flops_per_step"):
+        if k in record:
+            flat[f"train/{k}"] = record[k]
+    for k in ("eval_loss", "eval_ppl"):
+        if k in record:
+            flat[f"eval/{k[5:]}"] = record[k]
+    if "memory" in record:
+        flat["memory/peak_gb"] = record["memory"]["peak_gb"]
+    el = record.get("expert_load")
+    if el:
+        for k, v in el.items():
+            flat[f"expert_load/{k}"] = v
+        per = record.get("expert_load_per_layer", {})
+        for j, layer in enumerate(moe_layer_ids):
+            flat[f"expert_load_layer/{layer:03d}/max_over_mean"] = per["max_over_mean"][j]
+            flat[f"expert_load_layer/{layer:03d}/cv"] = per["cv"][j]
+    for group in ("router", "attn_res"):
+        for k, v in record.get(group, {}).items():
+            flat[f"{group}/{k}"] = v
+    out_w = (record.get("attn_res_weights") or {}).get("output")
+    for j, v in enumerate(out_w or []):  # one per AttnRes block (9 at full size)
+        flat[f"attn_res_output/block_{j:02d}"] = v
+    if loads_LE is not None:
+        total = loads_LE.double().sum(0)
+        share = total / total.mean().clamp_min(1e-12)
+        k = min(top_experts, share.numel())
+        top, bot = share.topk(k), share.topk(k, largest=False)
+        for i in range(k):
+            flat[f"expert_load_top/{i + 1}/load_over_mean"] = top.values[i].item()
+            flat[f"expert_load_top/{i + 1}/expert"] = int(top.indices[i])
+            flat[f"expert_load_bottom/{i + 1}/load_over_mean"] = bot.values[i].item()
+            flat[f"expert_load_bottom/{i + 1}/expert"] = int(bot.indices[i])
+    return flat
+
+
+def _upscale(img, rows: int = 64, cols: int = 512):
+    import numpy as np
+
+    return np.repeat(np.repeat(img, max(1, rows // max(img.shape[0], 1)), 0), max(1, cols // max(img.shape[1], 1)), 1)
+
+
 class MetricsLogger:
     """Rank-0 sink for per-step records: metrics.jsonl and an optional W&B run."""
 
@@ -54,6 +228,7 @@ class MetricsLogger:
         self.moe_layer_ids = moe_layer_ids
         self.cfg = wandb_cfg
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        self._history = []
         self.wandb = None
         if enabled and wandb_cfg.mode != "disabled":
             import os
@@ -67,51 +242,59 @@ class MetricsLogger:
             self.wandb.define_metric("step")
             self.wandb.define_metric("*", step_metric="step")
 
+    def _media_step(self, step: int) -> bool:
+        return bool(self.cfg.media_interval) and (step == 1 or step % self.cfg.media_interval == 0)
+
     def log(self, record: dict, loads_LE: torch.Tensor | None = None):
         if not self.enabled:
             return
+        step = record["step"]
+        if loads_LE is not None and self._media_step(step):  # per-expert token counts, on the media cadence
+            record = dict(record, expert_load_per_expert={
+                "layers": self.moe_layer_ids, "tokens": [[int(round(x)) for x in row] for row in loads_LE.tolist()]})
+        per = record.get("expert_load_per_layer")
+        if per:  # a bounded history of per-layer imbalance for the "over time" heatmap
+            self._history.append(per["max_over_mean"])
+            del self._history[:-512]
         self.file.write(json.dumps(record) + "\n")
         if self.wandb is None:
             return
-        step = record["step"]
-        flat = {"step": step}
-        for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "eval_loss", "eval_ppl"):
-            if k in record:
-                flat[f"train/{k}" if not k.startswith("eval") else f"eval/{k[5:]}"] = record[k]
-        el = record.get("expert_load")
-        if el:
-            for k, v in el.items():
-                flat[f"expert_load/{k}"] = v
-            per = record.get("expert_load_per_layer", {})
-            for j, layer in enumerate(self.moe_layer_ids):
-                flat[f"expert_load_layer/{layer:03d}/max_over_mean"] = per["max_over_mean"][j]
-                flat[f"expert_load_layer/{layer:03d}/cv"] = per["cv"][j]
-                if "bias_std" in per:  # Quantile Balancing / sign: drift of the selection bias
-                    flat[f"expert_load_layer/{layer:03d}/bias_std"] = per["bias_std"][j]
-        if loads_LE is not None:
-            total = loads_LE.double().sum(0)
-            share = total / total.mean().clamp_min(1e-12)
-            k = min(self.cfg.top_experts, share.numel())
-            top, bot = share.topk(k), share.topk(k, largest=False)
-            for i in range(k):
-                flat[f"expert_load_top/{i + 1}/load_over_mean"] = top.values[i].item()
-                flat[f"expert_load_top/{i + 1}/expert"] = int(top.indices[i])
-                flat[f"expert_load_bottom/{i + 1}/load_over_mean"] = bot.values[i].item()
-                flat[f"expert_load_bottom/{i + 1}/expert"] = int(bot.indices[i])
-            if self.cfg.media_interval and (step == 1 or step % self.cfg.media_interval == 0):
-                flat.update(self._media(loads_LE))
+        flat = wandb_scalars(record, loads_LE, self.moe_layer_ids, self.cfg.top_experts)
+        if self._media_step(step):
+            flat.update(self._media(record, loads_LE))
         self.wandb.log(flat)
 
-    def _media(self, loads_LE: torch.Tensor) -> dict:
+    def _media(self, record: dict, loads_LE: torch.Tensor | None) -> dict:
         import numpy as np
         import wandb
 
-        ratio = (loads_LE.double() / loads_LE.double().mean(-1, keepdim=True).clamp_min(1e-12)).numpy()
-        # heatmap: rows = MoE layers, columns = experts; 0 -> black, mean load -> mid grey, >=2x mean -> white
-        img = np.clip(ratio / 2.0 * 255.0, 0, 255).astype(np.uint8)
-        img = np.repeat(np.repeat(img, max(1, 64 // img.shape[0]), 0), max(1, 512 // img.shape[1]), 1)
-        return {"expert_load/heatmap": wandb.Image(img, caption="MoE layer (rows) x expert (cols): load / mean"),
-                "expert_load/histogram": wandb.Histogram(ratio.flatten())}
+        out = {}
+        if loads_LE is not None:
+            ratio = (loads_LE.double() / loads_LE.double().mean(-1, keepdim=True).clamp_min(1e-12)).numpy()
+            # heatmap: rows = MoE layers, columns = experts; 0 -> black, mean load -> mid grey, >=2x mean -> white
+            img = np.clip(ratio / 2.0 * 255.0, 0, 255).astype(np.uint8)
+            out["expert_load/heatmap"] = wandb.Image(_upscale(img), caption="MoE layer (rows) x expert (cols): "
+                                                                             "load / mean, white = 2x mean")
+            out["expert_load/histogram"] = wandb.Histogram(ratio.flatten())
+        if self._history:
+            h = np.asarray(self._history, dtype=np.float64)  # [logged steps, MoE layers]: max load / mean
+            img = np.clip((h - 1.0) / 3.0 * 255.0, 0, 255).astype(np.uint8).T
+            out["expert_load/max_over_mean_history"] = wandb.Image(
+                _upscale(img), caption="MoE layer (rows) x logged step (cols): max load / mean, black = 1, white >= 4")
+        ar = record.get("attn_res_weights")
+        if ar:
+            m, _ = attn_res_matrix(ar)
+            img = np.nan_to_num(np.clip(m * 255.0, 0, 255), nan=0).astype(np.uint8)
+            out["attn_res/depth_weights"] = wandb.Image(
+                _upscale(img, 256, 256), caption="depth mix (rows: L0 mixer, L0 ffn, ..., output) x source "
+                                                 "(cols: b_0 = embedding, blocks, partial): weight, white = 1")
+        rp = record.get("router_per_layer")
+        if rp:
+            cols = [k for k in ("entropy", "bias_mean", "bias_std", "bias_min", "bias_max", "bias_drift") if k in rp]
+            out["router/per_layer"] = wandb.Table(columns=["layer"] + cols,
+                                                  data=[[layer] + [rp[c][j] for c in cols]
+                                                        for j, layer in enumerate(rp["layers"])])
+        return out
 
     def close(self):
         if self.file is not None:

@@ -1,0 +1,201 @@
+"""Activation memory of one micro-batch, layer by layer: the tensors autograd keeps for the backward pass.
+
+Each layer is a list of `ActTerm`s, elements per token with a dtype class and the token count they scale
+with. Two kernel profiles:
+
+* "eager" is what this repository runs on CPU (and on GPU without fused kernels), read off the code: the
+  torch chunked KDA keeps its chunk matrices, the math attention keeps the [T, T] probabilities of the
+  packed row, the depth mix keeps a stacked fp32 copy of its sources, SiTU keeps its fp32 intermediates.
+* "fused" is the accelerator path a 2.8T run uses: fla's chunk_kda (keeps q, k, v, g, beta, the
+  intra-chunk matrices and chunk states), flash attention (keeps q, k, v, o and the log-sum-exp), fused
+  norms, SiTU and depth mix (keep their inputs and per-row statistics).
+
+Token counts: `n` tokens of a micro-batch on this context-parallel rank go through the mixers (gathered
+over TP under sequence parallelism); `n / tp` through the sequence-sharded parts (norms, depth mixes, the
+routed MoE branch) when sequence parallelism is on. A term marked `cheap` is recomputed in the backward
+under selective recomputation (elementwise work, the attention/KDA core), the matmul inputs stay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ActTerm", "layer_terms", "head_terms", "attn_res_sources", "term_bytes"]
+
+# dtype classes: "a" = activation dtype (4 B fp32, 2 B under bf16 autocast), "f" = always fp32, "i" = int64
+_BYTES = {"f": 4, "i": 8}
+
+
+@dataclass(frozen=True)
+class ActTerm:
+    name: str
+    category: str  # attn_res, norm, kda, kda_states, mla, mla_latent, moe, dense_ffn, head
+    per_token: float  # elements per token
+    dtype: str = "a"
+    tokens: str = "seq"  # "seq": n / tp under sequence parallelism (else n); "full": n; "row": n, with
+    cheap: bool = False  # per_token scaled by the packed row length (the eager attention square)
+
+
+def term_bytes(t: ActTerm, n: float, tp: int, sp: bool, act_bytes: int, row: float) -> float:
+    tokens = n / tp if (t.tokens == "seq" and sp and tp > 1) else n
+    per_token = t.per_token * (row if t.tokens == "row" else 1.0)
+    return tokens * per_token * (act_bytes if t.dtype == "a" else _BYTES[t.dtype])
+
+
+def attn_res_sources(cfg) -> tuple:
+    """(sources of the pre-mixer mix, sources of the pre-FFN mix) per layer, and of the output mix; 0 = no mix.
+    Follows megatron_k3.model.decoder: b_0 is the embedding, a block is frozen at every block_size-th layer."""
+    if not cfg.attn_res:
+        return [(0, 0)] * cfg.num_layers, 0
+    blocks, out = 0, []
+    for i in range(cfg.num_layers):
+        pre = blocks + 1 if blocks else 0
+        if i % cfg.attn_res_block_size == 0:
+            blocks += 1
+        out.append((pre, blocks + 1))
+    return out, blocks + 1
+
+
+def _mix(ns: int, D: int, kernels: str, what: str) -> list:
+    if not ns:
+        return []
+    if kernels == "eager":  # stacked fp32 sources, their normalised copy, rms and softmax weights
+        return [ActTerm(f"{what}_depth_mix", "attn_res", ns * (2 * D + 2), "f", "seq", True)]
+    return [ActTerm(f"{what}_depth_mix", "attn_res", D, "a", "seq"),  # the new partial sum, by reference
+            ActTerm(f"{what}_depth_mix_stats", "attn_res", ns, "f", "seq")]
+
+
+def _norm(D: int, kernels: str, what: str) -> list:
+    """RMSNorm feeding a linear: eager keeps x (fp32), rms, the normalised x; the linear keeps the output."""
+    if kernels == "eager":
+        return [ActTerm(what, "norm", D, "f", "seq", True), ActTerm(what + "_rms", "norm", 1, "f", "seq", True),
+                ActTerm(what + "_normed", "norm", D, "a", "seq", True)]
+    return [ActTerm(what, "norm", D, "a", "seq"), ActTerm(what + "_rms", "norm", 1, "f", "seq")]
+
+
+def _kda(cfg, tp: int, kernels: str) -> list:
+    D, K, R, C = cfg.hidden_size, cfg.kda_head_dim, cfg.decay_rank, cfg.kda_chunk_size
+    H = cfg.kda_num_heads / tp
+    HK = H * K
+    t = [ActTerm("kda_input", "kda", D, "a", "full")]
+    if cfg.kda_output_gate == "lowrank":
+        t.append(ActTerm("kda_gate_lowrank", "kda", K, "a", "full"))
+    if kernels == "eager":
+        S = C
+        while S > 1 and S % 2 == 0:
+            S //= 2
+        levels = int(round(math.log2(C // S))) if C // S > 1 else 0
+        t += [
+            ActTerm("kda_conv", "kda", 9 * HK, "a", "full", True),  # per q/k/v: projection, padded copy, pre-SiLU
+            ActTerm("kda_qk_l2norm", "kda", 2 * (HK + H), "f", "full", True),
+            ActTerm("kda_decay_lowrank", "kda", R, "a", "full"),
+            ActTerm("kda_gate_decay", "kda", 2 * HK + H, "f", "full", True),  # sigmoid in/out, beta
+            # the chunked op: chunk copies of k and (q, k); 3 K per sibling-block level; the C x C matrices;
+            # gamma, [V | K Gamma], [U | W], the tail decays and their transposed copy, scaled q, P
+            ActTerm("kda_chunk_vectors", "kda", H * (3 * K + 3 * K * levels + 9 * K), "f", "full", True),
+            ActTerm("kda_chunk_matrices", "kda", H * (4 * C + 1), "f", "full", True),
+            ActTerm("kda_states", "kda_states", H * (K * K + 2 * K * K) / C, "f", "full", True),
+            ActTerm("kda_out_norm_gate", "kda", 4 * HK + H, "f", "full", True),
+            ActTerm("kda_o_proj_input", "kda", HK, "a", "full"),
+        ]
+    else:
+        t += [
+            ActTerm("kda_conv", "kda", 3 * HK, "a", "full", True),  # conv inputs
+            ActTerm("kda_qkv", "kda", 3 * HK, "a", "full"),
+            ActTerm("kda_decay_lowrank", "kda", R, "a", "full"),
+            ActTerm("kda_g_beta", "kda", HK + H, "f", "full"),
+            ActTerm("kda_chunk_matrices", "kda", 2 * H * C, "f", "full", True),
+            ActTerm("kda_states", "kda_states", H * K * K / C, "f", "full", True),
+            ActTerm("kda_out_norm_gate", "kda", 2 * HK, "a", "full"),
+            ActTerm("kda_out_rms", "kda", H, "f", "full"),
+            ActTerm("kda_o_proj_input", "kda", HK, "a", "full"),
+        ]
+    return t
+
+
+def _mla(cfg, tp: int, kernels: str) -> list:
+    D, L, Rr, N, Vd, ql = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                           cfg.v_head_dim, cfg.q_lora_rank)
+    H = cfg.mla_num_heads / tp
+    qk = N + Rr
+    t = [ActTerm("mla_input", "mla", D, "a", "full")]
+    eager = kernels == "eager"
+    if ql:
+        t.append(ActTerm("mla_q_latent", "mla", (3 * ql + 1) if eager else (2 * ql + 1), "a", "full"))
+    t.append(ActTerm("mla_latent", "mla_latent", (L + Rr) + 1 + (2 * L if eager else L), "a", "full"))
+    gate = 2 * H * Vd if cfg.mla_output_gate else 0
+    if eager:  # math attention over the packed row: scaled q, k^T, v, the probabilities, the mask
+        t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * Vd, "a", "full"),
+              ActTerm("mla_probs", "mla", H, "f", "row", True),
+              ActTerm("mla_mask", "mla", 0.125, "f", "row", True),  # bool [row, row]: 1 byte = 1/8 of an int64
+              ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
+    else:
+        t += [ActTerm("mla_qkvo", "mla", 2 * H * qk + 2 * H * Vd, "a", "full"),
+              ActTerm("mla_lse", "mla", H, "f", "full"),
+              ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
+    return t
+
+
+def _moe(cfg, tp: int, kernels: str) -> list:
+    D, W, I, E, k = cfg.hidden_size, cfg.expert_width, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    eager = kernels == "eager"
+    t = [ActTerm("moe_input", "moe", D, "a", "seq"),
+         ActTerm("router_scores", "moe", E + k + 1, "f", "seq"),
+         ActTerm("router_indices", "moe", 2 * k, "i", "seq")]
+    t.append(ActTerm("expert_inputs", "moe", k * W, "a", "seq"))
+    if eager:  # SiTU-GLU keeps six fp32 intermediates per row, the down projection its input
+        t += [ActTerm("expert_situ", "moe", 6 * k * I, "f", "seq", True),
+              ActTerm("expert_hidden", "moe", k * I, "a", "seq"),
+              ActTerm("expert_outputs", "moe", 2 * k * W + k, "f", "seq")]
+    else:
+        t += [ActTerm("expert_gate_up", "moe", 2 * k * I, "a", "seq"),
+              ActTerm("expert_hidden", "moe", k * I, "a", "seq", True),
+              ActTerm("expert_outputs", "moe", k * W + k, "a", "seq")]
+    if cfg.moe_latent_norm:
+        t.append(ActTerm("latent_norm", "moe", (2 * W + 1) if eager else (W + 1), "f", "seq", eager))
+    if cfg.moe_latent_size:
+        t.append(ActTerm("latent_up_input", "moe", W, "a", "seq"))
+    if cfg.num_shared_experts:
+        Is = cfg.shared_ffn_size / tp
+        t += _glu("shared", Is, D, eager, "moe")
+    return t
+
+
+def _glu(what: str, I: float, D: int, eager: bool, cat: str) -> list:
+    if eager:
+        return [ActTerm(f"{what}_input", cat, D, "a", "full"),
+                ActTerm(f"{what}_situ", cat, 6 * I, "f", "full", True),
+                ActTerm(f"{what}_hidden", cat, I, "a", "full")]
+    return [ActTerm(f"{what}_input", cat, D, "a", "full"),
+            ActTerm(f"{what}_gate_up", cat, 2 * I, "a", "full"),
+            ActTerm(f"{what}_hidden", cat, I, "a", "full", True)]
+
+
+def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple) -> list:
+    """Activation terms of decoder layer `layer_idx` (depth mixes, norms, mixer, FFN) on one TP rank."""
+    if kernels not in ("eager", "fused"):
+        raise ValueError(f"kernels must be 'eager' or 'fused', got {kernels!r}")
+    D = cfg.hidden_size
+    pre, post = sources
+    t = _mix(pre, D, kernels, "pre_mixer") + _norm(D, kernels, "input_norm")
+    t += _kda(cfg, tp, kernels) if cfg.layer_types()[layer_idx] == "kda" else _mla(cfg, tp, kernels)
+    t += _mix(post, D, kernels, "pre_ffn") + _norm(D, kernels, "post_attention_norm")
+    if cfg.ffn_types()[layer_idx] == "moe":
+        t += _moe(cfg, tp, kernels)
+    else:
+        t += _glu("dense_ffn", cfg.dense_intermediate_size / tp, D, kernels == "eager", "dense_ffn")
+    return t
+
+
+def head_terms(cfg, tp: int, kernels: str, out_sources: int) -> tuple:
+    """(kept terms, transient terms) of the output mix, final norm, LM head and loss on the last stage.
+    Transient: the loss gradient over the vocabulary shard, alive at the start of the backward."""
+    D, V = cfg.hidden_size, cfg.vocab_size / tp
+    kept = _mix(out_sources, D, kernels, "output") + _norm(D, kernels, "final_norm")
+    kept += [ActTerm("lm_head_input", "head", D, "a", "full"),
+             ActTerm("log_probs", "head", V, "f", "full")]
+    if kernels == "eager":  # the logits stay referenced by the model output during the backward
+        kept.append(ActTerm("logits", "head", V, "a", "full"))
+    transient = [ActTerm("loss_grad", "head", 2 * V, "f", "full")]
+    return kept, transient

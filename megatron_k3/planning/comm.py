@@ -1,0 +1,162 @@
+"""Communication per training step and device, by kind, and the time each kind takes on the cluster's links.
+
+Volumes are bytes one device sends (ring collectives: a fraction (g - 1) / g of the buffer; all-to-all:
+the share of tokens bound for other ranks). A group inside one supernode runs at `intra_supernode_gbps`;
+a group that spans supernodes runs hierarchically (inside each supernode first, then 1/m of the buffer
+across supernodes at `inter_supernode_gbps`, m members per supernode).
+
+Kinds:
+* tp: sequence-parallel all-gather / reduce-scatter around every mixer and dense/shared FFN (all-reduce
+  without sequence parallelism), the gathered low-rank projections, the LM head; forward + backward
+  (+ the forward again under full recomputation).
+* cp: the MLA latent all-gather (and its gradient reduce-scatter) and the KDA state hand-off.
+* ep: the dispatcher's all-to-all of the top-k latent rows to the expert ranks and back (combine), forward
+  and backward; inside the supernode by construction.
+* dp: gradient reduce-scatter and parameter all-gather (ZeRO-1/2; all-reduce with ZeRO-0) over the
+  data-parallel group (dense) and expert-DP group (routed experts); with Muon, the momentum all-gather for
+  the whole-matrix Newton-Schulz; across supernodes when the group spans them.
+* pp: activations forward and their gradients backward between neighbouring stages; with AttnRes the
+  completed blocks travel with the partial sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .layout import Layout, group_span, stage_layers
+from .memory import Workload
+from .params import model_params
+
+__all__ = ["StepComm", "training_comm", "collective_time"]
+
+GB = 1e9
+
+
+@dataclass
+class StepComm:
+    bytes_by_kind: dict = field(default_factory=dict)  # per device per step
+    time_by_kind: dict = field(default_factory=dict)  # seconds per step if not overlapped
+    per_micro_time: dict = field(default_factory=dict)  # tp/cp/ep/pp seconds per micro-batch (critical path)
+
+
+def collective_time(nbytes: float, size: int, stride: int, cluster) -> float:
+    """Seconds for one device to move `nbytes` (already scaled by (g - 1) / g) in a group of `size` ranks
+    spaced `stride` apart: hierarchical over supernodes."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    per, spans = group_span(size, stride, cluster.supernode_size)
+    intra = cluster.intra_supernode_gbps * GB
+    inter = cluster.inter_supernode_gbps * GB
+    if spans == 1:
+        return nbytes / intra
+    # the ring's (g-1)/g share splits into (m-1)/m inside and (s-1)/(s m) across
+    full = nbytes * size / (size - 1)
+    t = 0.0
+    if per > 1:
+        t += full * (per - 1) / per / intra
+    t += full * (spans - 1) / (spans * per) / inter
+    return t
+
+
+def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> StepComm:
+    """Bytes and seconds per step for the device on pipeline stage `stage`."""
+    a = w.act_bytes
+    stages = stage_layers(cfg, lay.pp)
+    start, end = stages[stage]
+    kinds = cfg.layer_types()[start:end]
+    ffns = cfg.ffn_types()[start:end]
+    m = max(1, w.global_batch_size // (w.micro_batch_size * lay.dp))
+    n = w.micro_batch_size * w.seq_length / lay.cp  # tokens of a micro-batch on this CP rank
+    n_rank = n / lay.tp if lay.sp else n  # tokens this rank routes through the MoE
+    passes = 3 if lay.recompute == "full" else 2  # forward, backward (+ forward again)
+    D = cfg.hidden_size
+    out = StepComm()
+
+    # ---- tensor parallelism, per micro-batch
+    tp_bytes = 0.0
+    if lay.tp > 1:
+        frac = (lay.tp - 1) / lay.tp
+        act = n * D * a * frac
+        exits = len(kinds) + sum(1 for f in ffns if f == "dense" or cfg.num_shared_experts)
+        per_exit = 2 * act  # enter + exit (all-gather + reduce-scatter, or all-reduce pair)
+        small = 0.0
+        for k in kinds:
+            if k == "kda":
+                small += cfg.decay_rank + (cfg.kda_head_dim if cfg.kda_output_gate == "lowrank" else 0)
+            else:
+                small += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        tp_bytes = passes * (exits * per_exit + n * small * a * frac)
+        if stage == len(stages) - 1:
+            tp_bytes += 2 * act + passes * 3 * n * 4  # LM head input gather (+ grad), cross-entropy reductions
+        if stage == 0:
+            tp_bytes += 2 * act  # vocab-parallel embedding reduction (+ grad)
+    tp_time = collective_time(tp_bytes, lay.tp, 1, cluster)
+
+    # ---- context parallelism, per micro-batch
+    cp_bytes = 0.0
+    if lay.cp > 1:
+        frac = lay.cp - 1  # all-gather: receive every other rank's shard
+        lat = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a
+        cp_bytes += kinds.count("mla") * passes * n * lat * frac
+        # KDA: every rank's chunk-transition [K, K] and state contribution [K, V] per head (fp32), all-gathered
+        # for the prefix scan that hands each rank its initial state
+        K = cfg.kda_head_dim
+        state = cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
+        cp_bytes += kinds.count("kda") * passes * state * frac
+    cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
+
+    # ---- expert parallelism, per micro-batch: dispatch + combine, forward and backward
+    ep_bytes = 0.0
+    n_moe = ffns.count("moe")
+    if lay.ep > 1 and n_moe:
+        rows = n_rank * cfg.top_k * cfg.expert_width * a * (lay.ep - 1) / lay.ep
+        ep_bytes = n_moe * 2 * passes * rows
+    ep_time = ep_bytes / (cluster.intra_supernode_gbps * GB) if ep_bytes else 0.0
+
+    # ---- pipeline, per micro-batch: activations forward, gradients backward, at each stage boundary
+    pp_bytes, pp_time = 0.0, 0.0
+    if lay.pp > 1:
+        bounds = [b for _, b in stages[:-1]]
+        worst = 0.0
+        for b in bounds:
+            blocks = (-(-b // cfg.attn_res_block_size) + 1) if cfg.attn_res else 0
+            payload = (blocks + 1) * n_rank * D * a
+            worst = max(worst, payload)
+        pp_bytes = 2 * worst  # send forward, receive the gradient (per device, its own boundary)
+        stride = lay.world // lay.pp
+        pp_time = collective_time(pp_bytes, 2, stride, cluster)
+
+    # ---- data parallelism, once per step
+    mp = model_params(cfg, lay.tp)
+    dense = sum(lp.dense.total for lp in mp.layers[start:end])
+    dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
+    if stage == 0:
+        dense += mp.embedding.total
+    if stage == len(stages) - 1:
+        dense += mp.head.total
+        dense_muon += mp.head.muon
+    experts = sum(lp.experts.total for lp in mp.layers[start:end]) / lay.ep
+    experts_muon = sum(lp.experts.muon for lp in mp.layers[start:end]) / lay.ep
+    g_dense, g_exp = lay.dp * lay.cp, lay.edp
+    rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
+    dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
+    dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 else 0.0
+    ag_dense = dense * w.weight_bytes * (g_dense - 1) / g_dense if (g_dense > 1 and w.zero_stage >= 1) else 0.0
+    ag_exp = experts * w.weight_bytes * (g_exp - 1) / g_exp if (g_exp > 1 and w.zero_stage >= 1) else 0.0
+    t_grad = (collective_time(dp_bytes_dense, g_dense, lay.tp, cluster)
+              + collective_time(dp_bytes_exp, g_exp, lay.ep, cluster))
+    t_param = collective_time(ag_dense, g_dense, lay.tp, cluster) + collective_time(ag_exp, g_exp, lay.ep, cluster)
+    muon_bytes, t_muon = 0.0, 0.0
+    if w.optimizer == "muon" and w.zero_stage >= 1:
+        md = dense_muon * 4 * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
+        me = experts_muon * 4 * (g_exp - 1) / g_exp if g_exp > 1 else 0.0
+        muon_bytes = md + me
+        t_muon = collective_time(md, g_dense, lay.tp, cluster) + collective_time(me, g_exp, lay.ep, cluster)
+
+    out.bytes_by_kind = {"tp": m * tp_bytes, "cp": m * cp_bytes, "ep": m * ep_bytes, "pp": m * pp_bytes,
+                         "dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
+                         "dp_muon_gather": muon_bytes}
+    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time, "pp": m * pp_time,
+                        "dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon}
+    out.per_micro_time = {"tp": tp_time, "cp": cp_time, "ep": ep_time, "pp": pp_time}
+    return out

@@ -1,0 +1,278 @@
+"""Memory per device: model states (weights, gradients, ZeRO-sharded optimizer states for AdamW or Muon),
+activations of the micro-batches in flight (with or without recomputation), and for inference the MXFP4
+experts, bf16 rest, KDA recurrent states and the MLA latent cache.
+
+Precision recipes (bytes per parameter):
+
+* fp32: weights 4, gradients 4; under ZeRO-1/2 DeepSpeed also keeps an fp32 copy of each partition (4,
+  sharded), under ZeRO-0 none.
+* bf16, mx_qat, te_fp8, te_mxfp8 (mixed precision, as Megatron/DeepSpeed run it): bf16 weights 2,
+  gradients accumulated in fp32 4 (`grad_dtype=bf16`: 2), fp32 master weights 4 held by the optimizer.
+* AdamW keeps two fp32 moments (8); Muon one fp32 momentum (4) for matrices and AdamW's two for the rest.
+* ZeRO-1 shards master weights and optimizer states over the data-parallel group (dense parameters over
+  DP x CP, routed experts over expert-DP); ZeRO-2 shards the gradients too; ZeRO-0 shards nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .activations import attn_res_sources, head_terms, layer_terms, term_bytes
+from .layout import Layout, stage_layers
+from .params import cfg_key, model_params
+
+__all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",
+           "MXFP4_BYTES_PER_PARAM"]
+
+GB = 1e9
+MXFP4_BYTES_PER_PARAM = 4.25 / 8  # E2M1 codes (4 bits) + one E8M0 scale per 32 values
+MIXED = ("bf16", "mx_qat", "te_fp8", "te_mxfp8")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step computes, and with which numerics and kernels."""
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    precision: str = "bf16"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8
+    optimizer: str = "adamw"  # adamw or muon
+    zero_stage: int = 1
+    grad_dtype: str = "fp32"  # gradient accumulation buffers under mixed precision: fp32 or bf16
+    kernels: str = "fused"  # eager (the torch paths) or fused (flash attention, fla KDA, fused norms)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.precision in MIXED else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.precision not in MIXED or self.grad_dtype == "fp32" else 2
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.precision in MIXED else 4
+
+    @property
+    def master_bytes(self) -> int:
+        return 4 if self.precision in MIXED or self.zero_stage >= 1 else 0
+
+
+@dataclass
+class StageMemory:
+    """Bytes per device on one pipeline stage, by kind, with the activation detail beside it."""
+    stage: int
+    layers: tuple  # [start, end)
+    params_dense: int  # parameters on this device (per TP rank)
+    params_experts: int  # routed-expert parameters on this device (per EP rank)
+    in_flight: int  # micro-batches whose activations are held at once (1F1B)
+    weights: float
+    gradients: float
+    optimizer: float  # master weights + optimizer states (after ZeRO sharding)
+    activations: float  # all micro-batches in flight
+    transient: float  # loss gradient, all-to-all buffers, recompute workspace, Newton-Schulz workspace
+    reserved: float
+    activation_detail: dict = field(default_factory=dict)  # category -> bytes (all micro-batches in flight)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.transient
+                + self.reserved)
+
+    def breakdown_gb(self) -> dict:
+        return {"weights": self.weights / GB, "gradients": self.gradients / GB, "optimizer": self.optimizer / GB,
+                "activations": self.activations / GB, "transient": self.transient / GB,
+                "reserved": self.reserved / GB}
+
+
+def _opt_state_bytes(group, optimizer: str) -> float:
+    """fp32 optimizer states of a ParamGroup: Muon's single momentum for matrices, AdamW's two moments else."""
+    if optimizer == "muon":
+        return group.muon * 4 + (group.total - group.muon) * 8
+    return group.total * 8
+
+
+_COEF: dict = {}
+
+
+def _layer_coefficients(cfg, i: int, tp: int, kernels: str, sources, skip_cheap: bool) -> dict:
+    """Layer i's terms summed per (category, token class, dtype class): elements per token (memoised)."""
+    key = (cfg_key(cfg), i, tp, kernels, skip_cheap)
+    hit = _COEF.get(key)
+    if hit is None:
+        hit = {}
+        for t in layer_terms(cfg, i, tp, kernels, sources[i]):
+            if not (skip_cheap and t.cheap):
+                k = (t.category, t.tokens, t.dtype)
+                hit[k] = hit.get(k, 0.0) + t.per_token
+        _COEF[key] = hit
+    return hit
+
+
+def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, sources, out_src,
+                      skip_cheap: bool) -> tuple:
+    """(bytes kept, bytes by category, largest single layer's bytes) for one micro-batch on layers
+    [start, end); `last` adds the output mix, final norm, LM head and loss."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    row = n if w.kernels == "eager" else w.seq_length  # eager attention spans the packed micro-batch row
+    tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row}
+    nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
+    by_cat, total, largest = {}, 0.0, 0.0
+    for i in range(start, end):
+        layer_total = 0.0
+        for (cat, tok, dt), per_token in _layer_coefficients(cfg, i, lay.tp, w.kernels, sources,
+                                                             skip_cheap).items():
+            b = per_token * tokens[tok] * nbytes[dt]
+            by_cat[cat] = by_cat.get(cat, 0.0) + b
+            layer_total += b
+        total += layer_total
+        largest = max(largest, layer_total)
+    if last:
+        kept, _ = head_terms(cfg, lay.tp, w.kernels, out_src)
+        for t in kept:
+            b = term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, row)
+            by_cat[t.category] = by_cat.get(t.category, 0.0) + b
+            total += b
+    return total, by_cat, largest
+
+
+def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: int) -> float:
+    """Per micro-batch under full recomputation: each layer keeps its input (the running partial sum, or the
+    residual stream), and the completed AttnRes blocks the stage reads are kept once."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    tokens = n / lay.tp if lay.sp else n
+    per_layer = cfg.hidden_size * w.act_bytes * tokens
+    blocks = 0
+    if cfg.attn_res:
+        blocks = -(-end // cfg.attn_res_block_size) + 1  # embedding + the blocks up to this stage's end
+    return per_layer * (end - start + blocks)
+
+
+def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
+    """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
+    mp = model_params(cfg, lay.tp)
+    stages = stage_layers(cfg, lay.pp)
+    sources, out_src = attn_res_sources(cfg)
+    m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
+    shard_dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
+    shard_experts = lay.edp if w.zero_stage >= 1 else 1
+    grad_shard_dense = shard_dense if w.zero_stage >= 2 else 1
+    grad_shard_experts = shard_experts if w.zero_stage >= 2 else 1
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    n_rank = n / lay.tp if lay.sp else n
+    out = []
+    for s, (a, b) in enumerate(stages):
+        first, last = s == 0, s == len(stages) - 1
+        dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
+        if first:
+            dense = dense + mp.embedding
+        if last:
+            dense = dense + mp.head
+        experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
+        e_total, e_muon = experts.total / lay.ep, experts.muon / lay.ep
+        weights = (dense.total + e_total) * w.weight_bytes
+        grads = dense.total * w.grad_bytes / grad_shard_dense + e_total * w.grad_bytes / grad_shard_experts
+        opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
+        e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
+        opt_exp = e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)
+        optimizer = opt_dense / shard_dense + opt_exp / shard_experts
+        in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
+        transient = 0.0
+        if lay.recompute == "full":
+            ckpt = _full_recompute_checkpoints(cfg, lay, w, a, b)
+            _, _, largest = _micro_activation(cfg, lay, w, a, b, False, sources, out_src, False)
+            head, head_cat, _ = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, False)
+            acts = in_flight * (ckpt + head)
+            detail = {"layer_inputs": in_flight * ckpt, **{k: v * in_flight for k, v in head_cat.items()}}
+            transient += largest  # one layer recomputed at a time during the backward
+        else:
+            per_micro, cat, largest = _micro_activation(cfg, lay, w, a, b, last, sources, out_src,
+                                                        lay.recompute == "selective")
+            acts = in_flight * per_micro
+            detail = {k: v * in_flight for k, v in cat.items()}
+            if lay.recompute == "selective":  # the cheap parts of one layer rebuilt during its backward
+                transient += max((_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, False)[0]
+                                  - _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, True)[0])
+                                 for i in range(a, b))
+        if last:
+            _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
+            transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
+        if "moe" in cfg.ffn_types()[a:b] and lay.ep > 1:  # all-to-all send + receive buffers of one layer
+            transient += 2 * n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
+        if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
+            big = max(dense.largest_matrix, experts.largest_matrix)
+            transient += 3 * big * 4
+        out.append(StageMemory(s, (a, b), dense.total, int(e_total), in_flight, weights, grads, optimizer, acts,
+                               transient, cluster.reserved_memory_gb * GB, detail))
+    return out
+
+
+@dataclass
+class InferenceMemory:
+    """Bytes per device when serving: weights, KDA states, MLA latent cache, workspace."""
+    weights_dense: float
+    weights_experts: float
+    kda_states: float
+    mla_cache: float
+    workspace: float
+    reserved: float
+    sequences_per_device: int
+
+    @property
+    def total(self) -> float:
+        return (self.weights_dense + self.weights_experts + self.kda_states + self.mla_cache + self.workspace
+                + self.reserved)
+
+    def breakdown_gb(self) -> dict:
+        return {"weights_bf16": self.weights_dense / GB, "experts_mxfp4": self.weights_experts / GB,
+                "kda_states": self.kda_states / GB, "mla_latent_cache": self.mla_cache / GB,
+                "workspace": self.workspace / GB, "reserved": self.reserved / GB}
+
+
+def kda_state_bytes_per_sequence(cfg, tp: int = 1, layers=None) -> float:
+    """Recurrent state (fp32 [H, K, V]) and short-conv state (bf16, last W-1 inputs of q, k, v) of the KDA
+    layers (all, or those in `layers`) for one sequence, on one TP rank."""
+    kinds = cfg.layer_types() if layers is None else [cfg.layer_types()[i] for i in layers]
+    n = kinds.count("kda")
+    H = cfg.kda_num_heads / tp
+    K = cfg.kda_head_dim
+    return n * (H * K * K * 4 + 3 * H * K * (cfg.kda_conv_size - 1) * 2)
+
+
+def mla_cache_bytes_per_token(cfg, layers=None) -> float:
+    """bf16 latent cache [c_kv ; k_rope] of the MLA layers (all, or those in `layers`), per token. The
+    latent is shared by all heads, so every TP rank of a group holds all of it."""
+    kinds = cfg.layer_types() if layers is None else [cfg.layer_types()[i] for i in layers]
+    return kinds.count("mla") * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+
+
+def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, context: int,
+                     prefill_chunk: int = 8192) -> InferenceMemory:
+    """Serving memory per device on the first (largest) pipeline stage: routed experts in MXFP4 over the EP
+    group, everything else bf16 over TP, `batch` sequences of `context` tokens spread over the attention
+    data-parallel groups (world / (tp * pp))."""
+    mp = model_params(cfg, tp)
+    world = cluster.world_size
+    dp_attn = max(1, world // (tp * pp))
+    seqs = -(-batch // dp_attn)
+    worst = None
+    for s, (a, b) in enumerate(stage_layers(cfg, pp)):
+        dense = sum(lp.dense.total for lp in mp.layers[a:b])
+        dense += (mp.embedding.total if s == 0 else 0) + (mp.head.total if s == pp - 1 else 0)
+        experts = sum(lp.experts.total for lp in mp.layers[a:b]) / ep
+        layers = range(a, b)
+        kda = seqs * kda_state_bytes_per_sequence(cfg, tp, layers)
+        mla = seqs * context * mla_cache_bytes_per_token(cfg, layers)
+        chunk = min(prefill_chunk, context)
+        w = Workload(chunk, 1, 1, "bf16", kernels="fused")
+        lay = Layout(world=tp, tp=tp, sequence_parallel=True)
+        per_layer = max(_micro_activation(cfg, lay, w, i, i + 1, False, attn_res_sources(cfg)[0], 0, False)[0]
+                        for i in layers)
+        blocks = (cfg.num_attn_res_blocks + 1) * chunk * cfg.hidden_size * 2 if cfg.attn_res else 0
+        logits = (chunk * cfg.vocab_size / tp * 4) if s == pp - 1 else 0
+        workspace = per_layer + blocks + logits
+        m = InferenceMemory(dense * 2, experts * MXFP4_BYTES_PER_PARAM, kda, mla, workspace,
+                            cluster.reserved_memory_gb * GB, seqs)
+        if worst is None or m.total > worst.total:
+            worst = m
+    return worst

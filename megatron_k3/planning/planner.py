@@ -1,0 +1,445 @@
+"""The planner: for a model, a cluster and a parallel layout, memory per device, communication per step,
+pipeline bubble, step time and MFU (training), or memory and decode rate (inference); and the search over
+layouts that lists what fits, best first, or says why nothing does and how many accelerators would do.
+
+Time model (training), for the slowest pipeline stage:
+  per micro-batch  t_micro = FLOPs / (peak x gemm_efficiency) + TP + CP + EP + PP transfer time
+                   (collectives on the critical path, not overlapped with compute)
+  pipeline         (m + pp - 1) x t_micro for m micro-batches per step (1F1B; bubble (pp-1)/(m+pp-1))
+  data parallel    the gradient reduce-scatter overlaps the last micro-batch's backward, the parameter
+                   all-gather the first one's forward; what does not fit is exposed; the Muon momentum
+                   gather and Newton-Schulz are exposed
+  MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .comm import training_comm
+from .flops import decode_flops_per_token, layer_flop_terms, model_flops
+from .layout import Layout, layout_problems, stage_layers
+from .memory import (GB, InferenceMemory, Workload, inference_memory, kda_state_bytes_per_sequence,
+                     mla_cache_bytes_per_token, training_memory)
+from .params import cfg_key, model_params
+
+__all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
+           "SearchResult", "min_world_for_training", "model_state_bytes"]
+
+CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
+_CHEAP_FLOPS = ("kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve",
+                "kda.wy_products", "kda.state_handoff", "kda.output", "kda.diag_span", "mla.attention")
+
+
+@dataclass
+class TrainPlan:
+    model: str
+    cluster: str
+    layout: Layout
+    workload: Workload
+    total_params: int
+    active_params: int
+    fits: bool
+    memory_per_device: float  # bytes, the largest stage
+    memory_breakdown: dict  # GB by kind, largest stage
+    activation_breakdown: dict  # GB by category, largest stage
+    stage_memory_gb: list
+    params_per_device: dict
+    micro_batches: int
+    bubble: float
+    model_flops_per_step: float
+    device_flops_per_step: float  # on the slowest stage, recomputation and redundancy included
+    comm_bytes: dict
+    comm_time: dict
+    time_breakdown: dict
+    step_time: float
+    mfu: float
+    tokens_per_s: float
+    capacity_gb: float
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": "train", "model": self.model, "cluster": self.cluster, "total_params": self.total_params,
+            "active_params": self.active_params, "layout": self.layout.as_dict(),
+            "workload": {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
+                         "global_batch_size": self.workload.global_batch_size, "precision": self.workload.precision,
+                         "optimizer": self.workload.optimizer, "zero_stage": self.workload.zero_stage,
+                         "kernels": self.workload.kernels},
+            "fits": self.fits, "device_memory_gb": self.capacity_gb,
+            "memory_per_device_gb": self.memory_per_device / GB, "memory_breakdown_gb": self.memory_breakdown,
+            "activation_breakdown_gb": self.activation_breakdown, "stage_memory_gb": self.stage_memory_gb,
+            "params_per_device": self.params_per_device, "micro_batches": self.micro_batches,
+            "pipeline_bubble": self.bubble, "model_flops_per_step": self.model_flops_per_step,
+            "device_flops_per_step": self.device_flops_per_step, "comm_bytes_per_step": self.comm_bytes,
+            "comm_time_s": self.comm_time, "time_breakdown_s": self.time_breakdown, "step_time_s": self.step_time,
+            "mfu": self.mfu, "tokens_per_s": self.tokens_per_s, "notes": self.notes,
+        }
+
+
+def _peak_flops(cluster, precision: str) -> float:
+    """FLOP/s the GEMMs run at: fp8 tensor cores for the TE fp8 recipes, half the bf16 rate for fp32 (TF32) on
+    accelerators, the bf16 peak otherwise (mx_qat fake-quantises and multiplies in bf16)."""
+    peak = cluster.peak_tflops_bf16
+    if precision in ("te_fp8", "te_mxfp8") and cluster.peak_tflops_fp8 > 0:
+        peak = cluster.peak_tflops_fp8
+    elif precision == "fp32" and cluster.device_kind == "gpu":
+        peak = cluster.peak_tflops_bf16 / 2
+    return peak * 1e12
+
+
+_FLOP_CACHE: dict = {}
+
+
+def _model_flops(cfg, seq_length: int):
+    key = (cfg_key(cfg), seq_length)
+    if key not in _FLOP_CACHE:
+        _FLOP_CACHE[key] = model_flops(cfg, seq_length, "causal")
+    return _FLOP_CACHE[key]
+
+
+def _layer_flop_classes(cfg, i: int, T: int, attention: str) -> tuple:
+    """Layer i's per-token (forward, backward, recomputable forward) FLOPs: (TP-split part, routed part)."""
+    key = (cfg_key(cfg), i, T, attention)
+    hit = _FLOP_CACHE.get(key)
+    if hit is None:
+        split, routed = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+        for t in layer_flop_terms(cfg, i, T, attention):
+            acc = split if (t.category in ("kda", "mla", "dense_ffn") or t.name == "moe.shared_experts") else routed
+            acc[0] += t.forward
+            acc[1] += t.backward
+            if t.name in _CHEAP_FLOPS:
+                acc[2] += t.forward
+        hit = _FLOP_CACHE[key] = (tuple(split), tuple(routed))
+    return hit
+
+
+def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool) -> tuple:
+    """(forward, backward, recompute) FLOPs of one micro-batch on one device of the stage."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    n_rank = n / lay.tp if lay.sp else n
+    if w.kernels == "eager":  # the packed micro-batch is one row; the math attention spans all of it
+        T, attention = w.micro_batch_size * w.seq_length, "dense"
+    else:
+        T, attention = w.seq_length, "causal"
+    fwd = bwd = cheap = 0.0
+    for i in range(start, end):
+        (sf, sb, sc), (rf, rb, rc) = _layer_flop_classes(cfg, i, T, attention)
+        # head- or intermediate-split over TP / the routed branch on this rank's tokens (all, without SP)
+        fwd += sf * n / lay.tp + rf * n_rank
+        bwd += sb * n / lay.tp + rb * n_rank
+        cheap += sc * n / lay.tp + rc * n_rank
+    if last:
+        f = 2 * cfg.hidden_size * cfg.vocab_size * n / lay.tp
+        fwd += f
+        bwd += 2 * f
+    recompute = fwd if lay.recompute == "full" else (cheap if lay.recompute == "selective" else 0.0)
+    return fwd, bwd, recompute
+
+
+def model_state_bytes(cfg, w: Workload) -> float:
+    """Weights + gradients + master + optimizer states of the whole model, unsharded: the floor on the
+    accelerators' combined memory for training (activations come on top)."""
+    mp = model_params(cfg, 1)
+    total = mp.dense_total() + mp.expert_total()
+    muon = sum(lp.dense.muon + lp.experts.muon for lp in mp.layers) + mp.head.muon + mp.embedding.muon
+    opt = muon * 4 + (total - muon) * 8 if w.optimizer == "muon" else total * 8
+    return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt
+
+
+def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
+    """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
+    problems = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if counts is None:
+        from ..model.params import count_parameters
+
+        counts = count_parameters(cfg)
+    stages = stage_layers(cfg, lay.pp)
+    mem = training_memory(cfg, cluster, lay, w)
+    worst = max(mem, key=lambda s: s.total)
+    m = w.global_batch_size // (w.micro_batch_size * lay.dp)
+    rate = _peak_flops(cluster, w.precision) * cluster.gemm_efficiency
+    # slowest stage per micro-batch, communication on the critical path included
+    per_stage = []
+    for s, (a, b) in enumerate(stages):
+        fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1)
+        comm = training_comm(cfg, cluster, lay, w, s)
+        t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
+        per_stage.append((t, fwd, bwd, rec, comm, s))
+    t_micro, fwd, bwd, rec, comm, slow = max(per_stage, key=lambda x: x[0])
+    pipeline = (m + lay.pp - 1) * t_micro
+    bubble = (lay.pp - 1) / (m + lay.pp - 1)
+    # data parallel: overlap with the last backward / first forward; Muon's gather and Newton-Schulz exposed
+    t_bwd, t_fwd = (bwd + rec) / rate, fwd / rate
+    dp_exposed = (max(0.0, comm.time_by_kind["dp_grad_reduce"] - t_bwd)
+                  + max(0.0, comm.time_by_kind["dp_param_gather"] - t_fwd) + comm.time_by_kind["dp_muon_gather"])
+    t_opt = 0.0
+    if w.optimizer == "muon":
+        mp = model_params(cfg, lay.tp)
+        a, b = stages[slow]
+        ns = sum(lp.dense.ns_flops + lp.experts.ns_flops / lay.ep for lp in mp.layers[a:b])
+        t_opt = ns / rate
+    step = pipeline + dp_exposed + t_opt
+    mf = _model_flops(cfg, w.seq_length)
+    tokens = w.global_batch_size * w.seq_length
+    model_step = mf.train_per_step(tokens)
+    mfu = model_step / (step * lay.world * cluster.peak_tflops_bf16 * 1e12)
+    capacity = cluster.device_memory_gb * GB
+    per_dev = {"dense": worst.params_dense, "routed_experts": worst.params_experts,
+               "total": worst.params_dense + worst.params_experts}
+    compute = m * (fwd + bwd + rec) / rate
+    times = {"compute": compute, "tp": m * comm.per_micro_time["tp"], "cp": m * comm.per_micro_time["cp"],
+             "ep": m * comm.per_micro_time["ep"], "pp": m * comm.per_micro_time["pp"],
+             "pipeline_bubble": pipeline - m * t_micro, "dp_exposed": dp_exposed, "optimizer": t_opt}
+    notes = []
+    if lay.tp > 1 and not lay.sp:
+        notes.append("sequence parallelism off: the routed MoE branch runs redundantly on every TP rank")
+    return TrainPlan(
+        model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
+        active_params=counts["active"], fits=worst.total <= capacity, memory_per_device=worst.total,
+        memory_breakdown=worst.breakdown_gb(),
+        activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
+        stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
+        bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
+        comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
+        mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------ search
+
+def _pow2_upto(n: int) -> list:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective", "full")) -> list:
+    world, sn = cluster.world_size, cluster.supernode_size
+    tps = [t for t in _pow2_upto(min(sn, max(cluster.devices_per_node, 1)))]
+    max_pp = cfg.num_attn_res_blocks if cfg.attn_res else cfg.num_layers
+    pps = [p for p in range(1, max_pp + 1) if world % p == 0]
+    if "moe" in cfg.ffn_types():
+        eps = [e for e in range(1, sn + 1) if cfg.num_experts % e == 0 and sn % e == 0]
+    else:
+        eps = [1]
+    # context parallelism only where each shard keeps >= 4096 tokens: CP's latency costs (the KDA state scan
+    # across ranks, causal load imbalance in MLA) are not modelled, so short shards would look too good
+    cps = [c for c in _pow2_upto(8) if c == 1 or (w.seq_length % c == 0 and w.seq_length // c >= CP_MIN_SHARD)]
+    out = []
+    for tp in tps:
+        for pp in pps:
+            for ep in eps:
+                for cp in cps:
+                    for rc in recomputes:
+                        out.append(Layout(world=world, tp=tp, pp=pp, ep=ep, cp=cp, recompute=rc))
+    return out
+
+
+@dataclass
+class SearchResult:
+    fits: list  # TrainPlan or InferPlan, best first
+    over_memory: list  # valid layouts that do not fit, least memory first
+    invalid: dict  # reason -> count
+    evaluated: int
+    min_world: int | None = None  # training: smallest accelerator count (whole supernodes) that fits
+    min_world_plan: object = None
+    state_floor_bytes: float = 0.0
+
+
+_SEARCHES: dict = {}
+
+
+def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bool = True) -> SearchResult:
+    """Every candidate layout planned; the `top` fastest that fit (or the least-memory ones that do not, the
+    model-state floor, and the smallest accelerator count that would fit). Memoised per input (pure)."""
+    key = (cfg_key(cfg), repr(cluster), w, top, find_min_world)
+    if key not in _SEARCHES:
+        _SEARCHES[key] = _search_training(cfg, cluster, w, top, find_min_world)
+    return _SEARCHES[key]
+
+
+def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) -> SearchResult:
+    from ..model.params import count_parameters
+
+    counts = count_parameters(cfg)
+    fits, over, invalid, n = [], [], {}, 0
+    for lay in candidate_layouts(cfg, cluster, w):
+        probs = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
+        if probs:
+            key = probs[0]
+            for word in ("does not divide", "cross", "spans", "exceeds", "not a multiple"):
+                if word in key:
+                    key = _reason_class(key)
+                    break
+            invalid[key] = invalid.get(key, 0) + 1
+            continue
+        n += 1
+        p = plan_training(cfg, cluster, lay, w, counts)
+        (fits if p.fits else over).append(p)
+    fits.sort(key=lambda p: (p.step_time, p.memory_per_device))
+    over.sort(key=lambda p: p.memory_per_device)
+    res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
+    if not fits and find_min_world:
+        res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts)
+    return res
+
+
+def _reason_class(reason: str) -> str:
+    """Group similar rejections ("tp*pp*cp=24 does not divide ..." -> "tp*pp*cp does not divide the world")."""
+    import re
+
+    return re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", re.sub(r"=\S+", "", reason))).strip()
+
+
+def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256):
+    """Smallest number of whole supernodes (same accelerators and links) on which some layout fits: a scan
+    upward from the model-state floor (fitting is not monotone in the count: divisibility matters), checking
+    the memory-lightest recomputation first; returns (accelerators, the best plan there) or (None, None)."""
+    from ..model.params import count_parameters
+
+    counts = counts or count_parameters(cfg)
+    sn = cluster.supernode_size
+    usable = (cluster.device_memory_gb - cluster.reserved_memory_gb) * GB
+    first = max(1, math.ceil(model_state_bytes(cfg, w) / usable / sn))
+    for k in range(first, max_supernodes + 1):
+        world = k * sn
+        dpn = cluster.devices_per_node if world % max(cluster.devices_per_node, 1) == 0 else 1
+        c = replace(cluster, num_nodes=world // dpn, devices_per_node=dpn)
+        capacity = c.device_memory_gb * GB
+        fits = False
+        for lay in candidate_layouts(cfg, c, w, recomputes=("full",)):
+            if layout_problems(cfg, c, lay, w.micro_batch_size, w.global_batch_size, w.seq_length):
+                continue
+            if max(s.total for s in training_memory(cfg, c, lay, w)) <= capacity:  # memory alone decides
+                fits = True
+                break
+        if fits:
+            res = search_training(cfg, c, w, top=1, find_min_world=False)
+            return world, res.fits[0]
+    return None, None
+
+
+# ------------------------------------------------------------------------------------------------ inference
+
+@dataclass
+class InferPlan:
+    model: str
+    cluster: str
+    world: int
+    tp: int
+    ep: int
+    pp: int
+    batch: int
+    context: int
+    total_params: int
+    active_params: int
+    fits: bool
+    memory: InferenceMemory
+    capacity_gb: float
+    model_bytes: dict  # whole model: bf16 part, MXFP4 experts
+    kda_state_per_sequence: float  # bytes
+    mla_cache_per_token: float  # bytes
+    decode_step_s: float
+    decode_tokens_per_s: float
+    decode_bound: str
+    comm_bytes: dict
+    mfu: float
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"mode": "infer", "model": self.model, "cluster": self.cluster, "total_params": self.total_params,
+                "active_params": self.active_params,
+                "layout": {"world": self.world, "tp": self.tp, "ep": self.ep, "pp": self.pp,
+                           "dp_attention": self.world // (self.tp * self.pp)},
+                "batch": self.batch, "context": self.context, "fits": self.fits,
+                "device_memory_gb": self.capacity_gb, "memory_per_device_gb": self.memory.total / GB,
+                "memory_breakdown_gb": self.memory.breakdown_gb(),
+                "sequences_per_device": self.memory.sequences_per_device,
+                "model_bytes_gb": {k: v / GB for k, v in self.model_bytes.items()},
+                "kda_state_per_sequence_gb": self.kda_state_per_sequence / GB,
+                "mla_cache_per_token_kb": self.mla_cache_per_token / 1e3,
+                "comm_bytes_per_step": self.comm_bytes, "step_time_s": self.decode_step_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "decode_bound": self.decode_bound,
+                "mfu": self.mfu, "notes": self.notes}
+
+
+def plan_inference(cfg, cluster, tp: int, ep: int, pp: int, batch: int, context: int, counts=None) -> InferPlan:
+    """Serving plan: routed experts MXFP4, the rest bf16, `batch` sequences at `context` tokens."""
+    from ..model.params import count_parameters
+    from .memory import MXFP4_BYTES_PER_PARAM
+
+    world, sn = cluster.world_size, cluster.supernode_size
+    problems = []
+    if world % (tp * pp) or world % (ep * pp):
+        problems.append(f"tp*pp={tp * pp} and ep*pp={ep * pp} must divide the {world} accelerators")
+    if ep > sn or sn % ep or tp > sn or sn % tp:
+        problems.append(f"TP {tp} and EP {ep} groups must stay inside a supernode of {sn}")
+    if "moe" in cfg.ffn_types() and cfg.num_experts % ep:
+        problems.append(f"ep={ep} does not divide num_experts={cfg.num_experts}")
+    try:
+        stage_layers(cfg, pp)
+        model_params(cfg, tp)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
+    counts = counts or count_parameters(cfg)
+    mem = inference_memory(cfg, cluster, tp, ep, pp, batch, context)
+    mp = model_params(cfg, 1)
+    experts = mp.expert_total()
+    model_bytes = {"bf16_part": (counts["total"] - experts) * 2, "mxfp4_experts": experts * MXFP4_BYTES_PER_PARAM}
+    # decode step for the batch: each pipeline stage in turn reads its weights and its sequences' states
+    # (KDA state read and written) from HBM, or computes, whichever is slower; plus the all-to-all
+    dp_attn = world // (tp * pp)
+    seqs = mem.sequences_per_device
+    read = (mem.weights_dense + mem.weights_experts + 2 * mem.kda_states + mem.mla_cache) * pp
+    t_mem = read / (cluster.hbm_gbps * GB)
+    flops_tok = decode_flops_per_token(cfg, context)
+    t_flops = flops_tok * batch / (world * cluster.peak_tflops_bf16 * 1e12 * cluster.gemm_efficiency)
+    n_moe = cfg.ffn_types().count("moe")
+    a2a = 0.0
+    if ep > 1 and n_moe:  # dispatch + combine of this rank's tokens' latent rows (bf16) per MoE layer
+        tok = seqs / tp if tp > 1 else seqs
+        a2a = n_moe * 2 * tok * cfg.top_k * cfg.expert_width * 2 * (ep - 1) / ep
+    t_comm = a2a / (cluster.intra_supernode_gbps * GB)
+    step = max(t_mem, t_flops) + t_comm
+    notes = []
+    if seqs * dp_attn > batch:
+        notes.append(f"{batch} sequences do not divide over {dp_attn} attention data-parallel groups; "
+                     "the fullest group is counted")
+    return InferPlan(cfg.name, cluster.name, world, tp, ep, pp, batch, context, counts["total"], counts["active"],
+                     mem.total <= cluster.device_memory_gb * GB, mem, cluster.device_memory_gb, model_bytes,
+                     kda_state_bytes_per_sequence(cfg), mla_cache_bytes_per_token(cfg), step, batch / step,
+                     "memory bandwidth" if t_mem >= t_flops else "compute", {"ep": a2a},
+                     flops_tok * batch / (step * world * cluster.peak_tflops_bf16 * 1e12), notes)
+
+
+def search_inference(cfg, cluster, batch: int, context: int, top: int = 10) -> SearchResult:
+    from ..model.params import count_parameters
+
+    counts = count_parameters(cfg)
+    sn = cluster.supernode_size
+    tps = _pow2_upto(min(sn, max(cluster.devices_per_node, 1)))
+    eps = [e for e in range(1, sn + 1) if sn % e == 0 and ("moe" not in cfg.ffn_types() or cfg.num_experts % e == 0)]
+    max_pp = cfg.num_attn_res_blocks if cfg.attn_res else cfg.num_layers
+    pps = [p for p in range(1, max_pp + 1) if cluster.world_size % p == 0]
+    fits, over, invalid, n = [], [], {}, 0
+    for tp in tps:
+        for ep in eps:
+            for pp in pps:
+                try:
+                    p = plan_inference(cfg, cluster, tp, ep, pp, batch, context, counts)
+                except ValueError as e:
+                    key = _reason_class(str(e).split(";")[0])
+                    invalid[key] = invalid.get(key, 0) + 1
+                    continue
+                n += 1
+                (fits if p.fits else over).append(p)
+    fits.sort(key=lambda p: (-p.decode_tokens_per_s, p.memory.total))
+    over.sort(key=lambda p: p.memory.total)
+    return SearchResult(fits[:top], over[:top], invalid, n)

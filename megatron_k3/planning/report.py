@@ -1,0 +1,200 @@
+"""Human-readable planner output: one plan in detail, a search as a ranked table with the reasoning
+(rules applied, why layouts were rejected, what the memory goes to), and the no-fit explanation."""
+
+from __future__ import annotations
+
+from .memory import GB, MXFP4_BYTES_PER_PARAM, Workload
+from .planner import InferPlan, SearchResult, TrainPlan
+
+__all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search"]
+
+
+def _h(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if abs(n) >= div:
+            return f"{n / div:.4g}{unit}"
+    return f"{n:.4g}"
+
+
+def _bytes(n: float) -> str:
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def header(cfg, cluster, counts: dict) -> list:
+    c = cluster
+    sn = c.world_size // c.supernode_size if c.world_size >= c.supernode_size else 1
+    return [
+        f"model {cfg.name}: {_h(counts['total'])} parameters, {_h(counts['active'])} active per token "
+        f"(tools/param_count.py: total={counts['total']}, active={counts['active']}); {cfg.num_layers} layers "
+        f"({cfg.layer_types().count('kda')} KDA, {cfg.layer_types().count('mla')} MLA), "
+        f"{cfg.ffn_types().count('moe')} MoE x {cfg.num_experts} experts, top-{cfg.top_k}",
+        f"cluster {c.name}: {c.world_size} accelerator{'s' if c.world_size > 1 else ''} x {c.device_memory_gb:g} GB "
+        f"({sn} supernode{'s' if sn > 1 else ''} of {min(c.supernode_size, c.world_size)}), "
+        f"{c.peak_tflops_bf16:g} TFLOP/s bf16 peak ({c.gemm_efficiency:.0%} sustained in GEMMs), links "
+        f"{c.intra_supernode_gbps:g} GB/s inside / {c.inter_supernode_gbps:g} GB/s across supernodes, "
+        f"{c.reserved_memory_gb:g} GB reserved per device",
+    ]
+
+
+def _workload(w: Workload) -> str:
+    mixed = w.master_bytes > 0
+    recipe = (f"{w.precision}: {w.weight_bytes}-byte weights, {w.grad_bytes}-byte gradients"
+              + (", fp32 master" if mixed else ""))
+    opt = ("Muon (one fp32 momentum per matrix, AdamW for the rest)" if w.optimizer == "muon"
+           else "AdamW (two fp32 moments)")
+    return (f"workload: {w.global_batch_size} sequences x {w.seq_length} tokens per step "
+            f"({_h(w.global_batch_size * w.seq_length)} tokens), micro-batch {w.micro_batch_size}; {recipe}; "
+            f"{opt}, ZeRO-{w.zero_stage}; {w.kernels} kernels")
+
+
+def _row(i, p: TrainPlan) -> str:
+    b = p.memory_breakdown
+    return (f"{i:>3}  {p.layout.short():<44} {p.memory_per_device / GB:8.1f} {b['weights']:7.1f} "
+            f"{b['gradients']:6.1f} {b['optimizer']:6.1f} {b['activations']:6.1f} {b['transient']:6.1f}  "
+            f"{p.step_time:8.2f} {p.mfu:6.1%} {p.bubble:6.1%}")
+
+
+_TABLE = (f"{'#':>3}  {'layout':<44} {'GB/dev':>8} {'weights':>7} {'grads':>6} {'optim':>6} {'acts':>6} "
+          f"{'trans':>6}  {'step s':>8} {'MFU':>6} {'bubble':>6}")
+
+
+def render_train(p: TrainPlan) -> list:
+    lay, w = p.layout, p.workload
+    b = p.memory_breakdown
+    out = [_workload(w),
+           f"layout: {lay.short()}  (dp = world / (tp*pp*cp) = {lay.dp}; routed experts over ep x edp = "
+           f"{lay.ep} x {lay.edp}; {p.micro_batches} micro-batches per step per pipeline)",
+           f"parameters per device: {_h(p.params_per_device['total'])} ({_h(p.params_per_device['dense'])} dense "
+           f"on the TP rank, {_h(p.params_per_device['routed_experts'])} routed-expert on the EP rank; largest "
+           f"pipeline stage)",
+           f"memory per device: {p.memory_per_device / GB:.2f} GB of {p.capacity_gb:g} GB -> "
+           f"{'FITS' if p.fits else 'DOES NOT FIT'}",
+           "  " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) + " (GB)",
+           "  activations by part: " + ", ".join(f"{k} {v:.3g}" for k, v in p.activation_breakdown.items()
+                                                  if v > 0) + " (GB)",
+           f"  stages (GB): {p.stage_memory_gb}",
+           "communication per step and device: " + (", ".join(
+               f"{k} {_bytes(v)} ({_t(p.comm_time[k])})" for k, v in p.comm_bytes.items() if v > 0) or "none"),
+           "time per step: " + ", ".join(f"{k} {_t(v)}" for k, v in p.time_breakdown.items() if v > 0)
+           + f" -> {p.step_time:.3g} s",
+           f"pipeline bubble {p.bubble:.1%}; model FLOPs per step {p.model_flops_per_step:.3e}; "
+           f"MFU {p.mfu:.1%}; {p.tokens_per_s:,.0f} tokens/s"]
+    out += [f"note: {n}" for n in p.notes]
+    return out
+
+
+def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: SearchResult | None = None,
+                        infer_args: tuple = ()) -> list:
+    world = cluster.world_size
+    floor = res.state_floor_bytes
+    pool = world * cluster.device_memory_gb * GB
+    blocks = cfg.num_attn_res_blocks if cfg.attn_res else cfg.num_layers
+    out = [_workload(w),
+           f"rules: TP groups inside a node of {cluster.devices_per_node}, TP and EP groups inside a supernode of "
+           f"{cluster.supernode_size}; ep divides {cfg.num_experts} experts; pipeline stages hold whole AttnRes "
+           f"blocks (pp <= {blocks}); global batch divisible by micro-batch x dp; recompute none/selective/full",
+           f"model states alone (weights + gradients + master + optimizer, unsharded): {_bytes(floor)} = "
+           f"{floor / pool:.0%} of the {_bytes(pool)} on {world} accelerators (activations come on top)",
+           f"searched {res.evaluated} valid layouts; rejected: " + ("; ".join(
+               f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1])) or "none")]
+    if res.fits:
+        out += [f"{len(res.fits)} best of the layouts that fit in {cluster.device_memory_gb:g} GB, fastest first "
+                f"(GB per device on the fullest pipeline stage; step time and MFU estimated):", _TABLE]
+        out += [_row(i + 1, p) for i, p in enumerate(res.fits)]
+        best = res.fits[0]
+        out += ["", f"best: {best.layout.short()}"] + ["  " + line for line in render_train(best)[1:]]
+        out += _why_best(res)
+        return out
+    out += [f"NO training layout fits {world} x {cluster.device_memory_gb:g} GB."]
+    if floor > pool:
+        out.append(f"  why: the model states alone need {_bytes(floor)}, {floor / pool:.1f}x the {_bytes(pool)} "
+                   f"these {world} accelerators hold; even perfectly sharded that is "
+                   f"{floor / world / GB:.0f} GB per device before any activation.")
+    if res.over_memory:
+        least = res.over_memory[0]
+        out += [f"  least memory of the {res.evaluated} valid layouts (GB per device):", _TABLE]
+        out += [_row(i + 1, p) for i, p in enumerate(res.over_memory[:5])]
+        b = least.memory_breakdown
+        out.append(f"  even {least.layout.short()} needs {least.memory_per_device / GB:.0f} GB per device: "
+                   f"weights {b['weights']:.0f}, gradients {b['gradients']:.0f}, optimizer {b['optimizer']:.0f} "
+                   f"({_h(least.params_per_device['routed_experts'])} routed-expert parameters on each device: "
+                   f"the experts split at most ep x pp = {least.layout.ep * least.layout.pp} ways here)")
+    if res.min_world:
+        p = res.min_world_plan
+        out.append(f"  training needs at least {res.min_world} accelerators ({res.min_world // cluster.supernode_size}"
+                   f" supernodes of {cluster.supernode_size}) of this kind: best layout there "
+                   f"{p.layout.short()}, {p.memory_per_device / GB:.0f} GB per device, step {p.step_time:.3g} s, "
+                   f"MFU {p.mfu:.1%}")
+    else:
+        out.append("  no whole number of supernodes up to the search limit fits either")
+    if infer is not None:
+        batch, context = infer_args
+        if infer.fits:
+            q = infer.fits[0]
+            out.append(f"inference (--mode infer; routed experts MXFP4, the rest bf16; {batch} sequences x "
+                       f"{context} tokens): FITS on {world} accelerators: {q.memory.total / GB:.1f} GB per device "
+                       f"with tp{q.tp} ep{q.ep} pp{q.pp} ({_infer_parts(q)})")
+        else:
+            out.append(f"inference (--mode infer, {batch} x {context}): does not fit either")
+    return out
+
+
+def _why_best(res: SearchResult) -> list:
+    best = res.fits[0]
+    t = best.time_breakdown
+    parts = sorted(((k, v) for k, v in t.items() if v > 0), key=lambda kv: -kv[1])
+    out = [f"why: fastest estimated step among the fits; its time goes to "
+           + ", ".join(f"{k} {v / best.step_time:.0%}" for k, v in parts[:4])]
+    if len(res.fits) > 1:
+        nxt = res.fits[1]
+        out.append(f"  runner-up {nxt.layout.short()} is {nxt.step_time / best.step_time - 1:.1%} slower "
+                   f"({nxt.memory_per_device / GB:.0f} GB per device)")
+    return out
+
+
+def _infer_parts(q: InferPlan) -> str:
+    b = q.memory.breakdown_gb()
+    return ", ".join(f"{k} {v:.3g}" for k, v in b.items() if v > 0) + " GB"
+
+
+def render_infer(q: InferPlan) -> list:
+    mb = q.model_bytes
+    world = q.world
+    return [
+        f"inference: routed experts in MXFP4 ({MXFP4_BYTES_PER_PARAM * 8:.2f} bits per weight), the rest bf16: "
+        f"model {_bytes(mb['mxfp4_experts'] + mb['bf16_part'])} ({_bytes(mb['mxfp4_experts'])} experts + "
+        f"{_bytes(mb['bf16_part'])} bf16)",
+        f"requests: {q.batch} sequences x {q.context} tokens of context; KDA state "
+        f"{_bytes(q.kda_state_per_sequence)} per sequence (fp32 [H, K, V] per KDA layer + conv state), MLA latent "
+        f"cache {q.mla_cache_per_token / 1e3:.3g} KB per token",
+        f"layout: tp{q.tp} ep{q.ep} pp{q.pp}, attention data-parallel {world // (q.tp * q.pp)}; "
+        f"{q.memory.sequences_per_device} sequences per device",
+        f"memory per device: {q.memory.total / GB:.2f} GB of {q.capacity_gb:g} GB -> "
+        f"{'FITS' if q.fits else 'DOES NOT FIT'}",
+        "  " + _infer_parts(q),
+        f"decode: {_t(q.decode_step_s)} per step for the batch ({q.decode_bound} bound), "
+        f"{q.decode_tokens_per_s:,.0f} tokens/s; all-to-all {_bytes(q.comm_bytes.get('ep', 0))} per step",
+    ] + [f"note: {n}" for n in q.notes]
+
+
+def render_infer_search(res: SearchResult, batch: int, context: int) -> list:
+    out = [f"searched {res.evaluated} serving layouts for {batch} sequences x {context} tokens; rejected: "
+           + ("; ".join(f"{v} x {k}" for k, v in res.invalid.items()) or "none")]
+    if not res.fits:
+        out.append("NO serving layout fits; least memory:")
+        for q in res.over_memory[:5]:
+            out.append(f"  tp{q.tp} ep{q.ep} pp{q.pp}: {q.memory.total / GB:.1f} GB ({_infer_parts(q)})")
+        return out
+    out.append(f"{'#':>3}  {'layout':<16} {'GB/dev':>8} {'decode tok/s':>13}  breakdown")
+    for i, q in enumerate(res.fits):
+        out.append(f"{i + 1:>3}  {f'tp{q.tp} ep{q.ep} pp{q.pp}':<16} {q.memory.total / GB:8.1f} "
+                   f"{q.decode_tokens_per_s:13,.0f}  {_infer_parts(q)}")
+    out += ["", "best:"] + ["  " + line for line in render_infer(res.fits[0])]
+    return out

@@ -1,0 +1,213 @@
+"""The planner (megatron_k3.planning, tools/plan.py): parameter totals equal tools/param_count.py's, the
+full model's layouts on eight supernodes and why one supernode cannot train it but serves it in MXFP4,
+and the memory / communication model's arithmetic. The CPU checks against a real run live in
+tests/test_plan_cpu_check.py."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_k3.config import compose_config, load_model_config
+from megatron_k3.model.params import count_parameters
+from megatron_k3.planning.activations import attn_res_sources
+from megatron_k3.planning.layout import Layout, layout_problems, stage_layers
+from megatron_k3.planning.memory import GB, Workload, training_memory
+from megatron_k3.planning.params import model_params
+from megatron_k3.planning.planner import plan_inference, plan_training
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def plan_tool():
+    return _tool("plan")
+
+
+def run_plan(plan_tool, capsys, *args):
+    rc = plan_tool.main(list(args))
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+def plan_json(plan_tool, capsys, *args):
+    return json.loads(run_plan(plan_tool, capsys, *args, "--json"))
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return compose_config(["model=k3", "cluster=supernodes_8x64", "train=pretrain", "precision=bf16"])[0]
+
+
+@pytest.mark.parametrize("name", ["k3", "k3_tiny", "k3_small", "kimi_linear_48b"])
+def test_per_layer_parameters_sum_to_the_models_own_count(name):
+    cfg = load_model_config(name)
+    mp = model_params(cfg, 1)
+    assert mp.dense_total() + mp.expert_total() == count_parameters(cfg)["total"]
+
+
+def test_tensor_parallel_shards_what_the_model_shards():
+    """Per-rank counts come from modules built under the TP context: attention shrinks ~1/tp, the routed
+    experts, router and latent projections do not (they are split by EP / replicated)."""
+    cfg = load_model_config("k3")
+    one, eight = model_params(cfg, 1), model_params(cfg, 8)
+    assert eight.expert_total() == one.expert_total()
+    kda = next(i for i, t in enumerate(cfg.layer_types()) if t == "kda" and cfg.ffn_types()[i] == "moe")
+    moe_replicated = 896 * 7168 + 2 * 7168 * 3584  # router + latent down/up stay whole on every TP rank
+    assert eight.layers[kda].dense.total < one.layers[kda].dense.total / 4
+    assert eight.layers[kda].dense.total > moe_replicated
+    with pytest.raises(ValueError, match="divisible"):
+        model_params(cfg, 5)
+
+
+def test_parameter_totals_equal_param_count(plan_tool, capsys):
+    ref = count_parameters(load_model_config("k3"))
+    got = plan_json(plan_tool, capsys, "model=k3", "cluster=supernodes_8x64", "parallel.tp=8", "parallel.pp=8",
+                    "parallel.ep=64")
+    assert got["total_params"] == ref["total"] == 2779484393568
+    assert got["active_params"] == ref["active"]
+    for k in ("layout", "memory_per_device_gb", "memory_breakdown_gb", "comm_bytes_per_step", "step_time_s", "mfu"):
+        assert k in got
+    assert got["layout"]["dp"] == 512 // 64 and got["layout"]["edp"] == 1
+
+
+def test_eight_supernodes_search_lists_layouts_that_fit(plan_tool, capsys):
+    text = run_plan(plan_tool, capsys, "model=k3", "cluster=supernodes_8x64", "--search")
+    assert "rules:" in text and "model states alone" in text and "fastest first" in text and "why:" in text
+    got = plan_json(plan_tool, capsys, "model=k3", "cluster=supernodes_8x64", "--search")
+    assert got["total_params"] == count_parameters(load_model_config("k3"))["total"]
+    fits = got["fits"]
+    assert fits, "some training layout must fit 512 x 141 GB"
+    times = [p["step_time_s"] for p in fits]
+    assert times == sorted(times)
+    for p in fits:
+        lay = p["layout"]
+        assert p["fits"] and p["memory_per_device_gb"] <= 141
+        assert lay["ep"] <= 64 and 64 % lay["ep"] == 0 and lay["tp"] <= 8
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == 512
+        assert max(p["stage_memory_gb"]) == pytest.approx(p["memory_per_device_gb"], abs=1e-3)
+        assert 0 < p["mfu"] < 1 and 0 <= p["pipeline_bubble"] < 1
+
+
+def test_one_supernode_cannot_train_but_serves_mxfp4(plan_tool, capsys):
+    text = run_plan(plan_tool, capsys, "model=k3", "cluster=supernode_64", "--search")
+    assert "NO training layout fits 64 x 141 GB" in text
+    assert "model states alone need" in text and "training needs at least 512 accelerators" in text
+    assert "inference" in text and "FITS on 64 accelerators" in text
+    got = plan_json(plan_tool, capsys, "model=k3", "cluster=supernode_64", "--search")
+    assert got["fits"] == [] and got["min_accelerators"] == 512
+    assert got["model_state_bytes"] > 64 * 141e9  # the reason: states alone exceed the supernode
+    assert all(p["memory_per_device_gb"] > 141 for p in got["over_memory"])
+    inf = plan_json(plan_tool, capsys, "model=k3", "cluster=supernode_64", "--mode", "infer", "--batch", "64",
+                    "--context", "131072")
+    assert inf["fits"] and inf["memory_per_device_gb"] <= 141
+    mb = inf["model_bytes_gb"]
+    # MXFP4 = 4.25 bits per routed-expert weight; the rest bf16: 2.72T experts -> ~1.45 TB, ~57B rest -> ~113 GB
+    assert mb["mxfp4_experts"] == pytest.approx(2722740830208 * 4.25 / 8 / 1e9)
+    assert mb["bf16_part"] == pytest.approx((2779484393568 - 2722740830208) * 2 / 1e9)
+    assert mb["mxfp4_experts"] + mb["bf16_part"] < 64 * 141  # the whole model fits the supernode's memory
+    # MODEL.md 0.1: KDA state 69 x 96 x 128 x 128 x 4 B = 434 MB per sequence (+ conv state), MLA 27.6 KB/token
+    assert inf["kda_state_per_sequence_gb"] == pytest.approx(0.434, abs=0.02)
+    assert inf["mla_cache_per_token_kb"] == pytest.approx(27.6, abs=0.05)
+
+
+def test_optimizer_states_muon_vs_adamw_and_zero_sharding(k3):
+    cfg, cl = k3.model, k3.cluster
+    lay = Layout(world=512, tp=8, pp=8, ep=64, recompute="full")
+    base = dict(seq_length=4096, micro_batch_size=1, global_batch_size=4096, precision="bf16")
+    adam = training_memory(cfg, cl, lay, Workload(**base, optimizer="adamw"))[1]
+    muon = training_memory(cfg, cl, lay, Workload(**base, optimizer="muon"))[1]
+    mp = model_params(cfg, 8)
+    a, b = stage_layers(cfg, 8)[1]
+    dense_muon = sum(lp.dense.muon for lp in mp.layers[a:b])
+    exp_muon = sum(lp.experts.muon for lp in mp.layers[a:b]) / 64
+    # Muon drops AdamW's second moment (4 B) for matrices; sharded over DP x CP (dense) and expert-DP (experts)
+    assert adam.optimizer - muon.optimizer == pytest.approx(4 * dense_muon / lay.dp + 4 * exp_muon / lay.edp, rel=1e-9)
+    # ZeRO-0 keeps master + moments (12 B) of every dense parameter; ZeRO-1 shards them over dp (cp = 1);
+    # the experts' expert-DP group has one member here, so they are unsharded either way
+    z0 = training_memory(cfg, cl, lay, Workload(**base, zero_stage=0))[1]
+    dense = sum(lp.dense.total for lp in mp.layers[a:b])
+    assert z0.optimizer - adam.optimizer == pytest.approx(12 * dense * (1 - 1 / lay.dp), rel=1e-9)
+
+
+def test_recomputation_trades_memory_for_flops(k3):
+    cfg, cl = k3.model, k3.cluster
+    w = Workload(4096, 1, 4096, "bf16", "muon")
+    plans = {rc: plan_training(cfg, cl, Layout(world=512, tp=8, pp=8, ep=64, recompute=rc), w)
+             for rc in ("none", "selective", "full")}
+    acts = [plans[rc].memory_breakdown["activations"] for rc in ("none", "selective", "full")]
+    flops = [plans[rc].device_flops_per_step for rc in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+    assert flops[0] < flops[1] < flops[2]
+    assert flops[2] == pytest.approx(flops[0] * 4 / 3, rel=0.02)  # full: one more forward (fwd:bwd ~ 1:2)
+    assert len({plans[rc].model_flops_per_step for rc in plans}) == 1  # MFU counts model FLOPs only
+    p = plans["full"]
+    assert p.activation_breakdown  # the reasoning shows what the activations are
+    assert set(p.comm_bytes) >= {"tp", "ep", "pp", "dp_grad_reduce", "dp_param_gather"}
+
+
+def test_communication_follows_the_layout(k3):
+    cfg, cl = k3.model, k3.cluster
+    w = Workload(4096, 1, 4096, "bf16", "adamw")
+    single = plan_training(cfg, cl, Layout(world=512, tp=8, pp=8, ep=64, recompute="full"), w)
+    assert single.comm_bytes["ep"] > 0 and single.comm_bytes["tp"] > 0 and single.comm_bytes["pp"] > 0
+    no_tp = plan_training(cfg, cl, Layout(world=512, tp=1, pp=8, ep=64, recompute="full"), w)
+    assert no_tp.comm_bytes["tp"] == 0
+    # EP all-to-all per device on the slowest stage: its MoE layers x dispatch+combine x fwd+bwd+recompute
+    n_moe = max(cfg.ffn_types()[slice(*s)].count("moe") for s in stage_layers(cfg, 8))  # slowest stage
+    m = 4096 // 8
+    rows = 4096 / 8 * 16 * 3584 * 2 * 63 / 64  # SP: this rank's 512 tokens, top-16 latent rows, bf16
+    assert single.comm_bytes["ep"] == pytest.approx(m * n_moe * 2 * 3 * rows, rel=1e-9)
+
+
+def test_layout_rules():
+    cfg = load_model_config("k3")
+    cl = compose_config(["cluster=supernodes_8x64"])[0].cluster
+    ok = Layout(world=512, tp=8, pp=8, ep=64)
+    assert layout_problems(cfg, cl, ok, 1, 4096, 4096) == []
+    assert any("EP group" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=8, pp=4, ep=128), 1, 4096, 4096))
+    assert any("blocks" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=4, pp=16, ep=8), 1, 4096, 4096))
+    assert any("node" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=16, pp=4, ep=8), 1, 4096, 4096))
+    assert stage_layers(cfg, 8)[0] == (0, 12) and stage_layers(cfg, 8)[-1] == (84, 93)  # whole 12-layer blocks
+
+
+def test_attn_res_sources_follow_the_decoder():
+    cfg = load_model_config("k3")
+    src, out = attn_res_sources(cfg)
+    assert src[0] == (0, 2) and src[1] == (2, 2) and src[12] == (2, 3) and out == 9  # 8 blocks + embedding
+
+
+def test_inference_layout_checks(k3):
+    cl = compose_config(["cluster=supernode_64"])[0].cluster
+    with pytest.raises(ValueError, match="supernode"):
+        plan_inference(k3.model, cl, 8, 128, 1, 8, 1024)
+    small = plan_inference(k3.model, cl, 8, 64, 1, 1, 1024)
+    big = plan_inference(k3.model, cl, 8, 64, 1, 256, 131072)
+    assert big.memory.mla_cache > small.memory.mla_cache and big.memory.kda_states > small.memory.kda_states
+    assert big.memory.weights_experts == small.memory.weights_experts == pytest.approx(
+        2722740830208 / 64 * 4.25 / 8)
+
+
+def test_cli_errors_are_one_line(plan_tool, capsys):
+    assert plan_tool.main(["model=k3", "--mode", "fly"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--mode" in err[0]
+    assert plan_tool.main(["model=k3", "cluster=supernodes_8x64", "parallel.tp=5"]) == 2
+    assert "tp" in capsys.readouterr().err
+
+
+def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
+    got = plan_json(plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
+    assert got["fits"] and got["workload"]["kernels"] == "eager" and got["workload"]["precision"] == "fp32"
+    b = got["memory_breakdown_gb"]
+    n = 4472396
+    assert b["weights"] * GB == n * 4 and b["gradients"] * GB == n * 4 and b["optimizer"] * GB == n * 12  # AdamW moments + ZeRO-1 fp32 partition

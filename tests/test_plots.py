@@ -1,0 +1,85 @@
+"""tools/plot_training.py: PNG plots from the metrics.jsonl of a short real run (loss curves, expert-load
+heatmaps, AttnRes depth weights, router statistics), and the heatmaps at K3's full size."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_k3.config import load_model_config
+from megatron_k3.planning.activations import attn_res_sources
+from megatron_k3.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
+        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=2",
+        "train.global_batch_size=4", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=3",
+        "logging.wandb.mode=disabled", "logging.wandb.media_interval=2", "train.save_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plot_run")
+    assert main(FAST + ["train.steps=3", f"hydra.run.dir={d}"]) == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "tools" / "plot_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _png_ok(path: Path):
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        w, h = im.size
+        assert w >= 400 and h >= 300
+        gray = im.convert("L")
+        lo, hi = gray.getextrema()
+        assert hi - lo > 100  # not a blank canvas: axes, text and data drawn
+        colors = im.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is None or len(colors) > 50  # heatmaps and curves, not a flat figure
+
+
+def test_plot_training_writes_the_pngs(run_dir, tool, capsys):
+    out = run_dir / "pngs"
+    assert tool.main([str(run_dir / "metrics.jsonl"), "--out", str(out)]) == 0
+    written = capsys.readouterr().out.split()
+    names = sorted(Path(p).name for p in written)
+    assert names == ["attn_res.png", "expert_load.png", "loss.png", "router.png"]
+    for p in written:
+        _png_ok(Path(p))
+    assert tool.main([str(run_dir)]) == 0  # a run directory works too (plots/ inside it)
+    assert (run_dir / "plots" / "loss.png").is_file()
+    assert tool.main([str(run_dir / "missing.jsonl")]) == 2
+
+
+def test_plot_training_at_full_size(tmp_path, tool, capsys):
+    """The expert-load and depth-weight heatmaps at K3's size (92 layers x 896 experts, 187 mixes) render."""
+    cfg = load_model_config("k3")
+    moe = [i for i, t in enumerate(cfg.ffn_types()) if t == "moe"]
+    src, out_src = attn_res_sources(cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for step in (1, 2):
+        loads = (torch.rand(len(moe), 896, generator=g) * 200).round().long()
+        rows.append({"step": step, "loss": 3.0 / step, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                     "expert_load_per_layer": {"max_over_mean": [1.2] * len(moe), "layers": moe},
+                     "expert_load_per_expert": {"layers": moe, "tokens": loads.tolist()},
+                     "attn_res_weights": {"layers": list(range(93)),
+                                          "pre_mixer": [[1 / p] * p if p else None for p, _ in src],
+                                          "pre_ffn": [[1 / q] * q for _, q in src], "output": [1 / out_src] * out_src}})
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert tool.main([str(f)]) == 0
+    for name in ("loss.png", "expert_load.png", "attn_res.png"):
+        _png_ok(tmp_path / "plots" / name)

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Plan a run: memory, communication and time per device for a model, a cluster and a parallel layout.
+
+    python tools/plan.py model=k3 cluster=supernodes_8x64 --search
+    python tools/plan.py model=k3 cluster=supernodes_8x64 parallel.tp=8 parallel.pp=8 parallel.ep=64 optim=muon
+    python tools/plan.py model=k3 cluster=supernode_64 --search                 # why training does not fit
+    python tools/plan.py model=k3 cluster=supernode_64 --mode infer --batch 64 --context 131072
+    python tools/plan.py model=k3_tiny cluster=cpu --json                         # the CPU run, checked in tests
+
+Overrides are the training entry point's (Hydra): model=, cluster=, train=, precision=, optim=adamw|muon,
+parallel.tp/pp/ep/cp=, train.seq_length=, train.micro_batch_size=, train.global_batch_size=,
+model.KEY=, cluster.KEY= (e.g. cluster.inter_supernode_gbps=100). On accelerator clusters the defaults are
+train=pretrain (4096 x 4K tokens) and precision=bf16 unless given; on cluster=cpu they are the run's defaults.
+
+Flags:
+  --search                 list the layouts that fit, best first (or why none does, and how many accelerators would)
+  --mode train|infer       training (default) or serving: routed experts MXFP4, the rest bf16
+  --batch N --context N    inference: sequences and context length (default 64 x 131072)
+  --optimizer adamw|muon   same as optim=... (Muon: one fp32 momentum per matrix)
+  --recompute none|selective|full|auto   activation recomputation (auto: the least that fits; default)
+  --zero 0|1|2             ZeRO stage (default 1: optimizer states sharded over data parallelism)
+  --kernels eager|fused    activation model (default: eager on cpu clusters, fused on accelerators)
+  --grad-dtype fp32|bf16   gradient accumulation buffers under mixed precision (default fp32)
+  --top N                  rows in the search table (default 10)
+  --json                   one JSON object instead of text
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_k3.config import CONF_DIR, ConfigError, compose_config  # noqa: E402
+
+FLAGS_WITH_VALUE = {"--mode", "--batch", "--context", "--optimizer", "--recompute", "--zero", "--kernels",
+                    "--grad-dtype", "--top"}
+CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
+           "--recompute": ("none", "selective", "full", "auto"), "--zero": ("0", "1", "2"),
+           "--kernels": ("eager", "fused"), "--grad-dtype": ("fp32", "bf16")}
+
+
+def parse(argv):
+    overrides, flags = [], {"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto",
+                            "--zero": "1", "--top": "10", "--grad-dtype": "fp32"}
+    it = iter(argv)
+    for a in it:
+        if a in ("-h", "--help"):
+            flags["help"] = True
+        elif a in ("--search", "--json"):
+            flags[a] = True
+        elif a.split("=", 1)[0] in FLAGS_WITH_VALUE:
+            k, v = a.split("=", 1) if "=" in a else (a, next(it, None))
+            if v is None:
+                raise ConfigError(k, None, "needs a value")
+            flags[k] = v
+        elif "=" in a:
+            overrides.append(a)
+        else:
+            raise ConfigError(a, None, "unexpected argument; use KEY=VALUE overrides and the flags in --help")
+    for k, ok in CHOICES.items():
+        if k in flags and flags[k] not in ok:
+            raise ConfigError(k, flags[k], "valid: " + ", ".join(ok))
+    for k in ("--batch", "--context", "--top"):
+        if not flags[k].isdigit() or int(flags[k]) <= 0:
+            raise ConfigError(k, flags[k], "must be a positive integer")
+    return overrides, flags
+
+
+def compose(overrides, flags):
+    """Compose the run config; Muon is accepted whether or not conf/optim/muon.yaml exists yet; accelerator
+    clusters default to train=pretrain and precision=bf16."""
+    optimizer = flags.get("--optimizer")
+    keep = []
+    for o in overrides:
+        if o.split("=", 1)[0] == "optim" and o.split("=", 1)[1] == "muon" and not (CONF_DIR / "optim" / "muon.yaml").is_file():
+            optimizer = optimizer or "muon"
+            continue
+        keep.append(o)
+    run, _, _ = compose_config(keep)
+    run.cluster.validate("cluster")
+    run.model.validate("model")
+    given = {o.split("=", 1)[0] for o in keep}
+    if run.cluster.device_kind == "gpu":
+        extra = [x for x, k in (("train=pretrain", "train"), ("precision=bf16", "precision")) if k not in given]
+        if extra:
+            run, _, _ = compose_config(extra + keep)
+    optimizer = optimizer or run.optim.name
+    return run, optimizer, given
+
+
+def main(argv):
+    from megatron_k3.model.params import count_parameters
+    from megatron_k3.planning import report
+    from megatron_k3.planning.layout import Layout
+    from megatron_k3.planning.memory import Workload
+    from megatron_k3.planning.planner import (plan_inference, plan_training, search_inference,
+                                              search_training)
+
+    try:
+        overrides, flags = parse(argv)
+        if flags.get("help"):
+            print(__doc__.strip())
+            return 0
+        run, optimizer, given = compose(overrides, flags)
+    except ConfigError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    cfg, cluster, t, par = run.model, run.cluster, run.train, run.parallel
+    counts = count_parameters(cfg)
+    kernels = flags.get("--kernels") or ("eager" if cluster.device_kind == "cpu" else "fused")
+    w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
+                 int(flags["--zero"]), flags["--grad-dtype"], kernels)
+    as_json = flags.get("--json", False)
+    lines = report.header(cfg, cluster, counts)
+    batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])
+    try:
+        if flags["--mode"] == "infer":
+            explicit = any(k.startswith("parallel.") for k in given)
+            if flags.get("--search") or not explicit:
+                res = search_inference(cfg, cluster, batch, context, top)
+                if as_json:
+                    return _dump({"mode": "infer", "search": True, "fits": [q.as_dict() for q in res.fits],
+                                  "over_memory": [q.as_dict() for q in res.over_memory[:3]],
+                                  "invalid": res.invalid, "evaluated": res.evaluated,
+                                  **(res.fits[0].as_dict() if res.fits else {})})
+                if not explicit and not flags.get("--search"):
+                    lines.append("no parallel.* given: the best serving layout of a search")
+                lines += report.render_infer_search(res, batch, context)
+            else:
+                q = plan_inference(cfg, cluster, par.tp, par.ep, par.pp, batch, context, counts)
+                if as_json:
+                    return _dump(q.as_dict())
+                lines += report.render_infer(q)
+        elif flags.get("--search"):
+            res = search_training(cfg, cluster, w, top)
+            inf = search_inference(cfg, cluster, batch, context, 3) if not res.fits else None
+            if as_json:
+                out = {"mode": "train", "search": True, "total_params": counts["total"],
+                       "active_params": counts["active"], "evaluated": res.evaluated, "invalid": res.invalid,
+                       "fits": [p.as_dict() for p in res.fits],
+                       "over_memory": [p.as_dict() for p in res.over_memory[:3]],
+                       "model_state_bytes": res.state_floor_bytes, "min_accelerators": res.min_world}
+                if res.fits:
+                    out.update({k: v for k, v in res.fits[0].as_dict().items() if k not in out})
+                if inf is not None:
+                    out["inference"] = inf.fits[0].as_dict() if inf.fits else None
+                return _dump(out)
+            lines += report.render_train_search(cfg, cluster, w, res, inf, (batch, context))
+        else:
+            rcs = ("none", "selective", "full") if flags["--recompute"] == "auto" else (flags["--recompute"],)
+            # sequence parallelism with TP unless the command line turns it off explicitly
+            sp = par.sequence_parallel if "parallel.sequence_parallel" in given else True
+            plan = None
+            for rc in rcs:
+                lay = Layout(world=cluster.world_size, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp,
+                             sequence_parallel=sp, recompute=rc)
+                plan = plan_training(cfg, cluster, lay, w, counts)
+                if plan.fits:
+                    break
+            if len(rcs) > 1:
+                plan.notes.append(f"recompute={plan.layout.recompute} chosen by --recompute auto "
+                                  "(the least recomputation that fits)")
+            if as_json:
+                return _dump(plan.as_dict())
+            lines += report.render_train(plan)
+            if not plan.fits:
+                lines.append("try --search for layouts that fit")
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+def _dump(obj) -> int:
+    print(json.dumps(obj))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
