@@ -87,6 +87,7 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
                           "valid: 0, 1, 2 (ZeRO-3 partitions parameters, which the tensor/expert-parallel layers "
                           "already shard themselves)")
     bf16 = run.precision.param_dtype == "bf16"
+    bucket = min(BUCKET, -(-(num_params or BUCKET) // 256) * 256)  # DeepSpeed wants a multiple of its alignment
     cfg = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -97,8 +98,7 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
         "zero_allow_untested_optimizer": True,  # our optimizers are plain torch.optim ones
         # buckets no larger than the model: DeepSpeed allocates them whole (200 MB each at fp32 otherwise)
         "zero_optimization": {"stage": p.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
-                              "reduce_bucket_size": min(BUCKET, num_params or BUCKET),
-                              "allgather_bucket_size": min(BUCKET, num_params or BUCKET)},
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "bf16": {"enabled": bf16},
     }
     if bf16:  # accumulate micro-batch gradients in fp32, as Megatron does
