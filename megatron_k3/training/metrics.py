@@ -34,7 +34,8 @@ def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = No
     mean = loads.mean(-1, keepdim=True).clamp_min(1e-12)
     ratio = loads / mean
     cv = loads.std(-1, unbiased=False) / mean.squeeze(-1)
-    total = assignments_total or loads.sum().item()
+    # assignments_total is per MoE layer; dropped is summed over the layers
+    total = (assignments_total * loads.shape[0]) if assignments_total else loads.sum().item()
     dead = (loads == 0).sum(-1)
     summary = {"max_over_mean": ratio.max().item(), "cv": cv.mean().item(),
                "dropped_frac": float(dropped) / total if total else 0.0, "dead_experts": int(dead.sum())}
