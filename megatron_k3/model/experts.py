@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.layers import mark_batched_matrices
 from .situ import glu_act
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,6 +47,8 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, inter, width))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter, width))
         self.w2 = nn.Parameter(torch.empty(num_experts, width, inter))
+        for w in (self.w1, self.w3, self.w2):  # Muon orthogonalises each expert's matrix on its own
+            mark_batched_matrices(w)
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
         # Quantisation-aware training hook (precision=mx_qat, set by megatron_k3.precision.qat): an object with
         # weight(w) and act(x) that fake-quantise along the last (reduction) dimension; None = off.

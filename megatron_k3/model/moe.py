@@ -33,7 +33,7 @@ class StableLatentMoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.hidden_act,
                                       cfg.situ_beta_gate, cfg.situ_beta_up)
         self.shared_experts = (GatedMLP(D, cfg.shared_ffn_size, cfg.hidden_act, cfg.situ_beta_gate, cfg.situ_beta_up,
-                                        tp=tp) if cfg.num_shared_experts else None)
+                                        tp=tp, experts=cfg.num_shared_experts) if cfg.num_shared_experts else None)
         if tp.size > 1 and tp.sequence_parallel:  # replicated weights applied to this rank's tokens only
             for name, p in self.named_parameters():
                 if not name.startswith("shared_experts."):
