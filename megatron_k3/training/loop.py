@@ -24,6 +24,7 @@ from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, mak
                             split_documents)
 from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
+from ..optim import build_optimizer
 from ..optim.schedule import lr_at
 from ..parallel import state
 from ..precision import forward_context, prepare_model_for_precision
@@ -109,13 +110,6 @@ def build_data(run: RunConfig, rank: int):
     return out[0], out[1]
 
 
-def param_groups(model, weight_decay: float):
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 class Trainer:
     def __init__(self, run: RunConfig, run_dir: Path):
         self.run, self.run_dir = run, Path(run_dir)
@@ -135,9 +129,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = K3ForCausalLM(run.model).to(self.device)
         prepare_model_for_precision(self.model, run.precision, self.device)
-        o = run.optim
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.optimizer = build_optimizer(self.model, run.optim)
         self.moe = self.model.moe_layers()
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
         self.step, self.consumed, self.tokens = 0, 0, 0
