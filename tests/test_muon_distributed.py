@@ -154,3 +154,26 @@ def test_tensor_parallel_muon_equals_single_process(per_head):
     ref = _reference(1, per_head=per_head, adamw=False)
     for params in run_distributed(_tp_worker, 2, per_head, timeout=240):
         _assert_close(params, ref)
+
+
+def test_zero_attach_refuses_what_it_cannot_do_exactly():
+    """DeepSpeed would clip the orthogonalised update, not the gradient: attach() refuses gradient clipping;
+    and a ZeroMuon stepping flat ZeRO partitions without attach() fails instead of applying raw gradients."""
+    from types import SimpleNamespace
+
+    from megatron_k3.optim.zero import ZeroMuon, attach
+
+    model = _model()
+    opt = _optimizer(model, zero=True)
+    assert isinstance(opt, ZeroMuon)
+    zero = SimpleNamespace(optimizer=opt, get_flat_partition=None, all_grad_tensors={}, cpu_offload=False)
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        attach(SimpleNamespace(optimizer=zero, gradient_clipping=lambda: 1.0))
+    with pytest.raises(TypeError):
+        attach(SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=1.0))))
+    flat = torch.nn.Parameter(torch.zeros(10))
+    flat.grad = torch.ones(10)
+    bare = ZeroMuon([{"params": [flat], "use_muon": True, "layout": "matrix", "lr": 0.1, "weight_decay": 0.0,
+                      "momentum": 0.95, "nesterov": True, "ns_steps": 5, "scale": 0.2, "ns_dtype": "fp32"}])
+    with pytest.raises(RuntimeError, match="attach"):
+        bare.step()
