@@ -242,7 +242,7 @@ class DataConfig:
 class OptimConfig:
     """optim=adamw, or optim=muon: Per-Head Muon for matrices + AdamW (beta1, beta2, eps) for the rest, one lr
     schedule and one weight decay for both (megatron_k3.optim.muon; MODEL.md section 6)."""
-    name: str = "adamw"  # adamw or muon
+    name: str = "muon"  # muon or adamw
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1

@@ -380,6 +380,6 @@ def test_muon_config_composes():
     assert (o.name, o.momentum, o.nesterov, o.ns_steps, o.muon_scale, o.per_head, o.qk_clip) == \
         ("muon", 0.95, True, 5, 0.2, True, 0.0)
     bad = RunConfig()
-    bad.optim.qk_clip = 100.0  # QK-Clip belongs to optim=muon
+    bad.optim.name, bad.optim.qk_clip = "adamw", 100.0  # QK-Clip belongs to optim=muon
     with pytest.raises(ConfigError, match="optim.qk_clip"):
         bad.validate()
