@@ -28,6 +28,7 @@ bench: install
 	$(PY) bench/train_step.py
 	$(PY) bench/indexed.py
 	$(PY) bench/plan_check.py
+	$(PY) bench/moe.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -277,7 +277,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    """optim=adamw, or optim=muon: Per-Head Muon for matrices + AdamW (beta1, beta2, eps) for the rest, one lr
+    schedule and one weight decay for both (megatron_k3.optim.muon; MODEL.md section 6)."""
+    name: str = "muon"  # muon or adamw
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -286,6 +288,14 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 10
     decay: str = "cosine"  # cosine or constant (after warmup)
+    # ---- muon
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # quintic Newton-Schulz iterations
+    ns_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16
+    muon_scale: float = 0.2  # update = muon_scale * sqrt(max(rows, cols)) * NS(momentum): AdamW's RMS
+    per_head: bool = True  # orthogonalise each attention head's block of a head-partitioned projection on its own
+    qk_clip: float = 0.0  # QK-Clip threshold tau on Gated MLA's per-head max logit (K2 used 100); 0 = off
 
 
 @dataclass
@@ -410,8 +420,25 @@ class RunConfig:
             raise ConfigError("optim.lr", o.lr, "must be > 0")
         if o.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
-        if o.name not in ("adamw",):
-            raise ConfigError("optim", o.name, "valid: adamw (muon lands with the Per-Head Muon issue)")
+        if o.name not in ("adamw", "muon"):
+            raise ConfigError("optim", o.name, "valid: adamw, muon")
+        if o.weight_decay < 0:
+            raise ConfigError("optim.weight_decay", o.weight_decay, "must be >= 0")
+        for k in ("beta1", "beta2", "momentum"):
+            if not (0 <= getattr(o, k) < 1):
+                raise ConfigError(f"optim.{k}", getattr(o, k), "must lie in [0, 1)")
+        if o.eps <= 0:
+            raise ConfigError("optim.eps", o.eps, "must be > 0")
+        if not isinstance(o.ns_steps, int) or isinstance(o.ns_steps, bool) or o.ns_steps <= 0:
+            raise ConfigError("optim.ns_steps", o.ns_steps, "must be a positive integer")
+        if o.ns_dtype not in ("auto", "fp32", "bf16"):
+            raise ConfigError("optim.ns_dtype", o.ns_dtype, "valid: auto, fp32, bf16")
+        if o.muon_scale <= 0:
+            raise ConfigError("optim.muon_scale", o.muon_scale, "must be > 0 (0.2 matches AdamW's update RMS)")
+        if o.qk_clip < 0:
+            raise ConfigError("optim.qk_clip", o.qk_clip, "must be >= 0 (0 = off; K2 used 100)")
+        if o.qk_clip > 0 and o.name != "muon":
+            raise ConfigError("optim.qk_clip", o.qk_clip, "QK-Clip is part of optim=muon (MuonClip); use 0 with adamw")
         if o.decay not in ("cosine", "constant"):
             raise ConfigError("optim.decay", o.decay, "valid: cosine, constant")
         pr = self.precision

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..ops.attn_res import attn_res
-from ..parallel.layers import current_tp, mark_partial_grad
+from ..parallel.layers import current_tp, mark_adamw_only, mark_partial_grad
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import StableLatentMoE
@@ -42,6 +42,7 @@ class DepthMix(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.proj = nn.Linear(dim, 1, bias=False)
+        mark_adamw_only(self.proj.weight, "attn_res_query")
         self.norm = RMSNorm(dim, eps)
         self.last_weights_N: torch.Tensor | None = None
 

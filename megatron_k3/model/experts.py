@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.layers import EPContext, mark_expert_sharded
+from ..parallel.layers import EPContext, mark_batched_matrices, mark_expert_sharded
 from .situ import glu_act
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,6 +56,8 @@ class GroupedExperts(nn.Module):
         self.w1 = mark_expert_sharded(nn.Parameter(torch.empty(El, inter, width)), ep)
         self.w3 = mark_expert_sharded(nn.Parameter(torch.empty(El, inter, width)), ep)
         self.w2 = mark_expert_sharded(nn.Parameter(torch.empty(El, width, inter)), ep)
+        for w in (self.w1, self.w3, self.w2):  # Muon orthogonalises each expert's matrix on its own
+            mark_batched_matrices(w)
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
         # Quantisation-aware training hook (precision=mx_qat, set by megatron_k3.precision.qat): an object with
         # weight(w) and act(x) that fake-quantise along the last (reduction) dimension; None = off.

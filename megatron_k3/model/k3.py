@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, current_tp, full_shape,
-                               mark_partial_grad, shard_tensor, vocab_parallel_cross_entropy)
+                               mark_adamw_only, mark_partial_grad, shard_tensor, vocab_parallel_cross_entropy)
 from ..parallel.mappings import all_reduce_grad_hook, gather_last
 from .cache import InferenceCache
 from .decoder import DecoderLayer, DepthMix, ResidualState
@@ -35,6 +35,7 @@ class K3Model(nn.Module):
         self.cfg = cfg
         self.tp = tp = current_tp()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        mark_adamw_only(self.embed_tokens.weight, "embedding")
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res:
@@ -67,6 +68,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp=tp)  # vocabulary-parallel
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            mark_adamw_only(self.lm_head.weight, "lm_head")
         if tp.size > 1:  # replicated parameters with per-rank partial gradients are summed over TP
             for p in self.parameters():
                 if getattr(p, "tp_partial_grad", False):

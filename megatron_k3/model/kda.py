@@ -16,8 +16,8 @@ from torch import nn
 
 from ..ops.kda import chunk_kda, recurrent_kda
 from ..ops.short_conv import causal_conv1d
-from ..parallel.layers import (ColumnParallelLinear, RowParallelLinear, current_tp, mark_partial_grad,
-                               mark_sharded)
+from ..parallel.layers import (ColumnParallelLinear, RowParallelLinear, current_tp, mark_head_blocks,
+                               mark_partial_grad, mark_sharded)
 from .cache import KDAState
 from .norm import compute_dtype, l2norm
 
@@ -55,6 +55,10 @@ class KimiDeltaAttention(nn.Module):
         if tp.size > 1:
             mark_partial_grad(self.o_norm)  # each rank applies it to its own heads only
         self.o_proj = RowParallelLinear(HK_full, D, tp=tp)
+        # Per-Head Muon: q/k/v/output-gate rows and o_proj columns are head blocks (the low-rank f/g stay whole)
+        for proj in (self.q_proj, self.k_proj, self.v_proj) + (() if self.lowrank_gate else (self.g_proj,)):
+            mark_head_blocks(proj.weight, cfg.kda_num_heads, axis=0)
+        mark_head_blocks(self.o_proj.weight, cfg.kda_num_heads, axis=1)
         self.eps = cfg.rms_norm_eps
         self.chunk_size = cfg.kda_chunk_size
         self.a_log_init = cfg.kda_a_log_init

@@ -4,6 +4,8 @@ Legend: B batch, T query tokens, S key tokens, D hidden, H heads, N qk_nope dim,
 head-shared key part, V value dim, L kv_lora_rank.
 Prefill/training uses the expanded ("MHA") form; decode uses the absorbed form over the cached
 576-wide latents [c_kv ; k_r], which with NoPE is exactly MQA with key dim L+R and value dim L.
+QK-Clip support (MODEL.md 6.2): with `track_max_logit` on, a training forward records each head's max
+logit; `rescale_qk_` shrinks a head's logits by gamma via its query/key weights.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import MLAState
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp, mark_head_blocks
 from .norm import RMSNorm, compute_dtype
 
 
@@ -23,6 +25,23 @@ def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=T)
     pos = torch.arange(T, device=cu_seqlens.device)
     return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+@torch.no_grad()
+def max_logit_per_head(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, scale: float,
+                       mask_TS: torch.Tensor | None = None, block: int = 256) -> torch.Tensor:
+    """[H] fp32: the largest scale * q.k over batch, queries and the keys each query may see (causal when
+    mask_TS is None). Query blocks of `block` rows bound the memory to [B, H, block, S]."""
+    T, S = q_BHTK.shape[2], k_BHSK.shape[2]
+    k = k_BHSK.float()
+    out = torch.full((q_BHTK.shape[1],), float("-inf"), device=q_BHTK.device)
+    for t0 in range(0, T, block):
+        s = torch.einsum("bhtk,bhsk->bhts", q_BHTK[:, :, t0:t0 + block].float(), k) * scale
+        rows = torch.arange(t0, min(t0 + block, T), device=s.device)
+        allowed = (mask_TS[rows] if mask_TS is not None
+                   else torch.arange(S, device=s.device)[None, :] <= rows[:, None])
+        out = torch.maximum(out, s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
+    return out
 
 
 class GatedMLA(nn.Module):
@@ -49,6 +68,13 @@ class GatedMLA(nn.Module):
             self.g_proj = ColumnParallelLinear(D, Hf * self.V, tp=tp)
         self.o_proj = RowParallelLinear(Hf * self.V, D, tp=tp)
         self.scale = qk ** -0.5
+        # Per-Head Muon: the per-head projections' head blocks (q_a / kv_a compressions stay whole)
+        for proj in (self.q_b_proj if self.q_lora_rank else self.q_proj, self.kv_b_proj) + (
+                (self.g_proj,) if self.gated else ()):
+            mark_head_blocks(proj.weight, Hf, axis=0)
+        mark_head_blocks(self.o_proj.weight, Hf, axis=1)
+        self.track_max_logit = False  # QK-Clip: record max_logit_H [H] (running max until the optimizer reads it)
+        self.max_logit_H = None
 
     def _queries(self, x):
         B, T, _ = x.shape
@@ -83,12 +109,29 @@ class GatedMLA(nn.Module):
         k_nope, v = kv.split([self.N, self.V], dim=-1)
         k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, T, self.H, self.R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
-        if cu_seqlens is None:
+        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, T)
+        if mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            mask = document_causal_mask(cu_seqlens, T)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        if self.track_max_logit and self.training:
+            m = max_logit_per_head(q, k, self.scale, mask)
+            self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
         return self._output(o.transpose(1, 2), x_BTD)
+
+    @torch.no_grad()
+    def rescale_qk_(self, gamma_H: torch.Tensor) -> list:
+        """QK-Clip: scale head h's logits by gamma_H[h] (MODEL.md 6.2): its q_nope and k_nope weight rows by
+        sqrt(gamma), its unrotated q part by gamma; the head-shared k_r is left alone. Returns the changed
+        parameters."""
+        wq = (self.q_b_proj if self.q_lora_rank else self.q_proj).weight
+        g = gamma_H.to(wq.dtype)[:, None, None]
+        q_HQI = wq.view(self.H, self.N + self.R, wq.shape[-1])
+        q_HQI[:, : self.N] *= g.sqrt()
+        q_HQI[:, self.N:] *= g
+        wkv = self.kv_b_proj.weight
+        wkv.view(self.H, self.N + self.V, self.L)[:, : self.N] *= g.sqrt().to(wkv.dtype)
+        return [wq, wkv]
 
     def forward_absorbed(self, x_BTD: torch.Tensor, state: MLAState) -> torch.Tensor:
         """Decode against the latent cache: q~_h = W_UK,h^T q_h^nope; scores over [c ; k_r]; the context

@@ -42,7 +42,7 @@ class StableLatentMoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.hidden_act,
                                       cfg.situ_beta_gate, cfg.situ_beta_up, ep=ep)
         self.shared_experts = (GatedMLP(D, cfg.shared_ffn_size, cfg.hidden_act, cfg.situ_beta_gate, cfg.situ_beta_up,
-                                        tp=tp) if cfg.num_shared_experts else None)
+                                        tp=tp, experts=cfg.num_shared_experts) if cfg.num_shared_experts else None)
         if tp.size > 1:  # replicated weights that see this rank's tokens only: gradients summed over TP
             for name, p in self.named_parameters():
                 if name.startswith("shared_experts.") or (name.startswith("experts.") and ep.size > 1):

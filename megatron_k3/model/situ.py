@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp, mark_expert_blocks
 from .norm import atleast_fp32
 
 
@@ -32,14 +32,20 @@ def glu_act(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float = 4
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): the dense FFN of layer 0 and the shared experts. Megatron-style under
-    tensor parallelism: gate/up column-parallel, down row-parallel."""
+    tensor parallelism: gate/up column-parallel, down row-parallel. `experts` > 1: the intermediate width is
+    that many fused experts (K3's 2 shared experts), which the optimizer treats as separate matrices."""
 
-    def __init__(self, dim: int, inter: int, act: str, beta_gate: float = 4.0, beta_up: float = 25.0, tp=None):
+    def __init__(self, dim: int, inter: int, act: str, beta_gate: float = 4.0, beta_up: float = 25.0, tp=None,
+                 experts: int = 1):
         super().__init__()
         self.tp = tp or current_tp()
         self.gate_proj = ColumnParallelLinear(dim, inter, tp=self.tp)
         self.up_proj = ColumnParallelLinear(dim, inter, tp=self.tp)
         self.down_proj = RowParallelLinear(inter, dim, tp=self.tp)
+        if experts > 1 and inter % experts == 0:
+            mark_expert_blocks(self.gate_proj.weight, experts, axis=0)
+            mark_expert_blocks(self.up_proj.weight, experts, axis=0)
+            mark_expert_blocks(self.down_proj.weight, experts, axis=1)
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ Conventions inside a TP region (between `enter` and a row-parallel exit):
 - Sharded parameters carry `tp_split_dim` (0 or 1); replicated parameters whose gradient is partial per rank
   (they see only this rank's heads or sequence shard) carry `tp_partial_grad = True` and get their gradient
   summed over the TP group by a hook.
+- The optimizer's grouping reads more annotations (megatron_k3.optim.muon): `muon_blocks`,
+  `muon_block_axis` and `muon_block_kind` (the full, unsharded matrix is that many equal blocks along that
+  axis: attention heads, or fused shared experts), `muon_batched` (the leading axis indexes independent
+  matrices: routed experts) and `muon_exclude` (a matrix that stays on AdamW, with the reason).
 """
 
 from __future__ import annotations
@@ -137,6 +141,31 @@ def mark_sharded(p: nn.Parameter, dim: int) -> nn.Parameter:
 
 def mark_partial_grad(p: nn.Parameter) -> nn.Parameter:
     p.tp_partial_grad = True
+    return p
+
+
+def mark_head_blocks(p: nn.Parameter, heads: int, axis: int) -> nn.Parameter:
+    """The full p is `heads` attention heads (all ranks' heads) in equal blocks along `axis`: 0 for a
+    projection into the heads ([H*K, in]), 1 for the projection out of them ([out, H*K])."""
+    p.muon_blocks, p.muon_block_axis, p.muon_block_kind = heads, axis, "heads"
+    return p
+
+
+def mark_expert_blocks(p: nn.Parameter, experts: int, axis: int) -> nn.Parameter:
+    """The full p is `experts` fused experts' matrices in equal blocks along `axis` (shared experts)."""
+    p.muon_blocks, p.muon_block_axis, p.muon_block_kind = experts, axis, "experts"
+    return p
+
+
+def mark_batched_matrices(p: nn.Parameter) -> nn.Parameter:
+    """p's leading axis indexes independent matrices (routed experts [E, out, in])."""
+    p.muon_batched = True
+    return p
+
+
+def mark_adamw_only(p: nn.Parameter, reason: str) -> nn.Parameter:
+    """A matrix that is not a hidden linear map (embedding, LM head, AttnRes pseudo-query): AdamW, not Muon."""
+    p.muon_exclude = reason
     return p
 
 

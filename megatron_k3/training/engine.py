@@ -113,6 +113,24 @@ def tp_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@torch.no_grad()
+def grad_norm_without_zero(model) -> float:
+    """The global gradient norm DeepSpeed's ZeRO-0 path clips with but does not report: tensor-sharded parameters
+    count on every TP rank (summed over TP), replicated ones once. Call after the boundary backward."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.double().pow(2).sum().cpu()
+            if getattr(p, "tp_split_dim", None) is not None:
+                sharded += sq
+            else:
+                replicated += sq
+    if state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sharded, group=state.get_tensor_model_parallel_group())
+    return float((sharded + replicated).sqrt())
+
+
 def is_expert_parallel(p) -> bool:
     return getattr(p, "expert_parallel", False)
 

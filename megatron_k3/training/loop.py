@@ -24,6 +24,7 @@ from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, mak
                             split_documents)
 from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
+from ..optim import build_optimizer
 from ..optim.schedule import lr_at
 from ..parallel import state
 from ..precision import forward_context, prepare_model_for_precision
@@ -139,7 +140,13 @@ class Trainer:
         named = list(model.named_parameters())
         dense = [(n, p) for n, p in named if not ds_engine.is_expert_parallel(p)]
         expert = [(n, p) for n, p in named if ds_engine.is_expert_parallel(p)]
-        optimizer = self._make_optimizer(param_groups(dense, run.optim.weight_decay))
+        if run.optim.name == "muon":
+            if run.parallel.zero_stage > 0 or expert:
+                raise ConfigError("optim", "muon", "the training loop runs Per-Head Muon with parallel.zero_stage=0 "
+                                  "and parallel.ep=1 for now (its ZeRO momentum is not in our checkpoints yet)")
+            optimizer = build_optimizer(model, run.optim)
+        else:
+            optimizer = self._make_optimizer(param_groups(dense, run.optim.weight_decay))
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
         self.experts = (ds_engine.ExpertOptimizer(expert, lambda ms: self._make_optimizer(
             param_groups(list(zip([n for n, _ in expert], ms)), run.optim.weight_decay))) if expert else None)
@@ -251,6 +258,8 @@ class Trainer:
             last = micro == self.num_micro - 1
             if last and self.experts is not None:
                 self.experts.reduce_gradients()
+            if last and self.run.parallel.zero_stage == 0:
+                norm0 = ds_engine.grad_norm_without_zero(self.model)
             self.engine.step()  # a no-op except after the last micro-batch
             if last and self.experts is not None:
                 self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
@@ -268,7 +277,7 @@ class Trainer:
                 stats[1:] = ds_engine.tp_sum(stats[1:])
             loss, dropped, loads = stats[0].cpu() / self.dp, stats[1].cpu(), stats[2:].cpu().view_as(loads)
             tokens *= self.dp
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = norm0 if self.run.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
             b.step()
         self.step += 1

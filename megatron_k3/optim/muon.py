@@ -1,0 +1,282 @@
+"""Per-Head Muon for the model's matrices and AdamW for the rest, as one torch optimizer (MODEL.md section 6).
+
+Legend: N independent matrices of a batch (heads or experts), A rows, B columns.
+
+For a matrix W with gradient G (one step, MODEL.md 6.1):
+    M <- mu M + G;   U = G + mu M (Nesterov) or M;   O = NS5(U)
+    W <- W - lr (scale * sqrt(max(A, B)) * O + wd W)          scale = 0.2: AdamW's lr and decay carry over
+Per-head (MODEL.md 6.3): a projection partitioned by attention heads runs NS5 and the scale on each head's
+block separately; so does each expert: routed experts ([E, A, B], `p.muon_batched`) and the fused shared
+experts (blocks of the shared MLP), never orthogonalised across the expert axis; any other matrix whole.
+Blocks are declared on the parameters (`muon_blocks`, `muon_block_axis`, `muon_block_kind`; see
+parallel/layers.py). The embedding, LM head, AttnRes pseudo-queries, conv filters and 1-D parameters (norms,
+biases, gate scalars) use AdamW. `muon_rule` states the rules; the optimizer logs what each rule took.
+
+Tensor parallelism: a rank holds whole heads (and whole shared experts when tp divides their number), so
+block work is local. Otherwise (a whole-matrix update of a TP-sharded matrix) the momentum is gathered over
+the TP group, the full matrix orthogonalised and this rank's slice kept, so any TP layout steps exactly like
+one process. ZeRO lives in optim/zero.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_k3.optim")
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (a, b, c), MODEL.md 6.1
+_EPS = 1e-7
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximate orthogonal factor U V^T of each matrix G = U S V^T of a batch [..., A, B], in `dtype`.
+
+    The quintic iteration X <- a X + (b X X^T + c (X X^T)^2) X maps every singular value through the same
+    odd polynomial, so the result is U p(S) V^T with p(s) in about [0.68, 1.13] once s has grown out of
+    the small-value regime, where each step multiplies it by a = 3.4445.
+    """
+    a, b, c = NS_COEFFICIENTS
+    tall = G.shape[-2] > G.shape[-1]
+    X = (G.mT if tall else G).float()  # rows <= cols, so X X^T is the smaller Gram matrix
+    # Frobenius normalisation, in fp32 (any input dtype's range lands in [-1, 1] before the cast): the
+    # singular values start in [0, 1], where the iteration converges.
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + _EPS)).to(dtype)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if tall else X
+
+
+def to_blocks(t: torch.Tensor, layout: str, n: int = 1, axis: int = 0) -> torch.Tensor:
+    """t as [N, A, B], the independent matrices Muon orthogonalises: the matrix itself ('matrix'), a batch
+    ('batched', t is already [E, A, B]) or `n` equal blocks along `axis` ('blocks')."""
+    if layout == "batched":
+        return t
+    if layout == "matrix":
+        return t.unsqueeze(0)
+    if axis == 0:  # [n*K, B] -> [n, K, B]
+        return t.reshape(n, t.shape[0] // n, t.shape[1])
+    return t.reshape(t.shape[0], n, t.shape[1] // n).transpose(0, 1)  # [A, n*K] -> [n, A, K]
+
+
+def from_blocks(x_NAB: torch.Tensor, shape, layout: str, n: int = 1, axis: int = 0) -> torch.Tensor:
+    """Inverse of `to_blocks`."""
+    if layout == "batched":
+        return x_NAB
+    if layout == "matrix":
+        return x_NAB[0]
+    if axis == 0:
+        return x_NAB.reshape(shape)
+    return x_NAB.transpose(0, 1).reshape(shape)
+
+
+def orthogonalized_update(u: torch.Tensor, layout: str = "matrix", n: int = 1, axis: int = 0,
+                          steps: int = 5, scale: float = 0.2, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """scale * sqrt(max(A, B)) * NS5(block) for each block [A, B] of u, in u's shape and dtype."""
+    x = to_blocks(u, layout, n, axis)
+    rms_match = scale * math.sqrt(max(x.shape[-2], x.shape[-1]))
+    o = newton_schulz(x, steps, dtype) * rms_match
+    return from_blocks(o.to(u.dtype), u.shape, layout, n, axis)
+
+
+def ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'fp32', 'bf16', or 'auto': bf16 on CUDA (as Moonshot runs it), fp32 elsewhere (CPU bf16 matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+# ---------------------------------------------------------------------------------------------- grouping
+def muon_rule(p: torch.nn.Parameter, per_head: bool = True) -> str:
+    """Which update a parameter gets, from its annotations and shape (first match wins):
+    adamw/<reason> for `p.muon_exclude` (embedding, lm_head, attn_res_query); adamw/vector for 1-D;
+    muon/expert for `p.muon_batched` (routed experts [E, A, B], one matrix each); adamw/not_matrix for any
+    other non-matrix (depthwise conv filters [C, 1, W]); muon/shared_expert for fused shared-expert blocks;
+    muon/per_head for head blocks when per_head; muon/matrix for every other matrix (whole)."""
+    reason = getattr(p, "muon_exclude", None)
+    if reason:
+        return f"adamw/{reason}"
+    if p.ndim < 2:
+        return "adamw/vector"
+    if getattr(p, "muon_batched", False):
+        return "muon/expert"
+    if p.ndim != 2:
+        return "adamw/not_matrix"
+    kind = getattr(p, "muon_block_kind", None)
+    if kind == "experts":
+        return "muon/shared_expert"
+    if kind == "heads" and per_head:
+        return "muon/per_head"
+    return "muon/matrix"
+
+
+_LAYOUT = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expert": "batched",
+           "muon/matrix": "matrix"}
+_NO_DECAY = ("adamw/embedding", "adamw/vector")  # as optim=adamw: decay every matrix but the embedding
+
+
+def muon_param_groups(model: torch.nn.Module, cfg) -> list:
+    """One param group per rule (see `muon_rule`), in a fixed order, empty rules left out. Muon groups carry
+    layout, momentum, nesterov, ns_steps, scale and ns_dtype; AdamW groups betas and eps. Every parameter
+    is tagged `use_muon` (the attribute DeepSpeed's ZeRO code reads)."""
+    by_rule: dict = {}
+    for _, p in model.named_parameters():  # named_parameters skips a tied weight's second name
+        if p.requires_grad:
+            by_rule.setdefault(muon_rule(p, cfg.per_head), []).append(p)
+    groups = []
+    for rule in sorted(by_rule, key=lambda r: (not r.startswith("muon"), r)):
+        params = by_rule[rule]
+        use_muon = rule.startswith("muon/")
+        for p in params:
+            p.use_muon = use_muon
+        g = {"params": params, "rule": rule, "use_muon": use_muon, "lr": cfg.lr,
+             "weight_decay": 0.0 if rule in _NO_DECAY else cfg.weight_decay}
+        if use_muon:
+            g.update(layout=_LAYOUT[rule], momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                     scale=cfg.muon_scale, ns_dtype=cfg.ns_dtype)
+        else:
+            g.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        groups.append(g)
+    return groups
+
+
+def grouping_table(groups: list) -> str:
+    """The grouping as an aligned text table: rule, tensors, parameters, weight decay."""
+    rows = [(g.get("rule", f"group {i}"), len(g["params"]), sum(p.numel() for p in g["params"]),
+             g.get("weight_decay", 0.0)) for i, g in enumerate(groups)]
+    total = sum(r[2] for r in rows) or 1
+    lines = [f"  {'rule':<24}{'tensors':>8}{'parameters':>14}{'share':>8}{'decay':>8}"]
+    lines += [f"  {r:<24}{n:>8}{k:>14,}{k / total:>8.1%}{wd:>8g}" for r, n, k, wd in rows]
+    return "\n".join(lines)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log_grouping(name: str, groups: list):
+    if _is_rank0():
+        log.info("optimizer %s: parameter grouping\n%s", name, grouping_table(groups))
+
+
+# ---------------------------------------------------------------------------------------------- QK-Clip
+class QKClip:
+    """QK-Clip for Gated MLA (MODEL.md 6.2): modules with `rescale_qk_` track their per-head max logit in
+    the training forward; after each step the max is reduced over data parallelism and every head whose max
+    exceeds the threshold tau has its query/key weights rescaled so that its logits shrink by
+    gamma = tau / max."""
+
+    def __init__(self, model: torch.nn.Module, threshold: float, dp_group=None):
+        self.threshold, self.dp_group = float(threshold), dp_group
+        self.modules = [m for m in model.modules() if hasattr(m, "rescale_qk_")]
+        for m in self.modules:
+            m.track_max_logit = True
+        self.last_max_logit = None  # largest per-head max logit of the last step (before clipping)
+        self.last_clipped_heads = 0
+
+    @torch.no_grad()
+    def apply(self) -> list:
+        """Rescale the heads over the threshold; returns the parameters it changed."""
+        changed, top, clipped = [], None, 0
+        for m in self.modules:
+            s_H = m.max_logit_H
+            m.max_logit_H = None
+            if s_H is None:  # no training forward since the last step
+                continue
+            if dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(s_H, op=dist.ReduceOp.MAX, group=self.dp_group)
+            top = s_H.max() if top is None else torch.maximum(top, s_H.max())
+            over = s_H > self.threshold
+            if bool(over.any()):
+                gamma_H = torch.where(over, self.threshold / s_H, torch.ones_like(s_H))
+                changed += m.rescale_qk_(gamma_H)
+                clipped += int(over.sum())
+        self.last_max_logit = None if top is None else float(top)
+        self.last_clipped_heads = clipped
+        return changed
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+def _gather_tp(t: torch.Tensor, dim: int, tp) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    dist.all_gather(parts, t.contiguous(), group=tp.group)
+    return torch.cat(parts, dim)
+
+
+class Muon(torch.optim.Optimizer):
+    """Per-Head Muon for param groups with `use_muon`, AdamW (torch's formula) for the others.
+
+    Build it with `megatron_k3.optim.build_optimizer`; `tp` is the tensor-parallel context the model was
+    built with, `qk_clip` an optional QKClip run after every step."""
+
+    def __init__(self, param_groups: list, tp=None, qk_clip: QKClip | None = None):
+        from ..parallel.layers import TPContext
+
+        # Called explicitly: ZeroMuon also derives from DeepSpeed's Muon class, whose __init__ is not wanted.
+        torch.optim.Optimizer.__init__(self, param_groups, {})
+        self.tp = tp or TPContext()
+        self.qk_clip = qk_clip
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["use_muon"]:
+                    self._muon_step(p, group)
+                else:
+                    self._adamw_step(p, group)
+        self._after_step()
+        return loss
+
+    def _after_step(self):
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
+
+    def _muon_step(self, p, group):
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        update = self.muon_update(p, p.grad, state["momentum_buffer"], group)
+        p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
+        p.add_(update, alpha=-group["lr"])
+
+    def muon_update(self, p, grad: torch.Tensor, momentum: torch.Tensor, group: dict) -> torch.Tensor:
+        """The scaled, orthogonalised update of parameter p (p's local shape); updates `momentum` in place."""
+        mu = group["momentum"]
+        momentum.mul_(mu).add_(grad)
+        u = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
+        layout, n, axis = group["layout"], getattr(p, "muon_blocks", 1), getattr(p, "muon_block_axis", 0)
+        dim = getattr(p, "tp_split_dim", None)
+        gather = self.tp.size > 1 and dim is not None and layout != "batched"
+        if gather and layout == "blocks" and dim == axis and n % self.tp.size == 0:
+            gather, n = False, n // self.tp.size  # this rank holds whole blocks: local work
+        if gather:  # the update needs the whole matrix: assemble it, keep this rank's slice
+            u = _gather_tp(u, dim, self.tp)
+        o = orthogonalized_update(u, layout, n, axis, group["ns_steps"], group["scale"],
+                                  ns_dtype(group["ns_dtype"], u.device))
+        return o.chunk(self.tp.size, dim)[self.tp.rank] if gather else o
+
+    def _adamw_step(self, p, group):
+        """torch.optim.AdamW's single-tensor update, operation for operation."""
+        grad, state = p.grad, self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        lr, (beta1, beta2), step = group["lr"], group["betas"], state["step"]
+        p.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-(lr / (1 - beta1 ** step)))

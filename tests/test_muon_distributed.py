@@ -1,0 +1,179 @@
+"""Per-Head Muon under DeepSpeed ZeRO-1 (dp=2) and under tensor parallelism (tp=2) steps exactly like one
+process: parameters after 3 steps of the same global batch, fp32, gloo workers. QK-Clip is on with a
+threshold the tiny model exceeds, so clipped heads take the same path too.
+
+Tolerance: 1e-5 relative per tensor, max|a - b| / max|b|, as tests/test_tensor_parallel.py.
+- dp=2: averaging two gradients is exact in fp32, so ZeRO-1 matches one process bit for bit (any seed).
+- tp=2: gradients differ from one process in summation order (~1e-6). Muon matrices stay within ~1e-6
+  after 3 steps (measured over 30 seeds). The AdamW half does not: AdamW divides each element by its own
+  gradient scale, so an element whose gradient sits at the noise floor (embedding and LM-head entries, the
+  zero-initialised AttnRes queries) takes an O(lr) different step, and the next forward carries that
+  everywhere; optim=adamw alone behaves the same (measured up to 4e-4 after 3 steps). The tp=2 test
+  therefore steps the Muon half only (AdamW groups at lr 0), which is what tensor parallelism changes.
+"""
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_k3.config import OptimConfig, load_model_config
+from megatron_k3.model import K3ForCausalLM
+from megatron_k3.optim import build_optimizer
+from megatron_k3.optim.muon import muon_rule
+
+OVERRIDES = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "attn_res_block_size=2",
+             "num_shared_experts=2"]  # two fused shared experts: per-expert blocks of the shared MLP
+RTOL = 1e-5
+STEPS = 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return K3ForCausalLM(load_model_config("k3_tiny", OVERRIDES))
+
+
+def _optimizer(model, per_head=True, adamw=True, zero=False):
+    # The default lr; the QK-Clip threshold lies below the tiny model's max logits (about 0.1), so heads
+    # are clipped at every step.
+    cfg = OptimConfig(name="muon", lr=3e-3, weight_decay=0.1, per_head=per_head, qk_clip=0.05, ns_dtype="fp32")
+    opt = build_optimizer(model, cfg, zero=zero)
+    if not adamw:
+        for g in opt.param_groups:
+            if not g["use_muon"]:
+                g["lr"] = 0.0
+    return opt
+
+
+def _batch(rows):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 8192, (rows, 96), generator=g)
+    return ids, ids.roll(-1, 1), torch.tensor([0, 20, 64, 96])
+
+
+def _reference(rows, **optim):
+    """One process: the mean of the per-row losses of `rows` rows (what DP ranks average)."""
+    model = _model()
+    opt = _optimizer(model, **optim)
+    ids, labels, cu = _batch(rows)
+    clipped = 0
+    for _ in range(STEPS):
+        loss = sum(model(ids[r:r + 1], labels=labels[r:r + 1], cu_seqlens=cu).loss for r in range(rows)) / rows
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        clipped += opt.qk_clip.last_clipped_heads
+    assert clipped > 0
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _assert_close(params, ref):
+    assert params.keys() == ref.keys()
+    worst = max((_rel(params[n], p), n) for n, p in ref.items())
+    assert worst[0] < RTOL, worst
+    model = _model()
+    init = model.state_dict()
+    moved = min((_rel(ref[n], init[n]), n) for n, p in model.named_parameters() if muon_rule(p).startswith("muon"))
+    assert moved[0] > 1e-3, moved  # every Muon matrix really was updated
+
+
+def _zero_worker(rank, world):
+    import deepspeed
+    import deepspeed.ops
+    import deepspeed.runtime.zero.muon.original_muon as ds_muon
+
+    from megatron_k3.optim.zero import attach
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # plain gloo collectives, no C++ build
+    model = _model()
+    optimizer = _optimizer(model, zero=True)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    attach(engine)
+    zero = engine.optimizer
+    muon_groups = [i for i, g in enumerate(optimizer.param_groups) if g["use_muon"]]
+    # some Muon matrix lies across both ranks' partitions: the assembled-matrix path is exercised
+    assert any(len(ids) > 1 for i in muon_groups for ids in zero.param_to_partition_ids[i].values())
+
+    def deepspeed_update(*args, **kwargs):
+        raise AssertionError("DeepSpeed's own muon_update ran")
+
+    ds_muon.muon_update = deepspeed_update
+    ids, labels, cu = _batch(world)
+    for _ in range(STEPS):
+        out = engine(ids[rank:rank + 1], labels=labels[rank:rank + 1], cu_seqlens=cu)
+        engine.backward(out.loss)
+        engine.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_zero1_data_parallel_muon_equals_single_process():
+    """dp=2, DeepSpeed ZeRO-1, the whole optimizer (Muon and AdamW halves): matrices split across the two
+    partitions are assembled before Newton-Schulz and each rank keeps its slice; QK-Clip also rewrites the
+    fp32 master partitions."""
+    ref = _reference(2)
+    for params in run_distributed(_zero_worker, 2, timeout=240):
+        _assert_close(params, ref)
+
+
+def _tp_worker(rank, world, per_head):
+    from megatron_k3.parallel import state
+
+    state.initialize_model_parallel(tp=2)
+    try:
+        model = _model()
+        opt = _optimizer(model, per_head=per_head, adamw=False)
+        ids, labels, cu = _batch(1)
+        for _ in range(STEPS):
+            model(ids, labels=labels, cu_seqlens=cu).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        group = state.get_tensor_model_parallel_group()
+        out = {}
+        for n, p in model.named_parameters():
+            t, d = p.detach(), getattr(p, "tp_split_dim", None)
+            if d is not None:
+                parts = [torch.empty_like(t) for _ in range(2)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=group)
+                t = torch.cat(parts, d)
+            out[n] = t
+        return out
+    finally:
+        state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_tensor_parallel_muon_equals_single_process(per_head):
+    """tp=2: head and shared-expert blocks are local to their rank; whole-matrix updates of sharded matrices
+    (and, with per_head off, of the head projections) gather the full matrix over TP."""
+    ref = _reference(1, per_head=per_head, adamw=False)
+    for params in run_distributed(_tp_worker, 2, per_head, timeout=240):
+        _assert_close(params, ref)
+
+
+def test_zero_attach_refuses_what_it_cannot_do_exactly():
+    """DeepSpeed would clip the orthogonalised update, not the gradient: attach() refuses gradient clipping;
+    and a ZeroMuon stepping flat ZeRO partitions without attach() fails instead of applying raw gradients."""
+    from types import SimpleNamespace
+
+    from megatron_k3.optim.zero import ZeroMuon, attach
+
+    model = _model()
+    opt = _optimizer(model, zero=True)
+    assert isinstance(opt, ZeroMuon)
+    zero = SimpleNamespace(optimizer=opt, get_flat_partition=None, all_grad_tensors={}, cpu_offload=False)
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        attach(SimpleNamespace(optimizer=zero, gradient_clipping=lambda: 1.0))
+    with pytest.raises(TypeError):
+        attach(SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=1.0))))
+    flat = torch.nn.Parameter(torch.zeros(10))
+    flat.grad = torch.ones(10)
+    bare = ZeroMuon([{"params": [flat], "use_muon": True, "layout": "matrix", "lr": 0.1, "weight_decay": 0.0,
+                      "momentum": 0.95, "nesterov": True, "ns_steps": 5, "scale": 0.2, "ns_dtype": "fp32"}])
+    with pytest.raises(RuntimeError, match="attach"):
+        bare.step()
