@@ -10,20 +10,11 @@ import torch
 
 from megatron_k3.config import load_model_config
 from megatron_k3.planning.activations import attn_res_sources
-from megatron_k3.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=2",
-        "train.global_batch_size=4", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=3",
-        "logging.wandb.mode=disabled", "logging.wandb.media_interval=2", "train.save_interval=0"]
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plot_run")
-    assert main(FAST + ["train.steps=3", f"hydra.run.dir={d}"]) == 0
-    return d
+def run_dir(short_run_dir):
+    return short_run_dir
 
 
 @pytest.fixture(scope="module")
