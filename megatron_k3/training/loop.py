@@ -43,6 +43,15 @@ class Stop(Exception):
     pass
 
 
+def _plain(x):
+    """A config as JSON-able plain data."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
+
+
 def _device(run: RunConfig) -> torch.device:
     if run.train.device == "cuda" or (run.train.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -180,40 +189,83 @@ class Trainer:
             return
         try:
             meta = read_meta(path)
-            model_t, optim_t, extra = read_shard(path, self._shard_suffix())
-        except (FileNotFoundError, ValueError, OSError) as e:
+            self._check_model_config(path, meta)
+            saved_tp = int(meta.get("tensor_parallel", 1))
+            dims = {n: getattr(p, "tp_split_dim", None) for n, p in self.model.named_parameters()}
+            if saved_tp == self.tp:
+                model_t, optim_t, extra = read_shard(path, self._shard_suffix())
+            else:  # resharding: merge the saved shards, keep this rank's slice
+                model_t, optim_t, extra = ckpt.read_full(path, meta)
+                model_t = ckpt.split_full(model_t, dims, self.tp, self.tp_rank)
+                optim_t = {n: ckpt.split_full({k: v for k, v in st.items()}, {k: dims.get(n) for k in st},
+                                              self.tp, self.tp_rank) for n, st in optim_t.items()}
+                log.info("resharding %s: saved with tensor_parallel=%d, loading with %d", path, saved_tp, self.tp)
+            rng = ckpt.load_pickle_safely(path / "rng.pt") if (path / "rng.pt").is_file() else None
+        except (ckpt.CheckpointError, FileNotFoundError, OSError) as e:
             raise ConfigError("checkpoint.load", str(path), str(e)) from None
-        if meta.get("tensor_parallel", 1) != self.tp:
-            raise ConfigError("parallel.tp", self.tp, f"the checkpoint {path} was saved with tensor_parallel="
-                              f"{meta.get('tensor_parallel', 1)} (convert it, or resume with that size)")
         named = list(self.model.named_parameters())
         missing = [n for n, _ in named if n not in model_t]
         if missing:
             raise ConfigError("checkpoint.load", str(path), f"parameters missing from the checkpoint: {missing[:5]}")
+        for n, p in named:
+            want = tuple(p.shape) if not ds_engine.is_expert_parallel(p) else (p.shape[0] * p.ep_size, *p.shape[1:])
+            if tuple(model_t[n].shape) != want:
+                raise ConfigError("checkpoint.load", str(path), f"{n}: saved shape {tuple(model_t[n].shape)}, this "
+                                  f"model (tp={self.tp}) needs {want}")
         buffers = {k: v for k, v in model_t.items() if k not in dict(named)}
         _, unexpected = self.model.load_state_dict(buffers, strict=False)
         if unexpected:
             raise ConfigError("checkpoint.load", str(path), f"tensors the model does not have: {unexpected[:5]}")
         ds_engine.load_full_states(self.engine, named, model_t, optim_t, extra["optimizer_scalars"], self.experts)
-        ckpt.set_rng_state(extra["rng"])
+        ranks = (rng or {}).get("ranks", [])
+        if len(ranks) == self.world:
+            ckpt.set_rng_state(ranks[self.rank])
+        else:
+            if rng is not None and self.rank == 0:
+                log.warning("the checkpoint holds the RNG states of %d ranks and this run has %d: every rank takes "
+                            "the saved rank-0 state", len(ranks), self.world)
+            ckpt.set_rng_state(ranks[0] if ranks else extra["rng"])
         self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
         if meta.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
                         self.run.train.global_batch_size, meta.get("global_batch_size"))
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
 
+    # Model keys that may change between a save and a resume: they do not change any tensor or what it means.
+    RESUMABLE_MODEL_KEYS = ("name", "kda_chunk_size", "moe_overflow", "moe_capacity_factor", "initializer_range",
+                            "kda_a_log_init")
+
+    def _check_model_config(self, path, meta: dict):
+        saved = meta.get("model")
+        if saved is None:
+            return
+        diff = ckpt.config_diff(saved, dataclasses.asdict(self.run.model))
+        hard = [d for d in diff if d[0] not in self.RESUMABLE_MODEL_KEYS]
+        if hard:
+            listed = "; ".join(f"model.{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in hard)
+            raise ConfigError("model", self.run.model.name, f"does not match the checkpoint {path}: {listed}")
+        if diff and self.rank == 0:
+            log.info("resuming with changed runtime model settings: %s",
+                     ", ".join(f"model.{k} {a!r} -> {b!r}" for k, a, b in diff))
+
     def _shard_suffix(self) -> str:
-        return f"_tp{self.tp_rank:02d}" if self.tp > 1 else ""
+        return ckpt.shard_suffix(self.tp, self.tp_rank)
 
     def save(self):
-        """Every rank takes part (ZeRO gathers each parameter's partitions over DP); data-parallel rank 0 of each
-        tensor-parallel shard writes its files into one temporary directory, which rank 0 commits."""
+        """Every rank takes part (ZeRO gathers each parameter's partitions over DP, experts are gathered over EP);
+        data-parallel rank 0 of each tensor-parallel shard writes its files into one temporary directory, rank 0
+        adds every rank's RNG state and commits (meta.json, rename into place, `latest` last)."""
+        named = list(self.model.named_parameters())
         meta = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                 "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
-                "tensor_parallel": self.tp, "zero_stage": self.run.parallel.zero_stage,
-                "model": dataclasses.asdict(self.run.model)}
-        named = list(self.model.named_parameters())
+                "tensor_parallel": self.tp, "expert_parallel": self.run.parallel.ep, "world_size": self.world,
+                "data_parallel": self.dp, "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
+                "tp_split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in named},
+                "lr_schedule": "derived from step (optim.*)",
+                "model": dataclasses.asdict(self.run.model), "config": _plain(dataclasses.asdict(self.run))}
         weights, states, scalars = ds_engine.full_states(self.engine, named, self.experts)
+        rngs = [None] * self.world
+        dist.all_gather_object(rngs, ckpt.rng_state())
         tmp, final = ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else (None, None)
         dist.barrier()
         tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
@@ -224,6 +276,8 @@ class Trainer:
                 del model_t[k]  # aliases of tied parameters: stored once
             ckpt.write_shard(tmp, self._shard_suffix(), model_t, states,
                              {"rng": ckpt.rng_state(), "optimizer_scalars": scalars})
+        if self.rank == 0:
+            ckpt.write_rng(tmp, rngs)
         dist.barrier()
         if self.rank == 0:
             log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta, self.run.checkpoint.keep_last))
