@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -216,3 +217,29 @@ def test_k3_refusals(tmp_path):
         (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": text}))
         K3ForCausalLM.from_hf(tmp_path / "empty")
 
+
+
+def test_convert_hf_cli(tmp_path, capsys):
+    """tools/convert_hf.py: our weights -> a K3 directory -> our weights again (the K3-exported values)."""
+    import importlib.util as iu
+
+    from safetensors.torch import load_file, save_file
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
+    spec = iu.spec_from_file_location("convert_hf", tool)
+    cli = iu.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    cfg = load_model_config("k3_tiny", ["num_layers=4"])
+    torch.manual_seed(0)
+    save_file({k: v.contiguous() for k, v in K3ForCausalLM(cfg).state_dict().items()}, str(tmp_path / "ours.st"))
+    assert cli.main(["--to-hf", str(tmp_path / "ours.st"), str(tmp_path / "hf"), "model=k3_tiny",
+                     "model.num_layers=4", "--max-shard-size", "200000"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert cli.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    expected = K3ForCausalLM.from_hf(tmp_path / "hf").state_dict()
+    assert sorted(back) == sorted(expected) and all(torch.equal(back[k], v) for k, v in expected.items())
+    saved_cfg = json.loads((tmp_path / "back" / "model_config.json").read_text())
+    assert saved_cfg["num_layers"] == 4 and saved_cfg["mla_latent_norm_eps"] == cfg.mla_latent_norm_eps
+    assert cli.main(["--to-hf", str(tmp_path / "ours.st")]) == 2
+    assert "convert_hf:" in capsys.readouterr().err
