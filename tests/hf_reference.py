@@ -3,6 +3,9 @@
     python tests/hf_reference.py SPEC.json
 
 SPEC.json: {"config": {...KimiLinearConfig kwargs...}, "seed": int, "input_ids": [[...], ...], "out_dir": str}
+Optional: "save_pretrained": DIR (also write the model with `save_pretrained`, i.e. the checkpoint layout transformers
+writes), "load_from": DIR (instead of building and perturbing a model, load DIR with `from_pretrained`; "config"
+and "seed" are then unused).
 
 When `fla` (flash-linear-attention) is importable, transformers binds Kimi Linear's KDA and short-conv ops to
 fla's Triton kernels, which need a GPU. This process therefore blocks `fla` (and the CUDA-only
@@ -53,6 +56,26 @@ def _implementation(fn):
     return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', repr(impl))}"
 
 
+def _build(spec, torch, mkl, KimiLinearConfig):
+    """The seeded model of spec["config"], with perturbed norm weights and router biases."""
+    torch.manual_seed(int(spec["seed"]))
+    config = KimiLinearConfig(**spec["config"])
+    config._attn_implementation = "sdpa"
+    model = mkl.KimiLinearForCausalLM(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(int(spec["seed"]) + 1)
+    n_norm = n_bias = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                n_norm += 1
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+                n_bias += 1
+    return model, config, n_norm, n_bias
+
+
 def main(spec_path: str) -> None:
     _install_blocker()
 
@@ -72,23 +95,19 @@ def main(spec_path: str) -> None:
     if bad:
         raise RuntimeError(f"Kimi Linear ops are not bound to transformers' torch path: {bad}")
 
-    torch.manual_seed(int(spec["seed"]))
-    config = KimiLinearConfig(**spec["config"])
-    config._attn_implementation = "sdpa"
-    model = mkl.KimiLinearForCausalLM(config).to(torch.float32).eval()
-
-    gen = torch.Generator().manual_seed(int(spec["seed"]) + 1)
     n_norm = n_bias = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                n_norm += 1
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
-                n_bias += 1
-
+    if spec.get("load_from"):
+        model, loading = mkl.KimiLinearForCausalLM.from_pretrained(
+            spec["load_from"], dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
+        problems = {k: sorted(v) for k, v in loading.items() if v}
+        if problems:  # transformers only warns about these; a converter test must not pass over them
+            raise RuntimeError(f"from_pretrained({spec['load_from']}): {problems}")
+        model = model.eval()
+        config = model.config
+    else:
+        model, config, n_norm, n_bias = _build(spec, torch, mkl, KimiLinearConfig)
+        if spec.get("save_pretrained"):
+            model.save_pretrained(spec["save_pretrained"])
     input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
     with torch.no_grad():
         logits = model(input_ids=input_ids, use_cache=False).logits.float()

@@ -27,10 +27,11 @@ REFERENCE = Path(__file__).with_name("hf_reference.py")
 RTOL = 1e-4
 
 
-def run_reference(tmp_path: Path, hf_config: dict, seed: int, input_ids: torch.Tensor):
+def run_reference(tmp_path: Path, hf_config: dict, seed: int, input_ids: torch.Tensor, **extra):
+    """Run tests/hf_reference.py; `extra` adds optional spec keys (save_pretrained, load_from)."""
     from safetensors.torch import load_file
 
-    spec = {"config": hf_config, "seed": seed, "input_ids": input_ids.tolist(), "out_dir": str(tmp_path)}
+    spec = {"config": hf_config, "seed": seed, "input_ids": input_ids.tolist(), "out_dir": str(tmp_path), **extra}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(REFERENCE), str(spec_path)], capture_output=True, text=True,

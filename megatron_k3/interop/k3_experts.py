@@ -7,10 +7,14 @@ Per expert e and matrix w in w1 (gate), w3 (up) [I, L] and w2 (down) [L, I], the
 with prefix `model.layers.{i}.block_sparse_moe.experts` for our `model.layers.{i}.mlp.experts`.
 
 Export quantises the fp32 master weights exactly as the QAT forward does (ops.mx, E2M1, blocks of 32 along
-the input dim, the same scale mode), so the stored codes are the ones the forward used. Import writes the
-dequantised values into our batched weights [E, out, in]. MX quantisation is idempotent, so re-quantising
-imported weights gives back the same codes: a model that imports and runs with QAT computes bit for bit
-what the exporting model computed.
+the input dim, the same scale mode), so the stored values are the ones the forward used. Import writes the
+dequantised values into our batched weights [E, out, in]. MX fake-quantisation is idempotent in value for both
+scale modes, so a model that imports and runs with QAT computes bit for bit what the exporting model computed.
+
+The stored bytes are canonical: a function of the values alone. Floor-mode encoding is idempotent in bytes,
+but rceil is not (a block whose top element rounds down to 3 gets half the scale when re-quantised, codes
+doubled, same values), so values quantised in another mode are re-encoded in floor mode, which holds every
+MXFP4 value exactly. Export -> import -> export then gives identical bytes whatever the scale mode.
 """
 
 from __future__ import annotations
@@ -23,10 +27,47 @@ MATRICES = ("w1", "w2", "w3")
 BLOCK = 32
 
 
+def _canonical_codes(w: torch.Tensor, scale_mode: str):
+    """E2M1 codes and E8M0 scales of w quantised in scale_mode, encoded canonically (see the module docstring)."""
+    codes, scales = quantize_mx(w, "e2m1", BLOCK, scale_mode)
+    if scale_mode != "floor":
+        codes, scales = quantize_mx(dequantize_mx(codes, scales, "e2m1", BLOCK), "e2m1", BLOCK, "floor")
+    return codes, scales
+
+
 def quantize_k3_weight(w_OI: torch.Tensor, scale_mode: str = "floor"):
     """One expert matrix [out, in] -> (weight_packed U8 [out, in/2], weight_scale U8 [out, in/32])."""
-    codes, scales = quantize_mx(w_OI.detach(), "e2m1", BLOCK, scale_mode)
+    codes, scales = _canonical_codes(w_OI.detach(), scale_mode)
     return pack_e2m1(codes).contiguous(), scales.contiguous()
+
+
+def pack_expert_weights(weights: dict, prefix: str, expert_offset: int = 0, scale_mode: str = "floor") -> dict:
+    """{"w1", "w2", "w3": batched [E, out, in]} -> {K3 key: U8 tensor} for experts numbered from expert_offset."""
+    out = {}
+    for name in MATRICES:
+        codes, scales = _canonical_codes(weights[name].detach(), scale_mode)
+        packed = pack_e2m1(codes)
+        for e in range(packed.shape[0]):
+            key = f"{prefix}.{e + expert_offset}.{name}"
+            out[f"{key}.weight_packed"] = packed[e].contiguous()
+            out[f"{key}.weight_scale"] = scales[e].contiguous()
+    return out
+
+
+def unpack_expert_weights(tensors: dict, prefix: str, num_experts: int, dtype=torch.float32) -> dict:
+    """K3 tensors of experts 0..num_experts-1 under prefix -> {"w1", "w2", "w3": [E, out, in]} (dequantised)."""
+    out = {}
+    for name in MATRICES:
+        mats = []
+        for e in range(num_experts):
+            key = f"{prefix}.{e}.{name}"
+            try:
+                packed, scale = tensors[f"{key}.weight_packed"], tensors[f"{key}.weight_scale"]
+            except KeyError as err:
+                raise KeyError(f"K3 checkpoint has no {err.args[0]}") from None
+            mats.append(dequantize_k3_weight(packed, scale, dtype))
+        out[name] = torch.stack(mats)
+    return out
 
 
 def dequantize_k3_weight(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -43,7 +84,8 @@ def k3_prefix(module_name: str) -> str:
     return module_name.replace(".mlp.experts", ".block_sparse_moe.experts")
 
 
-def _scale_mode(experts, scale_mode):
+def export_scale_mode(experts, scale_mode=None) -> str:
+    """The scale mode an export of these experts uses: the given one, else the QAT weight mode, else floor."""
     if scale_mode is not None:
         return scale_mode
     q = getattr(experts, "qat", None)
@@ -59,17 +101,8 @@ def _scale_mode(experts, scale_mode):
 def export_experts(experts, prefix: str, expert_offset: int = 0, scale_mode: str | None = None) -> dict:
     """A GroupedExperts -> {K3 key: U8 tensor} for its E experts, numbered from expert_offset (the first global
     expert id of this rank under expert parallelism). scale_mode defaults to the module's QAT weight mode."""
-    mode = _scale_mode(experts, scale_mode)
-    out = {}
-    for name in MATRICES:
-        w = getattr(experts, name).detach()  # [E, out, in]
-        codes, scales = quantize_mx(w, "e2m1", BLOCK, mode)
-        packed = pack_e2m1(codes)
-        for e in range(w.shape[0]):
-            key = f"{prefix}.{e + expert_offset}.{name}"
-            out[f"{key}.weight_packed"] = packed[e].contiguous()
-            out[f"{key}.weight_scale"] = scales[e].contiguous()
-    return out
+    weights = {name: getattr(experts, name) for name in MATRICES}  # [E, out, in]
+    return pack_expert_weights(weights, prefix, expert_offset, export_scale_mode(experts, scale_mode))
 
 
 @torch.no_grad()

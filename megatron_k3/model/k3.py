@@ -140,6 +140,19 @@ class K3ForCausalLM(nn.Module):
             logits = gather_last(logits, self.tp.group) if return_logits else None
         return CausalLMOutput(logits=logits, loss=loss, cache=cache)
 
+    @classmethod
+    def from_hf(cls, path, layout: str = "auto", config=None) -> "K3ForCausalLM":
+        """Load a Hugging Face directory (layout "auto", "kimi_linear" or "k3"; megatron_k3.interop.hf)."""
+        from ..interop.hf import load_hf
+
+        return load_hf(path, layout, config)
+
+    def save_hf(self, path, layout: str = "k3", **kwargs):
+        """Write this model as a Hugging Face directory (layout "k3" or "kimi_linear"; megatron_k3.interop.hf)."""
+        from ..interop.hf import save_hf
+
+        return save_hf(self, path, layout, **kwargs)
+
     def new_cache(self) -> InferenceCache:
         return InferenceCache.for_model(self.cfg)
 
