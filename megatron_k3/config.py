@@ -245,6 +245,7 @@ class ParallelConfig:
     zero_stage: int = 1  # DeepSpeed ZeRO over the data-parallel group: 0 (plain all-reduce), 1 (optimizer states
     #                      partitioned), 2 (gradients too)
     deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed config
+    timeout_minutes: float = 30.0  # how long a collective waits for its peers before failing (naming its group)
 
 
 @dataclass
@@ -262,6 +263,7 @@ class TrainConfig:
     exit_duration_mins: float = 0.0
     grad_clip: float = 1.0
     device: str = "auto"  # auto (cuda if available), cpu, cuda
+    max_consecutive_skips: int = 3  # steps with a non-finite loss/gradient are skipped; this many in a row stop the run
 
 
 @dataclass
@@ -372,6 +374,10 @@ class RunConfig:
             raise ConfigError("train.exit_duration_mins", t.exit_duration_mins, "must be >= 0 (0 = off)")
         if t.grad_clip < 0:
             raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+        if not isinstance(t.max_consecutive_skips, int) or t.max_consecutive_skips < 1:
+            raise ConfigError("train.max_consecutive_skips", t.max_consecutive_skips, "must be an integer >= 1")
+        if not p.timeout_minutes > 0:
+            raise ConfigError("parallel.timeout_minutes", p.timeout_minutes, "must be > 0")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("train.device", t.device, "valid: auto, cpu, cuda")
         for k in ("tp", "pp", "ep", "cp"):

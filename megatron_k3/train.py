@@ -39,7 +39,7 @@ def _parse_argv(argv):
     return overrides, flags
 
 
-def _init_distributed(backend: str):
+def _init_distributed(backend: str, timeout_minutes: float = 30.0):
     import torch
     import torch.distributed as dist
 
@@ -50,7 +50,19 @@ def _init_distributed(backend: str):
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun --max-restarts with its static rendezvous keeps one agent store across restarts, so a restarted
+        # worker would read the dead attempt's gloo/NCCL addresses from it and fail to connect. Keys of each
+        # attempt go under their own prefix.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megatron_k3/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def _shared_run_dir(run_dir: str) -> Path:
@@ -91,13 +103,14 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=getattr(logging, run.logging.level.upper(), logging.INFO) if rank == 0 else "WARNING",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    _init_distributed(run.parallel.backend)
+    _init_distributed(run.parallel.backend, run.parallel.timeout_minutes)
     run_dir = _shared_run_dir(OmegaConf.to_container(hydra_node.run, resolve=True)["dir"])
     if rank == 0:
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         (run_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
         log.info("run directory: %s", run_dir.resolve())
+    from megatron_k3.training.faults import TrainingError
     from megatron_k3.training.loop import Trainer
 
     try:
@@ -106,6 +119,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # non-finite values, a failed collective: one line naming where
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         import torch.distributed as dist
 

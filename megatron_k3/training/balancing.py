@@ -89,6 +89,10 @@ class BiasBalancer:
             self.bias.copy_((b_hat - b_hat.mean()).to(self.bias.dtype))
         self._reset()
 
+    def discard(self) -> None:
+        """A skipped step (non-finite values): its scores must not move the bias."""
+        self._reset()
+
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             t = t.clone()

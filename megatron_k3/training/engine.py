@@ -175,6 +175,11 @@ class ExpertOptimizer:
             dist.all_reduce(sq, group=self.ep_group)
         self.sq_norm = sq
 
+    def skip(self):
+        """A step skipped for non-finite gradients: drop them."""
+        for m in self.masters:
+            m.grad = None
+
     @torch.no_grad()
     def step(self, total_norm: float, clip: float):
         if clip > 0 and (total_norm + 1e-6) / clip > 1:  # the same coefficient DeepSpeed applies to the rest

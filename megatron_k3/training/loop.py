@@ -9,6 +9,7 @@ its slice of every global batch (`rank_sample_ids`), so the order of samples doe
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
 from . import balancing
 from . import engine as ds_engine
+from . import faults
 from .checkpoint import read_meta, read_shard, resolve_load_path
 from .metrics import (MetricsLogger, ModelStats, expert_load_stats, memory_stats, perplexity, throughput,
                       train_flops_per_token)
@@ -41,6 +43,19 @@ log = logging.getLogger("megatron_k3.train")
 
 class Stop(Exception):
     pass
+
+
+class _no_optimizer_step:
+    """Within: `optimizer.step()` does nothing (DeepSpeed still counts the step and zeroes the gradients)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        self.optimizer.step = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        del self.optimizer.step
 
 
 def _plain(x):
@@ -133,8 +148,9 @@ class Trainer:
     def __init__(self, run: RunConfig, run_dir: Path):
         self.run, self.run_dir = run, Path(run_dir)
         ds_engine.ensure_distributed()
+        faults.install_collective_diagnostics()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        state.initialize_from_config(run)
+        state.initialize_from_config(run, timeout=datetime.timedelta(minutes=run.parallel.timeout_minutes))
         set_sequence_parallel(run.parallel.sequence_parallel and run.parallel.tp > 1)
         self.dp, self.dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
         self.dp_group = state.get_data_parallel_group()
@@ -170,6 +186,8 @@ class Trainer:
         self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.step, self.consumed, self.tokens = 0, 0, 0
+        self.skipped, self.consecutive_skips = 0, 0  # steps skipped for non-finite values: in total, in a row
+        self._last_samples = None
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.start_time = time.time()
 
@@ -306,17 +324,35 @@ class Trainer:
         loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
         dropped = torch.zeros((), dtype=torch.float64)
         tokens = 0
+        applied = True
         for micro in range(self.num_micro):
-            out, n = self._forward(self._samples(self.train_ds, self.consumed, micro))
+            samples = self._samples(self.train_ds, self.consumed, micro)
+            out, n = self._forward(samples)
+            if not bool(torch.isfinite(out.loss.detach())):
+                self._last_samples = samples  # the batch a diagnosis re-runs
             self.engine.backward(out.loss)  # DeepSpeed scales by 1/num_micro and reduces at the boundary
             last = micro == self.num_micro - 1
             if last and self.experts is not None:
                 self.experts.reduce_gradients()
             if last and self.run.parallel.zero_stage == 0:
                 norm0 = ds_engine.grad_norm_without_zero(self.model)
-            self.engine.step()  # a no-op except after the last micro-batch
-            if last and self.experts is not None:
-                self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
+            if last and self.run.parallel.zero_stage == 0 and not math.isfinite(norm0):
+                # without ZeRO DeepSpeed would apply it: let it finish its step bookkeeping without the update
+                with _no_optimizer_step(self.engine.optimizer):
+                    self.engine.step()
+            else:
+                self.engine.step()  # a no-op except after the last micro-batch
+            if last:
+                # ZeRO skips a step whose global norm (experts included) is not finite; ZeRO-0: dropped above
+                applied = (math.isfinite(norm0) if self.run.parallel.zero_stage == 0
+                           else bool(self.engine.was_step_applied()))
+                if self.experts is not None:  # (ep > 1 implies ZeRO >= 1)
+                    if applied:
+                        self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
+                    else:
+                        self.experts.skip()
+            if last and self._last_samples is None and not applied:
+                self._last_samples = samples
             loss_sum += out.loss.detach().double().cpu()
             tokens += n
             for i, m in enumerate(self.moe):
@@ -333,12 +369,22 @@ class Trainer:
             tokens *= self.dp
         grad_norm = norm0 if self.run.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
-            b.step()
+            b.step() if applied else b.discard()
+        if applied:
+            self.consecutive_skips, self._last_samples = 0, None
+        else:
+            self.skipped += 1
+            self.consecutive_skips += 1
+            if self.rank == 0:
+                log.warning("step %d: non-finite loss or gradient (loss %s, grad_norm %s): step skipped (%d in a row, "
+                            "%d in total)", self.step + 1, float(loss), float(grad_norm) if grad_norm is not None
+                            else None, self.consecutive_skips, self.skipped)
         self.step += 1
         self.consumed += self.run.train.global_batch_size
         self.tokens += tokens
         dt = time.time() - t0
-        rec = {"step": self.step, "loss": float(loss), "lr": lr,
+        rec = {"step": self.step, "loss": float(loss), "lr": lr, "skipped": int(not applied),
+               "skipped_total": self.skipped,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
                **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world),
@@ -372,6 +418,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, self.run.logging.wandb, config_dict, self.moe_layer_ids,
                                enabled=self.rank == 0)
         last = {}
+        preemption = faults.Preemption()
         try:
             if self.rank == 0:
                 log.info("training %s: %d params, %d steps of %d sequences x %d tokens (%d micro-batches of %d "
@@ -390,17 +437,41 @@ class Trainer:
                                  rec["loss"], rec["lr"], rec["grad_norm"], rec["tokens_per_s"],
                                  f" eval_loss {rec['eval_loss']:.4f}" if "eval_loss" in rec else "")
                 last = rec
-                if not math.isfinite(rec["loss"]):
-                    raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}; stopping without saving")
+                if self.consecutive_skips >= t.max_consecutive_skips:
+                    self._stop_nonfinite()
+                preempted = preemption.requested(self.device)
                 exit_now = (t.exit_interval and self.step % t.exit_interval == 0) or (
                     t.exit_duration_mins and (time.time() - self.start_time) / 60 >= t.exit_duration_mins)
-                if self.step == t.steps or exit_now or (t.save_interval and self.step % t.save_interval == 0):
+                if (self.step == t.steps or exit_now or preempted
+                        or (t.save_interval and self.step % t.save_interval == 0)):
                     self.save()
+                if preempted:
+                    if self.rank == 0:
+                        log.warning("preempted (%s) at step %d: checkpoint saved, exiting",
+                                    preemption.received or "signal on another rank", self.step)
+                    last = dict(last, preempted=True)
+                    break
                 if exit_now and self.step < t.steps:
                     log.info("exit requested at step %d (exit_interval / exit_duration_mins); checkpoint saved",
                              self.step)
                     break
         finally:
+            preemption.restore()
             logger.close()
         return last
+
+    def _stop_nonfinite(self):
+        """Too many skipped steps in a row: find where the non-finite values start, then stop (nothing is saved:
+        the newest checkpoint is the last good state)."""
+        where = "no batch to re-run"
+        if self._last_samples is not None:
+            self.model.train()
+            where = faults.diagnose_nonfinite(self.model, lambda: self._forward(self._last_samples)[0].loss)
+        places = [None] * self.world
+        dist.all_gather_object(places, where)
+        first = next(((r, w) for r, w in enumerate(places) if not w.startswith("nothing")), (0, places[0]))
+        raise faults.NonFiniteError(
+            f"steps {self.step - self.consecutive_skips + 1}..{self.step} had non-finite loss or gradients "
+            f"({self.consecutive_skips} in a row = train.max_consecutive_skips): {first[1]} (rank {first[0]}); "
+            f"stopping. The newest checkpoint in {self.ckpt_dir} holds the last good state.")
 

@@ -1,0 +1,217 @@
+"""Surviving faults: preemption signals, collective failures that name their group, non-finite steps.
+
+- `Preemption`: SIGTERM (what Slurm and Kubernetes send before killing a job) and SIGUSR1 (Slurm's
+  `--signal=USR1@<seconds>`) set a flag; at the end of every step the flag is OR-reduced over all ranks, so every
+  rank sees the request at the same step, saves one checkpoint together and exits cleanly. A signal delivered
+  to one rank only (a node being drained) stops the whole job consistently.
+- `install_collective_diagnostics()`: a collective that times out (`parallel.timeout_minutes`) or whose peer died
+  raises `CollectiveError` naming the collective, the parallel group (tp/cp/dp/ep/pp/... from parallel.state) and
+  its ranks, instead of gloo/NCCL's bare "Timed out waiting 2000ms for recv". torch.distributed's collectives are
+  wrapped once per process; the wrapper costs one Python call per collective and does nothing unless one fails.
+- `NonFiniteError` and `diagnose_nonfinite`: when too many consecutive steps had a non-finite loss or gradient,
+  the run stops naming the first parameter holding a non-finite value, else the first module (in execution
+  order) whose forward output is non-finite, else the first parameter whose gradient is non-finite.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_k3.faults")
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; the message says why and where (step, rank, layer, group)."""
+
+
+class NonFiniteError(TrainingError):
+    pass
+
+
+class CollectiveError(TrainingError):
+    """A collective failed (timed out, or a peer closed the connection)."""
+
+    def __init__(self, op: str, group_desc: str, cause: BaseException, timeout: bool):
+        self.op, self.group_desc, self.timeout = op, group_desc, timeout
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        what = "timed out" if timeout else "failed"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        super().__init__(f"rank {rank}: {op} on {group_desc} {what} ({first}); a rank of this group is stalled, "
+                         f"dead or was never started (parallel.timeout_minutes sets how long to wait)")
+
+
+class CollectiveTimeout(CollectiveError):
+    pass
+
+
+# ---------------------------------------------------------------------- preemption
+
+
+class Preemption:
+    """Catches SIGTERM/SIGUSR1 and turns them into a clean, checkpointed exit at the next step boundary."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (tests drive Trainers from others)
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        log.warning("received %s: saving a checkpoint at the end of this step, then exiting", self.received)
+
+    def requested(self, device=None) -> bool:
+        """Whether any rank received a signal (a collective over the whole world at every call)."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous = {}
+
+
+# ---------------------------------------------------------------------- collectives
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+                "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+                "reduce", "gather", "gather_object", "scatter", "barrier", "send", "recv", "monitored_barrier")
+_TIMEOUT_MARKS = ("timed out", "timeout")
+_PEER_MARKS = ("connection closed by peer", "connection reset", "pair closure", "broken pipe", "socket closed")
+
+
+def describe_group(group) -> str:
+    """'the tp group (ranks [0, 1]; the same communicator serves tp-cp)' for a process group."""
+    from ..parallel import state
+    from ..parallel.state import GROUPS
+
+    if not dist.is_initialized():
+        return "no process group"
+    if group is None or group is dist.group.WORLD:
+        return f"the world group (ranks 0..{dist.get_world_size() - 1})"
+    names = []
+    if state.model_parallel_is_initialized():
+        st = state.get_parallel_state()
+        names = [n for n in GROUPS if st.group(n) is group]
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        ranks = "?"
+    if not names:
+        return f"a group outside parallel.state (ranks {ranks})"
+    also = f"; the same communicator serves {', '.join(names[1:])}" if len(names) > 1 else ""
+    return f"the {names[0]} group (ranks {ranks}{also})"
+
+
+def _group_arg(fn, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+    except TypeError:
+        return None
+
+
+def _wrap(fn, op):
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            msg = str(e).lower()
+            timeout = any(m in msg for m in _TIMEOUT_MARKS)
+            if not timeout and not any(m in msg for m in _PEER_MARKS):
+                raise
+            cls = CollectiveTimeout if timeout else CollectiveError
+            raise cls(op, describe_group(_group_arg(fn, args, kwargs)), e, timeout) from e
+
+    collective._k3_wrapped = True
+    return collective
+
+
+def install_collective_diagnostics() -> None:
+    """Wrap torch.distributed's collectives (idempotent). DeepSpeed's comm layer and our mappings call them through
+    the module attribute, so they are covered too."""
+    for op in _COLLECTIVES:
+        fn = getattr(dist, op, None)
+        if fn is not None and not getattr(fn, "_k3_wrapped", False):
+            setattr(dist, op, _wrap(fn, op))
+
+
+# ---------------------------------------------------------------------- non-finite values
+
+
+def _first_nonfinite(tensors):
+    for name, t in tensors:
+        if t is not None and torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+def _tensors(x, depth: int = 0) -> list:
+    """The tensors inside a module output: tensors, tuples/lists/dicts of them, dataclass-like holders."""
+    if torch.is_tensor(x):
+        return [x]
+    if depth > 3 or x is None:
+        return []
+    if isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (tuple, list)):
+        items = list(x)
+    elif hasattr(x, "__dict__"):
+        items = list(vars(x).values())
+    else:
+        return []
+    return [t for i in items for t in _tensors(i, depth + 1)]
+
+
+def diagnose_nonfinite(model, forward) -> str:
+    """Where non-finite values start: the first parameter holding one; else the first module whose forward output
+    has one (execution order); else the first parameter whose gradient has one. `forward()` runs the model on the
+    batch that went wrong and returns its loss. Every rank must call this (the forward has collectives)."""
+    bad = _first_nonfinite(model.named_parameters())
+    if bad is not None:
+        return f"parameter {bad} holds non-finite values"
+    first = []
+
+    def hook(name):
+        def fn(module, inputs, output):
+            if first:
+                return
+            if _first_nonfinite([(name, o) for o in _tensors(output)]) is not None:
+                first.append(name)
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        loss = forward()
+    finally:
+        for h in handles:
+            h.remove()
+    if first:
+        return f"module {first[0]} produced the first non-finite forward output"
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if torch.isfinite(loss).all():
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        bad = _first_nonfinite([(n, g) for (n, _), g in zip(named, grads)])
+        if bad is not None:
+            return f"the gradient of parameter {bad} is non-finite (the forward was finite)"
+        return "nothing non-finite on a re-run of the last batch (a transient fault, or one on another rank)"
+    return "the loss is non-finite but no module output was (the loss computation itself)"
