@@ -197,7 +197,6 @@ def kda_context_parallel(kda_fn, q, k, v, g, beta, shard: SequenceShard, **kw):
                               initial_state=init.reshape(2 * B, H, K, V + K), output_final_state=True, **kw)
         o_aug = o_aug.reshape(2, B, c, H, V + K).transpose(0, 1).reshape(B, t, H, V + K)
         frag = final.reshape(2, B, H, K, V + K).transpose(0, 1)  # [B, 2, H, K, V + K]
-        chunk_of_token = torch.arange(2, device=q.device).repeat_interleave(c)
     else:  # one packed row: segments at document starts and at the chunk boundary
         cu = shard.local_cu(q.device)
         nseg = cu.numel() - 1
@@ -210,7 +209,6 @@ def kda_context_parallel(kda_fn, q, k, v, g, beta, shard: SequenceShard, **kw):
                               **kw)
         last = [first[1] - 1, nseg - 1]  # the segment that ends each chunk
         frag = final[last].unsqueeze(0)  # [1, 2, H, K, V + K]
-        chunk_of_token = torch.arange(2, device=q.device).repeat_interleave(c)
     # [B, 2cp, H, K, V + K]: every chunk's (B | A), in global order
     frags = shard.gather_chunks(frag.contiguous())
     S = torch.zeros(frags.shape[0], H, K, V, dtype=frags.dtype, device=q.device)
@@ -218,9 +216,9 @@ def kda_context_parallel(kda_fn, q, k, v, g, beta, shard: SequenceShard, **kw):
     for i in range(max(shard.chunks) + 1):  # S_in(i+1) = A_i S_in(i) + B_i
         S_in[i] = S
         S = frags[:, i, ..., V:] @ S + frags[:, i, ..., :V]
-    S_local = torch.stack([S_in[i] for i in shard.chunks], dim=1)  # [B, 2, H, K, V]
     o0, q_tilde = o_aug[..., :V], o_aug[..., V:]
-    corr = torch.einsum("bthk,bthkv->bthv", q_tilde.to(S_local.dtype), S_local[:, chunk_of_token])
+    corr = torch.cat([torch.einsum("bthk,bhkv->bthv", q_tilde[:, j * c:(j + 1) * c].to(S.dtype), S_in[i])
+                      for j, i in enumerate(shard.chunks)], dim=1)
     return (o0.to(corr.dtype) + corr).to(v.dtype)
 
 
