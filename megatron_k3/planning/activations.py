@@ -17,8 +17,9 @@ two more classes appear: "gathered", the whole micro-batch sequence (n * cp toke
 and the keys and values expanded from it on every CP rank), and "span", local query x visible key pairs of
 the eager attention (each query block attends to the keys up to its last position; with the zigzag layout a
 rank's queries see (2cp+1)/(4cp) of the sequence on average). KDA under CP runs its chunk kernel at width
-V + K (outputs [o0 | q~], states [B | A]): the terms that carry the value width grow by K. A term marked `cheap` is recomputed in the backward
-under selective recomputation (elementwise work, the attention/KDA core), the matmul inputs stay.
+V + K (outputs [o0 | q~], states [B | A]): the terms that carry the value width grow by K.
+A term marked `cheap` is recomputed in the backward under selective recomputation (elementwise work, the
+attention/KDA core), the matmul inputs stay.
 """
 
 from __future__ import annotations
