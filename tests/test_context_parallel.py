@@ -121,9 +121,9 @@ def _ops_cp(rank, world, T, cu, batch):
 @pytest.mark.parametrize("cu,batch", [(None, 2), ([0, 7, 30, 46, 48, 70, 96], 1)], ids=["rows", "documents"])
 def test_ops_equal_whole_sequence_in_fp64(cu, batch):
     """In fp64 the composed per-chunk transitions and the halo exchange reproduce the whole-sequence KDA and conv
-    to rounding (measured <= 6e-16): the method is exact; the model tests' fp32 differences are summation order. T=96
-    at cp=2: chunks of 24; documents start inside chunks, inside chunk 2's halo (46, 2 tokens before its start
-    at 48) and exactly at chunk boundaries (48 is also where rank 1's second chunk begins)."""
+    to rounding (measured <= 6e-16): the method is exact; the model tests' fp32 differences are summation
+    order. T=96 at cp=2: chunks of 24; documents start inside chunks, inside chunk 2's halo (46, 2 tokens before
+    its start at 48) and exactly at chunk boundaries (48 is also where rank 1's second chunk begins)."""
     for out_err, grad_err in run_distributed(_ops_cp, 2, 96, cu, batch, timeout=120):
         assert out_err < 1e-13 and grad_err < 1e-12, (out_err, grad_err)
 
