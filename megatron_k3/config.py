@@ -413,6 +413,18 @@ class RunConfig:
             raise ConfigError("parallel.ep", p.ep,
                               f"EP groups stay inside one supernode: must be <= cluster.supernode_size="
                               f"{self.cluster.supernode_size}")
+        if p.cp > 1:  # zigzag context parallelism: 2*cp equal chunks per sequence (megatron_k3/parallel/context.py)
+            if t.seq_length % (2 * p.cp):
+                raise ConfigError("parallel.cp", p.cp, f"splits each sequence into 2*cp={2 * p.cp} equal chunks: "
+                                  f"train.seq_length={t.seq_length} must be divisible by {2 * p.cp}")
+            chunk = t.seq_length // (2 * p.cp)
+            if any(ty == "kda" for ty in m.layer_types()) and chunk < m.kda_conv_size - 1:
+                raise ConfigError("parallel.cp", p.cp, f"chunks of train.seq_length/(2*cp)={chunk} tokens are shorter "
+                                  f"than the short convolution's halo of model.kda_conv_size-1={m.kda_conv_size - 1}")
+            local = t.micro_batch_size * t.seq_length // p.cp
+            if p.tp > 1 and local % p.tp and (p.sequence_parallel or m.first_k_dense < m.num_layers):
+                raise ConfigError("parallel.cp", p.cp, f"each CP rank holds micro_batch_size*seq_length/cp={local} "
+                                  f"tokens, which must divide over parallel.tp={p.tp}")
         model_parallel = p.tp * p.pp * p.cp
         if world_size % model_parallel:
             raise ConfigError("parallel.tp", p.tp, f"tp*pp*cp={model_parallel} must divide the world size {world_size}")

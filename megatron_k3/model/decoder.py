@@ -79,10 +79,11 @@ class DecoderLayer(nn.Module):
                 for p in m.parameters():
                     mark_partial_grad(p)
 
-    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None) -> ResidualState:
+    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None, context=None) -> ResidualState:
+        """context: this rank's SequenceShard under context parallelism (only the mixer needs it)."""
         if not self.attn_res:
             h = st.hidden
-            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state)
+            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state, context=context)
             h = h + self.mlp(self.post_attention_layernorm(h))
             return ResidualState(hidden=h)
         blocks, p = list(st.blocks), st.partial
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         if self.layer_idx % self.block_size == 0:  # the finished block (or the embedding) is frozen
             blocks.append(p)
             p = None
-        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state)
+        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state, context=context)
         p = a if p is None else p + a
         x_mlp = self.mlp_res(blocks + [p])
         p = p + self.mlp(self.post_attention_layernorm(x_mlp))

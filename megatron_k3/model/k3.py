@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parallel.context import SequenceShard, current_cp
 from ..parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, current_tp, full_shape,
                                mark_adamw_only, mark_partial_grad, shard_tensor, vocab_parallel_cross_entropy)
 from ..parallel.mappings import all_reduce_grad_hook, gather_last
@@ -46,13 +47,16 @@ class K3Model(nn.Module):
                     mark_partial_grad(p)
 
     def forward(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: InferenceCache | None = None) -> torch.Tensor:
+                cache: InferenceCache | None = None, context: SequenceShard | None = None) -> torch.Tensor:
+        """context: under context parallelism, input_ids_BT are this rank's tokens and `context` says where
+        they sit in the sequence (cu_seqlens is then None: the shard holds the document boundaries)."""
         if self.tp.sequence_parallel and cache is not None:
             raise ValueError("sequence parallelism is for training; decode with parallel.sequence_parallel=false")
         h = self.embed_tokens(input_ids_BT)  # [B, T/tp, D] under sequence parallelism
         st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
         for i, layer in enumerate(self.layers):
-            st = layer(st, cu_seqlens=cu_seqlens, cache_state=cache.layers[i] if cache is not None else None)
+            st = layer(st, cu_seqlens=cu_seqlens, cache_state=cache.layers[i] if cache is not None else None,
+                       context=context)
         h = self.output_attn_res(st.blocks + [st.partial]) if self.cfg.attn_res else st.hidden
         if cache is not None:
             cache.seen_tokens += input_ids_BT.shape[1]
@@ -64,6 +68,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = current_tp()
+        self.cp = current_cp()
         self.model = K3Model(cfg)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp=tp)  # vocabulary-parallel
         if cfg.tie_word_embeddings:
@@ -127,13 +132,27 @@ class K3ForCausalLM(nn.Module):
         """input_ids [B, T]; labels [B, T] aligned with the inputs (label t is the token after t; -100 is
         ignored); cu_seqlens: document offsets of a packed row (B = 1). Under tensor parallelism the logits
         are vocabulary-sharded and the loss is the vocab-parallel cross-entropy; full logits are gathered
-        only when asked for (return_logits, default: when no labels are given)."""
-        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        only when asked for (return_logits, default: when no labels are given).
+
+        Under context parallelism (parallel.cp > 1) every CP rank passes the whole sequence; the model keeps its
+        zigzag share of the tokens (parallel/context.py), the logits are those of its own tokens in its local
+        order, and the loss has the whole sequence's mean as its value and this rank's share of it as its
+        gradient."""
+        context = None
+        if self.cp.size > 1:
+            if cache is not None:
+                raise ValueError("context parallelism is for training and prefill; decode with parallel.cp=1")
+            context = SequenceShard(self.cp, input_ids.shape[1], cu_seqlens, input_ids.device)
+            input_ids, cu_seqlens = context.take(input_ids), None
+            labels = context.take(labels) if labels is not None else None
+        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, context=context)
         logits = self.lm_head(self.tp.enter(h))  # [B, T, V/tp]
         loss = None
         if labels is not None:
             loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.tp,
                                                 self.tp.rank * logits.shape[-1])
+            if context is not None:
+                loss = context.global_mean(loss, (labels != -100).sum())
         if return_logits is None:
             return_logits = labels is None
         if self.tp.size > 1:

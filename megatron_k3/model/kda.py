@@ -16,6 +16,7 @@ from torch import nn
 
 from ..ops.kda import chunk_kda, recurrent_kda
 from ..ops.short_conv import causal_conv1d
+from ..parallel.context import SequenceShard, conv_context_parallel, kda_context_parallel
 from ..parallel.layers import (ColumnParallelLinear, RowParallelLinear, current_tp, mark_head_blocks,
                                mark_partial_grad, mark_sharded)
 from .cache import KDAState
@@ -92,31 +93,40 @@ class KimiDeltaAttention(nn.Module):
         return -a * F.softplus(z)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: KDAState | None = None) -> torch.Tensor:
+                state: KDAState | None = None, context: SequenceShard | None = None) -> torch.Tensor:
+        """context: this rank's share of a context-parallel sequence (T is then the local token count; the
+        conv halos and the recurrent state are exchanged over the CP group, see parallel/context.py)."""
         x_BTD = self.tp.enter(x_BTD)  # whole sequence on every TP rank; this rank's heads below
         B, T, _ = x_BTD.shape
         H, K = self.H, self.K
         wide = compute_dtype(x_BTD)
         keep = state is not None
+        if context is not None and keep:
+            raise ValueError("context parallelism is for training and prefill without a decode cache")
         convs = []
         for proj, w, name in ((self.q_proj, self.q_conv1d, "conv_q"), (self.k_proj, self.k_conv1d, "conv_k"),
                               (self.v_proj, self.v_conv1d, "conv_v")):
-            y, c = causal_conv1d(proj(x_BTD), w.squeeze(1), getattr(state, name) if keep else None,
-                                 cu_seqlens=cu_seqlens, activation="silu", output_cache=keep)
-            if keep:
-                setattr(state, name, c)
+            if context is not None:
+                y = conv_context_parallel(causal_conv1d, proj(x_BTD), w.squeeze(1), context, activation="silu")
+            else:
+                y, c = causal_conv1d(proj(x_BTD), w.squeeze(1), getattr(state, name) if keep else None,
+                                     cu_seqlens=cu_seqlens, activation="silu", output_cache=keep)
+                if keep:
+                    setattr(state, name, c)
             convs.append(y.view(B, T, H, K))
         q, k, v = convs
         q, k = l2norm(q, 1e-6), l2norm(k, 1e-6)
         g = self.log_decay(x_BTD)
         beta = torch.sigmoid(self.b_proj(x_BTD).to(wide))
         init = state.recurrent if keep else None
-        if keep and init is not None and T <= 4:  # decode: the plain recurrence is the cheapest form
+        lb = self.lower_bound if self.gate_kind == "lowerbound" else None
+        if context is not None:
+            o = kda_context_parallel(chunk_kda, q, k, v, g, beta, context, chunk_size=self.chunk_size, lower_bound=lb)
+        elif keep and init is not None and T <= 4:  # decode: the plain recurrence is the cheapest form
             o, S = recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
         else:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=keep,
-                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
-                             lower_bound=self.lower_bound if self.gate_kind == "lowerbound" else None)
+                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, lower_bound=lb)
         if keep:
             state.recurrent = S
         gate = self.g_b_proj(self.tp.copy(self.g_a_proj(x_BTD))) if self.lowrank_gate else self.g_proj(x_BTD)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import MLAState
+from ..parallel.context import SequenceShard, attention_context_parallel, local_key_mask
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp, mark_head_blocks
 from .norm import RMSNorm, compute_dtype
 
@@ -95,20 +96,35 @@ class GatedMLA(nn.Module):
         return self.o_proj(o)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: MLAState | None = None) -> torch.Tensor:
+                state: MLAState | None = None, context: SequenceShard | None = None) -> torch.Tensor:
+        """context: this rank's share of a context-parallel sequence: the compressed latent [c ; k_r] (L + R
+        per token) is all-gathered over the CP group, keys and values are expanded from it locally, and the
+        local queries attend to the keys their positions allow (parallel/context.py)."""
         x_BTD = self.tp.enter(x_BTD)  # whole sequence on every TP rank; this rank's heads below
         if state is not None and state.length > 0:
             return self.forward_absorbed(x_BTD, state)
+        if context is not None and state is not None:
+            raise ValueError("context parallelism is for training and prefill without a decode cache")
         B, T, _ = x_BTD.shape
         q = self._queries(x_BTD)
         c, k_r = self._latents(x_BTD)
         if state is not None:
             state.latent, state.k_rope = c.detach(), k_r.detach()
-        kv = self.kv_b_proj(self.tp.copy(c)).view(B, T, self.H, self.N + self.V)
+        if context is not None:  # the latent of the whole sequence, not its expanded keys and values
+            c, k_r = context.gather(torch.cat([c, k_r], dim=-1)).split([self.L, self.R], dim=-1)
+        S = c.shape[1]  # key tokens: T, or the whole sequence under context parallelism
+        kv = self.kv_b_proj(self.tp.copy(c)).view(B, S, self.H, self.N + self.V)
         k_r = self.tp.copy(k_r)  # complete on every rank; used by this rank's heads
         k_nope, v = kv.split([self.N, self.V], dim=-1)
-        k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, T, self.H, self.R)], dim=-1)
+        k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, S, self.H, self.R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
+        if context is not None:
+            o = attention_context_parallel(q, k, v, context, self.scale)
+            if self.track_max_logit and self.training:
+                m = max_logit_per_head(q.detach(), k.detach(), self.scale, local_key_mask(context, q.device))
+                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=context.cp.group)
+                self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
+            return self._output(o.transpose(1, 2), x_BTD)
         mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, T)
         if mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)

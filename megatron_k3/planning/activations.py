@@ -12,8 +12,14 @@ with. Two kernel profiles:
 
 Token counts: `n` tokens of a micro-batch on this context-parallel rank go through the mixers (gathered
 over TP under sequence parallelism); `n / tp` through the sequence-sharded parts (norms, depth mixes, the
-routed MoE branch) when sequence parallelism is on. A term marked `cheap` is recomputed in the backward
-under selective recomputation (elementwise work, the attention/KDA core), the matmul inputs stay.
+routed MoE branch) when sequence parallelism is on. Under context parallelism (cp > 1, parallel/context.py)
+two more classes appear: "gathered", the whole micro-batch sequence (n * cp tokens: MLA's all-gathered latent
+and the keys and values expanded from it on every CP rank), and "span", local query x visible key pairs of
+the eager attention (each query block attends to the keys up to its last position; with the zigzag layout a
+rank's queries see (2cp+1)/(4cp) of the sequence on average). KDA under CP runs its chunk kernel at width
+V + K (outputs [o0 | q~], states [B | A]): the terms that carry the value width grow by K.
+A term marked `cheap` is recomputed in the backward under selective recomputation (elementwise work, the
+attention/KDA core), the matmul inputs stay.
 """
 
 from __future__ import annotations
@@ -34,13 +40,20 @@ class ActTerm:
     per_token: float  # elements per token
     dtype: str = "a"
     tokens: str = "seq"  # "seq": n / tp under sequence parallelism (else n); "full": n; "row": n, with
-    cheap: bool = False  # per_token scaled by the packed row length (the eager attention square)
+    cheap: bool = False  # per_token scaled by the packed row length (the eager attention square); "gathered":
+    # n * cp; "span": n, with per_token scaled by the keys a local query sees under context parallelism
 
 
-def term_bytes(t: ActTerm, n: float, tp: int, sp: bool, act_bytes: int, row: float) -> float:
-    tokens = n / tp if (t.tokens == "seq" and sp and tp > 1) else n
-    per_token = t.per_token * (row if t.tokens == "row" else 1.0)
+def term_bytes(t: ActTerm, n: float, tp: int, sp: bool, act_bytes: int, row: float, cp: int = 1) -> float:
+    tokens = n / tp if (t.tokens == "seq" and sp and tp > 1) else n * cp if t.tokens == "gathered" else n
+    per_token = t.per_token * (row if t.tokens == "row" else cp_key_span(n * cp, cp) if t.tokens == "span" else 1.0)
     return tokens * per_token * (act_bytes if t.dtype == "a" else _BYTES[t.dtype])
+
+
+def cp_key_span(T: float, cp: int) -> float:
+    """Average keys per query of a rank under zigzag context parallelism (chunk i of c = T / 2cp tokens
+    attends to (i + 1) c keys; rank r holds chunks r and 2cp-1-r): (2cp + 1) T / (4cp)."""
+    return (2 * cp + 1) * T / (4 * cp)
 
 
 def attn_res_sources(cfg) -> tuple:
@@ -74,11 +87,17 @@ def _norm(D: int, kernels: str, what: str) -> list:
     return [ActTerm(what, "norm", D, "a", "seq"), ActTerm(what + "_rms", "norm", 1, "f", "seq")]
 
 
-def _kda(cfg, tp: int, kernels: str) -> list:
+def _kda(cfg, tp: int, kernels: str, cp: int = 1) -> list:
     D, K, R, C = cfg.hidden_size, cfg.kda_head_dim, cfg.decay_rank, cfg.kda_chunk_size
     H = cfg.kda_num_heads / tp
     HK = H * K
     t = [ActTerm("kda_input", "kda", D, "a", "full")]
+    if cp > 1:  # the chunk kernel at width V + K: [V | K Gamma] and [U | W] one K wider, the [o0 | q~] output
+        # kept for the correction, and K more columns in every chunk state
+        t += [ActTerm("kda_cp_transition", "kda", H * (2 * K if kernels == "eager" else 0) + 2 * HK, "f", "full",
+                      True),
+              ActTerm("kda_cp_states", "kda_states", H * K * K / C * (3 if kernels == "eager" else 1), "f", "full",
+                      True)]
     if cfg.kda_output_gate == "lowrank":
         t.append(ActTerm("kda_gate_lowrank", "kda", K, "a", "full"))
     if kernels == "eager":
@@ -114,7 +133,7 @@ def _kda(cfg, tp: int, kernels: str) -> list:
     return t
 
 
-def _mla(cfg, tp: int, kernels: str) -> list:
+def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
     D, L, Rr, N, Vd, ql = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                            cfg.v_head_dim, cfg.q_lora_rank)
     H = cfg.mla_num_heads / tp
@@ -125,6 +144,21 @@ def _mla(cfg, tp: int, kernels: str) -> list:
         t.append(ActTerm("mla_q_latent", "mla", (3 * ql + 1) if eager else (2 * ql + 1), "a", "full"))
     t.append(ActTerm("mla_latent", "mla_latent", (L + Rr) + 1 + (2 * L if eager else L), "a", "full"))
     gate = 2 * H * Vd if cfg.mla_output_gate else 0
+    if cp > 1:  # the whole sequence's latent, and the keys and values expanded from it, on every CP rank
+        t.append(ActTerm("mla_latent_gathered", "mla_latent", L + Rr, "a", "gathered"))
+        if eager:  # math attention per query block: scaled q; each block's scaled copy of the keys it sees
+            # ((2cp+1)/2cp of the sequence per rank), the expanded [k_nope | v] that v views, the probabilities
+            t += [ActTerm("mla_q", "mla", H * qk, "a", "full"),
+                  ActTerm("mla_kv_gathered", "mla", H * (N + Vd) + H * qk * (2 * cp + 1) / (2 * cp), "a",
+                          "gathered"),
+                  ActTerm("mla_probs", "mla", H, "f", "span", True),
+                  ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
+        else:  # flash attention keeps q, o, lse locally and the gathered keys and values
+            t += [ActTerm("mla_qo", "mla", H * qk + H * Vd, "a", "full"),
+                  ActTerm("mla_kv_gathered", "mla", H * (qk + Vd), "a", "gathered"),
+                  ActTerm("mla_lse", "mla", H, "f", "full"),
+                  ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
+        return t
     if eager:  # math attention over the packed row: scaled q, k^T, v, the probabilities, the mask
         t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * Vd, "a", "full"),
               ActTerm("mla_probs", "mla", H, "f", "row", True),
@@ -172,14 +206,15 @@ def _glu(what: str, I: float, D: int, eager: bool, cat: str) -> list:
             ActTerm(f"{what}_hidden", cat, I, "a", "full", True)]
 
 
-def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple) -> list:
-    """Activation terms of decoder layer `layer_idx` (depth mixes, norms, mixer, FFN) on one TP rank."""
+def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple, cp: int = 1) -> list:
+    """Activation terms of decoder layer `layer_idx` (depth mixes, norms, mixer, FFN) on one TP rank of a
+    context-parallel group of `cp`."""
     if kernels not in ("eager", "fused"):
         raise ValueError(f"kernels must be 'eager' or 'fused', got {kernels!r}")
     D = cfg.hidden_size
     pre, post = sources
     t = _mix(pre, D, kernels, "pre_mixer") + _norm(D, kernels, "input_norm")
-    t += _kda(cfg, tp, kernels) if cfg.layer_types()[layer_idx] == "kda" else _mla(cfg, tp, kernels)
+    t += _kda(cfg, tp, kernels, cp) if cfg.layer_types()[layer_idx] == "kda" else _mla(cfg, tp, kernels, cp)
     t += _mix(post, D, kernels, "pre_ffn") + _norm(D, kernels, "post_attention_norm")
     if cfg.ffn_types()[layer_idx] == "moe":
         t += _moe(cfg, tp, kernels)

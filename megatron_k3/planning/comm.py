@@ -98,10 +98,10 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
         frac = lay.cp - 1  # all-gather: receive every other rank's shard
         lat = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a
         cp_bytes += kinds.count("mla") * passes * n * lat * frac
-        # KDA: every rank's chunk-transition [K, K] and state contribution [K, V] per head (fp32), all-gathered
-        # for the prefix scan that hands each rank its initial state
+        # KDA: the transition [K, K] and end state from zero [K, V] per head (fp32) of each of the rank's two
+        # zigzag chunks, all-gathered for the scan that hands every chunk its initial state (parallel/context.py)
         K = cfg.kda_head_dim
-        state = cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
+        state = 2 * cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
         cp_bytes += kinds.count("kda") * passes * state * frac
     cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
 

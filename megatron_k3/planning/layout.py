@@ -151,8 +151,8 @@ def layout_problems(cfg, cluster, lay: Layout, micro_batch_size: int, global_bat
         stage_layers(cfg, lay.pp)
     except ValueError as e:
         out.append(str(e))
-    if seq_length % lay.cp:
-        out.append(f"cp={lay.cp} does not divide seq_length={seq_length}")
+    if lay.cp > 1 and seq_length % (2 * lay.cp):
+        out.append(f"2*cp={2 * lay.cp} zigzag chunks do not divide seq_length={seq_length}")
     if lay.tp > 1:
         try:
             from .params import model_params

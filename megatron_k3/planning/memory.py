@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .activations import attn_res_sources, head_terms, layer_terms, term_bytes
+from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes
 from .layout import Layout, stage_layers
 from .params import cfg_key, model_params
 
@@ -95,13 +95,13 @@ def _opt_state_bytes(group, optimizer: str) -> float:
 _COEF: dict = {}
 
 
-def _layer_coefficients(cfg, i: int, tp: int, kernels: str, sources, skip_cheap: bool) -> dict:
+def _layer_coefficients(cfg, i: int, tp: int, kernels: str, sources, skip_cheap: bool, cp: int = 1) -> dict:
     """Layer i's terms summed per (category, token class, dtype class): elements per token (memoised)."""
-    key = (cfg_key(cfg), i, tp, kernels, skip_cheap)
+    key = (cfg_key(cfg), i, tp, kernels, skip_cheap, cp)
     hit = _COEF.get(key)
     if hit is None:
         hit = {}
-        for t in layer_terms(cfg, i, tp, kernels, sources[i]):
+        for t in layer_terms(cfg, i, tp, kernels, sources[i], cp):
             if not (skip_cheap and t.cheap):
                 k = (t.category, t.tokens, t.dtype)
                 hit[k] = hit.get(k, 0.0) + t.per_token
@@ -115,13 +115,14 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
     [start, end); `last` adds the output mix, final norm, LM head and loss."""
     n = w.micro_batch_size * w.seq_length / lay.cp
     row = n if w.kernels == "eager" else w.seq_length  # eager attention spans the packed micro-batch row
-    tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row}
+    tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row, "gathered": n * lay.cp,
+              "span": n * cp_key_span(n * lay.cp, lay.cp)}
     nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
     by_cat, total, largest = {}, 0.0, 0.0
     for i in range(start, end):
         layer_total = 0.0
         for (cat, tok, dt), per_token in _layer_coefficients(cfg, i, lay.tp, w.kernels, sources,
-                                                             skip_cheap).items():
+                                                             skip_cheap, lay.cp).items():
             b = per_token * tokens[tok] * nbytes[dt]
             by_cat[cat] = by_cat.get(cat, 0.0) + b
             layer_total += b

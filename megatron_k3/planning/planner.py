@@ -229,7 +229,7 @@ def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective"
         eps = [1]
     # context parallelism only where each shard keeps >= 4096 tokens: CP's latency costs (the KDA state scan
     # across ranks, causal load imbalance in MLA) are not modelled, so short shards would look too good
-    cps = [c for c in _pow2_upto(8) if c == 1 or (w.seq_length % c == 0 and w.seq_length // c >= CP_MIN_SHARD)]
+    cps = [c for c in _pow2_upto(8) if c == 1 or (w.seq_length % (2 * c) == 0 and w.seq_length // c >= CP_MIN_SHARD)]
     out = []
     for tp in tps:
         for pp in pps:

@@ -154,6 +154,10 @@ class Trainer:
         set_sequence_parallel(run.parallel.sequence_parallel and run.parallel.tp > 1)
         self.dp, self.dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
         self.dp_group = state.get_data_parallel_group()
+        # context parallelism: the CP ranks of a data-parallel replica read the same samples and the model keeps
+        # each rank's share of every sequence; statistics of distinct tokens are summed over dp x cp
+        self.cp = state.get_context_parallel_world_size()
+        self.dp_cp_group, self.dp_cp_rank = state.get_data_parallel_group(True), state.get_data_parallel_rank(True)
         self.tp, self.tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
         self.device = _device(run)
         t = run.train
@@ -287,7 +291,7 @@ class Trainer:
         tmp, final = ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else (None, None)
         dist.barrier()
         tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
-        if self.dp_rank == 0:
+        if self.dp_cp_rank == 0:  # one writer per tensor-parallel shard
             model_t = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             model_t.update(weights)  # fp32 masters over the module's (possibly bf16) parameters
             for k in [k for k in model_t if k not in weights and k not in dict(self.model.named_buffers())]:
@@ -361,11 +365,12 @@ class Trainer:
             self.stats.accumulate()
         loss = loss_sum / self.num_micro
         if self.world > 1:  # statistics of the global batch; each TP rank routes its own 1/tp of the tokens
+            # (every CP rank's loss is already its sequences' whole mean; its routing counts are its own tokens')
             stats = torch.cat([loss.view(1), dropped.view(1), loads.flatten()]).to(self.device)
-            dist.all_reduce(stats, group=self.dp_group)
+            dist.all_reduce(stats, group=self.dp_cp_group)
             if self.tp > 1:
                 stats[1:] = ds_engine.tp_sum(stats[1:])
-            loss, dropped, loads = stats[0].cpu() / self.dp, stats[1].cpu(), stats[2:].cpu().view_as(loads)
+            loss, dropped, loads = stats[0].cpu() / (self.dp * self.cp), stats[1].cpu(), stats[2:].cpu().view_as(loads)
             tokens *= self.dp
         grad_norm = norm0 if self.run.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
