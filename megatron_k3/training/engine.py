@@ -8,7 +8,9 @@ optimizer states; ZeRO-2: reduce-scatter, so gradients are partitioned too), gra
 norm (sharded parameters counted on every tensor-parallel rank, replicated ones once: DeepSpeed reads
 `tensor_model_parallel`, set by `parallel.layers.mark_sharded`), and bf16 master weights when
 `precision.param_dtype=bf16`. What stays ours: tensor-parallel collectives inside the model, the LR schedule
-(set on the optimizer's groups every step), the data order, metrics and the checkpoint format.
+(set on the optimizer's groups every step), the data order, metrics and the checkpoint format; with optim=muon
+under ZeRO-1/2 also the Muon update and the clipping of the raw gradients before it (optim/zero.py, attached
+in `initialize`), and under expert parallelism the routed experts' optimizer (`ExpertOptimizer`).
 """
 
 from __future__ import annotations
