@@ -18,9 +18,10 @@ orthogonalised update. `attach(engine)` therefore:
 1. wraps the ZeRO optimizer's `get_flat_partition`: for a Muon group it points `original_muon.muon_update`,
    for the duration of the call, at a function that records (parameter, full gradient, momentum view) and
    hands the gradient itself back, so the partition DeepSpeed builds is a set of views of the raw gradients;
-2. wraps the ZeRO optimizer's `step`: the global norm of the raw gradients is taken first (DeepSpeed's own
-   `scaled_global_norm` over the partitions, which still hold raw gradients: each element counted once over
-   DP, TP-sharded parameters on every TP rank, experts outside ZeRO added by `engine.install_norm`), the
+2. wraps the ZeRO optimizer's `step`: the global norm of the raw gradients is taken first (`raw_grad_sq_norm`
+   over the partitions, which still hold raw gradients, in float64 so that it does not depend on the layout:
+   each element counted once over DP, TP-sharded parameters on every TP rank; experts outside ZeRO added
+   through `extra_sq_norm`, which `engine.install_norm` sets), the
    clipping coefficient `clip_coefficient(norm, gradient_clipping)` is applied to the gradients, then every
    recorded matrix gets `Muon.muon_update` (the single-process code: momentum, head blocks on either axis,
    experts, the TP gather, our scale) written over its gradient in place, which the partition views see;
@@ -44,6 +45,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import deepspeed.runtime.zero.muon.original_muon as ds_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
@@ -68,6 +70,8 @@ class ZeroMuon(Muon, MuonWithAuxAdam):
         self.attached = False
         self.grad_scale = 1.0  # the clipping coefficient of the current step (attached only)
         self.pending = {}  # group index -> [(param, gradient, momentum view)], recorded by get_flat_partition
+        # squared norm of gradients outside the ZeRO optimizer that the clipping norm includes (float64 tensor)
+        self.extra_sq_norm = lambda: torch.zeros((), dtype=torch.float64)
 
     load_state_dict = torch.optim.Optimizer.load_state_dict  # MuonWithAuxAdam's expects its inner Adam
 
@@ -163,13 +167,16 @@ def attach(engine) -> ZeroMuon:
     original_step = zero.step
 
     def step(*args, **kwargs):
-        norm_fn = zero.scaled_global_norm  # install_norm's (experts included) when it is installed
-        raw = norm_fn()  # the Muon partitions still hold raw gradients
+        if getattr(zero, "loss_scale", 1.0) != 1.0:
+            raise NotImplementedError("ZeroMuon with fp16 loss scaling")
+        # the Muon partitions still hold raw gradients; experts outside ZeRO: engine.install_norm
+        raw = (raw_grad_sq_norm(zero) + opt.extra_sq_norm()).sqrt()
         norm = float(raw)
-        opt.grad_scale = clip_coefficient(norm, clip) if math.isfinite(norm) and norm >= 0 else 1.0
-        if math.isfinite(norm) and norm >= 0:  # else DeepSpeed skips the step (momentum not committed)
+        opt.grad_scale = clip_coefficient(norm, clip) if math.isfinite(norm) else 1.0
+        if math.isfinite(norm):  # else DeepSpeed skips the step (the staged momentum is not committed)
             opt.run_pending_updates(opt.grad_scale)
         opt.pending = {}
+        norm_fn = zero.scaled_global_norm
         zero.scaled_global_norm = lambda norm_type=2: raw  # DeepSpeed's overflow check and reported norm
         try:
             out = original_step(*args, **kwargs)
@@ -185,6 +192,28 @@ def attach(engine) -> ZeroMuon:
     zero.step = step
     opt.attached = True
     return opt
+
+
+@torch.no_grad()
+def raw_grad_sq_norm(zero) -> torch.Tensor:
+    """The squared global norm of the gradients in the ZeRO partitions, in float64: each element once over data
+    parallelism (every rank sums its partition's slices), tensor-parallel shards on every model-parallel rank
+    and replicated parameters on its rank 0 (DeepSpeed's `get_grad_norm_direct` rule). fp32 squares are exact in
+    float64 and their sum is rounded at 1e-16, so the norm, and the clipping coefficient taken from it, do not
+    depend on how the data-parallel partitions cut the parameters."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    device = zero.bit16_groups[0][0].device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(len(zero.bit16_groups)):
+        grads = [g for g in zero.averaged_gradients[i] or [] if not getattr(g, "_zero_padding", False)]
+        for g, p in zip(grads, zero.params_in_partition[i]):
+            if is_model_parallel_parameter(p) or zero.model_parallel_rank == 0:
+                sq += g.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=zero.dp_process_group)
+    if zero.model_parallel_group is not None and dist.get_world_size(zero.model_parallel_group) > 1:
+        dist.all_reduce(sq, group=zero.model_parallel_group)
+    return sq
 
 
 def momentum_offsets(zero, group_idx: int) -> dict:

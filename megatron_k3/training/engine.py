@@ -209,6 +209,10 @@ def install_norm(engine, experts: ExpertOptimizer) -> None:
         return (dense.double() ** 2 + experts.sq_norm.to(dense.device)).sqrt().to(dense.dtype)
 
     zero.scaled_global_norm = scaled_global_norm
+    from ..optim.zero import ZeroMuon
+
+    if isinstance(zero.optimizer, ZeroMuon):  # its step takes the norm itself (optim/zero.py)
+        zero.optimizer.extra_sq_norm = lambda: experts.sq_norm.to(zero.bit16_groups[0][0].device)
 
 
 def optimizer_params(optimizer) -> list:
