@@ -156,3 +156,15 @@ def test_muon_resume_is_bitwise(tmp_path):
         for n, p in p_straight.items():
             assert torch.equal(p, p_resumed[n]), (rank, n, (p - p_resumed[n]).abs().max())
         assert momenta and min(momenta.values()) > 0  # every Muon matrix's momentum was saved, non-zero
+
+
+def test_muon_with_bf16_parameters_needs_zero():
+    """DeepSpeed's ZeRO-0 bf16 optimizer hands the client optimizer flattened vectors, on which Muon cannot
+    find its matrices: refused at start-up; ZeRO-1/2 (tests/test_train.py runs bf16 with ZeRO-2) and fp32 run."""
+    from megatron_k3.config import ConfigError, compose_run_config
+
+    with pytest.raises(ConfigError) as e:
+        compose_run_config(["optim=muon", "precision=bf16", "parallel.zero_stage=0"])
+    assert e.value.key == "parallel.zero_stage"
+    compose_run_config(["optim=muon", "precision=bf16", "parallel.zero_stage=1"])
+    compose_run_config(["optim=adamw", "precision=bf16", "parallel.zero_stage=0"])

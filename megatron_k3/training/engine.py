@@ -225,10 +225,7 @@ def build_optimizers(model, run: RunConfig) -> tuple:
     kind over this rank's routed experts."""
     from ..optim import build_optimizer
 
-    o, p = run.optim, run.parallel
-    if o.name == "muon" and p.zero_stage == 0 and run.precision.param_dtype == "bf16":
-        raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
-                          "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")
+    o, p = run.optim, run.parallel  # optim=muon with ZeRO-0 and bf16 parameters: refused by RunConfig.validate
     named = list(model.named_parameters())
     dense = [(n, q) for n, q in named if not is_expert_parallel(q)]
     expert = [(n, q) for n, q in named if is_expert_parallel(q)]
