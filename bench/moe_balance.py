@@ -25,7 +25,7 @@ def run(rule: str, steps: int, gbs: int, out: Path) -> list:
     if not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < steps:
         args = [sys.executable, "-m", "megatron_k3.train", *MODEL, f"moe.balancing={rule}", f"train.steps={steps}",
                 f"train.global_batch_size={gbs}", f"train.micro_batch_size={min(gbs, 8)}", "train.seq_length=256",
-                "train.eval_interval=0", "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}"]
+                "train.eval_interval=0", "optim=adamw", "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}"]
         subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -45,7 +45,8 @@ def memory_row(overrides):
 
     from megatron_k3.training.engine import shutdown
 
-    run, _, _ = compose_run_config(["logging.wandb.mode=disabled", *overrides])
+    # optim=adamw: the results in RESULTS.md were measured with it (plan.py counts Muon's states as well)
+    run, _, _ = compose_run_config(["logging.wandb.mode=disabled", "optim=adamw", *overrides])
     try:
         trainer = Trainer(run, Path(tempfile.mkdtemp()))  # a one-process DeepSpeed engine (ZeRO-1)
         tracker = LiveTensorMemory()

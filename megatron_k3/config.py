@@ -495,6 +495,9 @@ class RunConfig:
             raise ConfigError("moe.histogram_bins", mo.histogram_bins, "must be >= 2")
         if m.first_k_dense < m.num_layers and p.ep > 1 and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
+        if o.name == "muon" and p.zero_stage == 0 and self.precision.param_dtype == "bf16":
+            raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
+                              "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")
         if m.first_k_dense < m.num_layers and p.tp > 1 and (t.micro_batch_size * t.seq_length) % p.tp:
             raise ConfigError("parallel.tp", p.tp, f"each TP rank routes 1/tp of the tokens: needs "
                               f"train.micro_batch_size*train.seq_length divisible by parallel.tp")

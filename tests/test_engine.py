@@ -18,8 +18,8 @@ from dist_utils import run_distributed
 
 FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
         "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=1",
-        "train.global_batch_size=4", "train.eval_interval=0", "optim.warmup_steps=2",
-        "logging.wandb.mode=disabled"]
+        "train.global_batch_size=4", "train.eval_interval=0", "optim=adamw", "optim.warmup_steps=2",
+        "logging.wandb.mode=disabled"]  # AdamW: the measurements below are its (optim=muon: tests/test_muon_train.py)
 STEPS = 5
 RTOL = 1e-5
 PARAM_RTOL = 5e-5

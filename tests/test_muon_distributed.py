@@ -156,19 +156,28 @@ def test_tensor_parallel_muon_equals_single_process(per_head):
         _assert_close(params, ref)
 
 
-def test_zero_attach_refuses_what_it_cannot_do_exactly():
-    """DeepSpeed would clip the orthogonalised update, not the gradient: attach() refuses gradient clipping;
-    and a ZeroMuon stepping flat ZeRO partitions without attach() fails instead of applying raw gradients."""
+def test_zero_attach_takes_over_clipping_and_refuses_what_it_cannot_do_exactly():
+    """DeepSpeed would clip the orthogonalised update, not the gradient: attach() switches DeepSpeed's clipping
+    off and clips the raw gradients itself (tests/test_muon_train.py checks the result against plain Muon);
+    CPU offload (DeepSpeed's own Muon update) is refused; and a ZeroMuon stepping flat ZeRO partitions without
+    attach() fails instead of applying raw gradients."""
     from types import SimpleNamespace
 
-    from megatron_k3.optim.zero import ZeroMuon, attach
+    from megatron_k3.optim.zero import ZeroMuon, attach, clip_coefficient
 
     model = _model()
     opt = _optimizer(model, zero=True)
     assert isinstance(opt, ZeroMuon)
-    zero = SimpleNamespace(optimizer=opt, get_flat_partition=None, all_grad_tensors={}, cpu_offload=False)
-    with pytest.raises(ValueError, match="gradient_clipping"):
-        attach(SimpleNamespace(optimizer=zero, gradient_clipping=lambda: 1.0))
+    zero = SimpleNamespace(optimizer=opt, get_flat_partition=None, all_grad_tensors={}, cpu_offload=False,
+                           clip_grad=1.0, step=None)
+    assert attach(SimpleNamespace(optimizer=zero, gradient_clipping=lambda: 1.0)) is opt
+    assert opt.attached and opt.clip == 1.0 and zero.clip_grad == 0.0
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6) and clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(4.0, 0.0) == 1.0
+    offload = SimpleNamespace(optimizer=_optimizer(_model(), zero=True), get_flat_partition=None, all_grad_tensors={},
+                              cpu_offload=True)
+    with pytest.raises(NotImplementedError, match="offload"):
+        attach(SimpleNamespace(optimizer=offload))
     with pytest.raises(TypeError):
         attach(SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=1.0))))
     flat = torch.nn.Parameter(torch.zeros(10))

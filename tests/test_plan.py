@@ -210,4 +210,13 @@ def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
     assert got["fits"] and got["workload"]["kernels"] == "eager" and got["workload"]["precision"] == "fp32"
     b = got["memory_breakdown_gb"]
     n = 4472396
-    assert b["weights"] * GB == n * 4 and b["gradients"] * GB == n * 4 and b["optimizer"] * GB == n * 12  # AdamW moments + ZeRO-1 fp32 partition
+    assert b["weights"] * GB == n * 4 and b["gradients"] * GB == n * 4
+    # the default optim=muon: ZeRO-1's fp32 partition (4 B), Muon's momentum for the matrices it updates (4 B),
+    # AdamW's two moments for the rest (8 B); the real run's states: tests/test_plan_cpu_check.py
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.optim.muon import muon_rule
+
+    model = K3ForCausalLM(load_model_config("k3_tiny"), init=False)
+    m = sum(p.numel() for p in model.parameters() if muon_rule(p).startswith("muon/"))
+    assert got["workload"]["optimizer"] == "muon" and 0 < m < n
+    assert b["optimizer"] * GB == n * 4 + m * 4 + (n - m) * 8

@@ -56,7 +56,7 @@ def _plan_tool():
 
 
 @pytest.mark.parametrize("overrides", [
-    [],  # the default CPU run: micro-batch 4 x 256 tokens, 2 micro-batches per step, fp32, AdamW
+    [],  # the default CPU run: micro-batch 4 x 256 tokens, 2 micro-batches per step, fp32, Muon
     ["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512", "model.hidden_size=96"],
 ])
 def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, capsys):
@@ -87,8 +87,8 @@ def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, c
     plan = json.loads(capsys.readouterr().out)
     estimate = plan["memory_per_device_gb"] * 1e9
     assert estimate == pytest.approx(tracker.peak, rel=0.30), (estimate, tracker.peak)
-    # the model states: parameters exactly; AdamW's two moments to 1e-3 (layer 0's pre-mixer depth mix has
-    # no sources to mix and gets no gradient, so AdamW keeps no state for its 2 x hidden parameters)
+    # the model states: parameters exactly; the optimizer's states (optim=muon: DeepSpeed's flat momentum of the
+    # Muon matrices, AdamW's two moments for the rest) and ZeRO's fp32 partition to 1e-3
     n = sum(p.numel() for p in trainer.model.parameters())
     assert plan["memory_breakdown_gb"]["weights"] * 1e9 == n * 4
     from megatron_k3.training.engine import _base_optimizer

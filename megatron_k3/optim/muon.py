@@ -119,12 +119,20 @@ _LAYOUT = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expe
 _NO_DECAY = ("adamw/embedding", "adamw/vector")  # as optim=adamw: decay every matrix but the embedding
 
 
-def muon_param_groups(model: torch.nn.Module, cfg) -> list:
+# The parameter attributes the grouping and the update read (parallel/layers.py sets them): a copy of a
+# parameter (the expert optimizer's fp32 masters) carries them over to be grouped and stepped the same way.
+MUON_ANNOTATIONS = ("muon_exclude", "muon_batched", "muon_blocks", "muon_block_axis", "muon_block_kind",
+                    "tp_split_dim")
+
+
+def muon_param_groups(model: torch.nn.Module | None, cfg, params=None) -> list:
     """One param group per rule (see `muon_rule`), in a fixed order, empty rules left out. Muon groups carry
     layout, momentum, nesterov, ns_steps, scale and ns_dtype; AdamW groups betas and eps. Every parameter
-    is tagged `use_muon` (the attribute DeepSpeed's ZeRO code reads)."""
+    is tagged `use_muon` (the attribute DeepSpeed's ZeRO code reads). `params`: (name, parameter) pairs to
+    group instead of all of `model`'s."""
     by_rule: dict = {}
-    for _, p in model.named_parameters():  # named_parameters skips a tied weight's second name
+    named = model.named_parameters() if params is None else params
+    for _, p in named:  # named_parameters skips a tied weight's second name
         if p.requires_grad:
             by_rule.setdefault(muon_rule(p, cfg.per_head), []).append(p)
     groups = []

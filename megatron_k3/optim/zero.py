@@ -11,28 +11,53 @@ What DeepSpeed 0.19.8 does (deepspeed/runtime/zero/stage_1_and_2.py) when the cl
 - the client optimizer's step() then sees flat 1-D partitions and applies weight decay and the lr.
 So the full matrix (or head block) is assembled before Newton-Schulz and only the local shard is kept.
 
-What does not fit, and is replaced: DeepSpeed's update (EMA momentum, a sqrt(max(1, A/B)) scale, heads
+What does not fit, and is replaced. DeepSpeed's update (EMA momentum, a sqrt(max(1, A/B)) scale, heads
 only along rows and not at all in its padded-partition path, torch.compile'd, so a C++ build on CPU) is
-called without the parameter. `attach(engine)` therefore wraps the ZeRO optimizer's `get_flat_partition`:
-for a Muon group it maps each gradient DeepSpeed will pass back to its parameter and, for the duration of
-the call, points `original_muon.muon_update` at `Muon.muon_update`, the code the single-process optimizer
-runs (head blocks on either axis, experts, the TP gather, our scale and momentum). QK-Clip runs after
-DeepSpeed has gathered the updated weights and writes the rescaled rows into the fp32 master partitions.
+called without the parameter; and DeepSpeed clips the norm of whatever holds the gradient's place, here the
+orthogonalised update. `attach(engine)` therefore:
+1. wraps the ZeRO optimizer's `get_flat_partition`: for a Muon group it points `original_muon.muon_update`,
+   for the duration of the call, at a function that records (parameter, full gradient, momentum view) and
+   hands the gradient itself back, so the partition DeepSpeed builds is a set of views of the raw gradients;
+2. wraps the ZeRO optimizer's `step`: the global norm of the raw gradients is taken first (`raw_grad_sq_norm`
+   over the partitions, which still hold raw gradients, in float64 so that it does not depend on the layout:
+   each element counted once over DP, TP-sharded parameters on every TP rank; experts outside ZeRO added
+   through `extra_sq_norm`, which `engine.install_norm` sets), the
+   clipping coefficient `clip_coefficient(norm, gradient_clipping)` is applied to the gradients, then every
+   recorded matrix gets `Muon.muon_update` (the single-process code: momentum, head blocks on either axis,
+   experts, the TP gather, our scale) written over its gradient in place, which the partition views see;
+   the AdamW groups' flat partitions are scaled by the same coefficient inside ZeroMuon's step. DeepSpeed's
+   own clipping is switched off (`clip_grad = 0`), and its norm (the overflow check, `get_global_grad_norm`)
+   is the raw gradients' one. This is what single-process Muon with clipping does: clip, then momentum and
+   Newton-Schulz. DeepSpeed's staged momentum is still committed only when the step is not skipped;
+3. runs QK-Clip after DeepSpeed has gathered the updated weights and writes the rescaled rows into the fp32
+   master partitions.
+Its config needs `zero_allow_untested_optimizer: true`. CPU offload takes a different DeepSpeed path (it
+orthogonalises before clipping) and is refused.
 
-DeepSpeed clips the norm of whatever holds the gradient's place, here the orthogonalised update, so
-`gradient_clipping` must be 0 (Newton-Schulz normalises the momentum anyway); its config also needs
-`zero_allow_untested_optimizer: true`. CPU offload takes a different DeepSpeed path and is refused.
+DeepSpeed keeps the momentum in `optimizer.state[flat partition]["momentum_buffer"]`: whole matrices of the
+rank's partition, concatenated in `params_in_partition` order. `momentum_views` maps it to parameters, which
+is how training/engine.py stores it per parameter in checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
+import torch.distributed as dist
 import deepspeed.runtime.zero.muon.original_muon as ds_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
 from .muon import Muon
+
+
+def clip_coefficient(norm: float, clip: float) -> float:
+    """The factor gradients are multiplied by under global-norm clipping at `clip` (0 = off): DeepSpeed's
+    clip / (norm + 1e-6) when that is below 1. One formula for the dense ZeRO path and the experts."""
+    if clip > 0 and (norm + 1e-6) / clip > 1:
+        return clip / (norm + 1e-6)
+    return 1.0
 
 
 class ZeroMuon(Muon, MuonWithAuxAdam):
@@ -43,6 +68,10 @@ class ZeroMuon(Muon, MuonWithAuxAdam):
         Muon.__init__(self, param_groups, tp, qk_clip)  # not MuonWithAuxAdam.__init__: no inner Adam
         self.aux_optimizer = None
         self.attached = False
+        self.grad_scale = 1.0  # the clipping coefficient of the current step (attached only)
+        self.pending = {}  # group index -> [(param, gradient, momentum view)], recorded by get_flat_partition
+        # squared norm of gradients outside the ZeRO optimizer that the clipping norm includes (float64 tensor)
+        self.extra_sq_norm = lambda: torch.zeros((), dtype=torch.float64)
 
     load_state_dict = torch.optim.Optimizer.load_state_dict  # MuonWithAuxAdam's expects its inner Adam
 
@@ -56,9 +85,26 @@ class ZeroMuon(Muon, MuonWithAuxAdam):
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(p.grad, alpha=-group["lr"])
 
+    def _adamw_step(self, p, group):
+        if self.attached and self.grad_scale != 1.0:  # a flat partition of raw gradients: clip it here
+            p.grad.mul_(self.grad_scale)
+        Muon._adamw_step(self, p, group)
+
     def _after_step(self):
         if not self.attached:  # under ZeRO, QK-Clip waits until DeepSpeed has gathered the new weights
             Muon._after_step(self)
+
+    @torch.no_grad()
+    def run_pending_updates(self, scale: float) -> None:
+        """The deferred Muon updates of this step: each recorded gradient is scaled by `scale` (clipping), fed
+        to `muon_update` with its momentum view, and overwritten by the update."""
+        for gi, todo in self.pending.items():
+            group = self.param_groups[gi]
+            for p, grad, momentum in todo:
+                if scale != 1.0:
+                    grad.mul_(scale)
+                grad.copy_(self.muon_update(p, grad, momentum, group))
+        self.pending = {}
 
 
 @contextlib.contextmanager
@@ -71,11 +117,16 @@ def _muon_update_is(fn):
         ds_muon.muon_update = saved
 
 
-def attach(engine) -> ZeroMuon:
-    """Route DeepSpeed ZeRO-1/2's Muon update through ours (see the module docstring). `engine` is the
-    DeepSpeedEngine from deepspeed.initialize (or its ZeRO optimizer). Returns the ZeroMuon."""
+def _zero_and_opt(engine):
     zero = getattr(engine, "optimizer", engine)
-    opt = getattr(zero, "optimizer", None)
+    return zero, getattr(zero, "optimizer", None)
+
+
+def attach(engine) -> ZeroMuon:
+    """Route DeepSpeed ZeRO-1/2's Muon update through ours and clip the raw gradients (see the module
+    docstring). `engine` is the DeepSpeedEngine from deepspeed.initialize (or its ZeRO optimizer, then the
+    clipping threshold is its `clip_grad`). Returns the ZeroMuon."""
+    zero, opt = _zero_and_opt(engine)
     if not isinstance(opt, ZeroMuon):
         raise TypeError(f"attach() needs the ZeroMuon from build_optimizer(model, cfg, zero=True) inside a ZeRO "
                         f"optimizer; got {type(zero).__name__} around {type(opt).__name__}")
@@ -83,40 +134,93 @@ def attach(engine) -> ZeroMuon:
         raise TypeError(f"attach() supports ZeRO stages 1 and 2; got {type(zero).__name__}")
     if getattr(zero, "cpu_offload", False):
         raise NotImplementedError("Muon with ZeRO CPU offload: DeepSpeed's offload path runs its own Muon update")
-    clip = engine.gradient_clipping() if hasattr(engine, "gradient_clipping") else getattr(zero, "clip_grad", 0.0)
-    if clip:
-        raise ValueError(f"deepspeed gradient_clipping={clip}: with Muon under ZeRO DeepSpeed would clip the norm of "
-                         "the orthogonalised updates, not of the gradients; set gradient_clipping to 0")
     if opt.attached:
         return opt
+    clip = float(engine.gradient_clipping() if hasattr(engine, "gradient_clipping") else zero.clip_grad)
+    zero.clip_grad = 0.0  # ours, before the momentum (DeepSpeed's would clip the orthogonalised update)
+    opt.clip = clip
     original = zero.get_flat_partition
 
     def get_flat_partition(tensor_list, first_offset, partition_size, dtype, device, param_group_idx,
                            return_tensor_list=False):
         group = opt.param_groups[param_group_idx]
         args = (tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list)
-        if not group.get("use_muon"):
+        if not group.get("use_muon") or not tensor_list:
             return original(*args)
+        if not return_tensor_list:  # a flattened copy would not see the updates written later
+            raise NotImplementedError("ZeroMuon defers its update and needs get_flat_partition's tensor list")
         grads = zero.all_grad_tensors[param_group_idx]
         owner = {id(g): p for p, g in zip(tensor_list, grads)}  # the gradients DeepSpeed hands muon_update
+        todo = []
 
-        def update(grad, momentum, *_, **__):
-            return opt.muon_update(owner[id(grad)], grad, momentum, group)
+        def record(grad, momentum, *_, **__):
+            out = grad.contiguous()  # what DeepSpeed's partition will view
+            todo.append((owner[id(grad)], out, momentum))
+            return out
 
-        with _muon_update_is(update):
-            return original(*args)
+        with _muon_update_is(record):
+            out = original(*args)
+        opt.pending[param_group_idx] = todo  # a second call at the same boundary (reentrant checkpointing)
+        return out                           # rebuilds the partition: its records replace the first ones
 
     zero.get_flat_partition = get_flat_partition
-    if opt.qk_clip is not None:
-        original_step = zero.step
+    original_step = zero.step
 
-        def step(*args, **kwargs):
+    def step(*args, **kwargs):
+        if getattr(zero, "loss_scale", 1.0) != 1.0:
+            raise NotImplementedError("ZeroMuon with fp16 loss scaling")
+        # the Muon partitions still hold raw gradients; experts outside ZeRO: engine.install_norm
+        raw = (raw_grad_sq_norm(zero) + opt.extra_sq_norm()).sqrt()
+        norm = float(raw)
+        opt.grad_scale = clip_coefficient(norm, clip) if math.isfinite(norm) else 1.0
+        if math.isfinite(norm):  # else DeepSpeed skips the step (the staged momentum is not committed)
+            opt.run_pending_updates(opt.grad_scale)
+        opt.pending = {}
+        norm_fn = zero.scaled_global_norm
+        zero.scaled_global_norm = lambda norm_type=2: raw  # DeepSpeed's overflow check and reported norm
+        try:
             out = original_step(*args, **kwargs)
+        finally:
+            zero.scaled_global_norm = norm_fn
+            opt.grad_scale = 1.0
+        if opt.qk_clip is not None:
             for p in opt.qk_clip.apply():
                 if hasattr(p, "set_full_hp_param"):  # the fp32 master partition DeepSpeed steps from
                     p.set_full_hp_param(p.data)
-            return out
+        return out
 
-        zero.step = step
+    zero.step = step
     opt.attached = True
     return opt
+
+
+@torch.no_grad()
+def raw_grad_sq_norm(zero) -> torch.Tensor:
+    """The squared global norm of the gradients in the ZeRO partitions, in float64: each element once over data
+    parallelism (every rank sums its partition's slices), tensor-parallel shards on every model-parallel rank
+    and replicated parameters on its rank 0 (DeepSpeed's `get_grad_norm_direct` rule). fp32 squares are exact in
+    float64 and their sum is rounded at 1e-16, so the norm, and the clipping coefficient taken from it, do not
+    depend on how the data-parallel partitions cut the parameters."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    device = zero.bit16_groups[0][0].device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(len(zero.bit16_groups)):
+        grads = [g for g in zero.averaged_gradients[i] or [] if not getattr(g, "_zero_padding", False)]
+        for g, p in zip(grads, zero.params_in_partition[i]):
+            if is_model_parallel_parameter(p) or zero.model_parallel_rank == 0:
+                sq += g.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=zero.dp_process_group)
+    if zero.model_parallel_group is not None and dist.get_world_size(zero.model_parallel_group) > 1:
+        dist.all_reduce(sq, group=zero.model_parallel_group)
+    return sq
+
+
+def momentum_offsets(zero, group_idx: int) -> dict:
+    """{param id(): element offset} of each whole matrix in DeepSpeed's flat Muon momentum of this rank's
+    partition of group `group_idx` (the order `get_flat_partition` walks: `params_in_partition`)."""
+    out, off = {}, 0
+    for p in zero.params_in_partition[group_idx]:
+        out[id(p)] = off
+        off += p.numel()
+    return out

@@ -8,7 +8,9 @@ optimizer states; ZeRO-2: reduce-scatter, so gradients are partitioned too), gra
 norm (sharded parameters counted on every tensor-parallel rank, replicated ones once: DeepSpeed reads
 `tensor_model_parallel`, set by `parallel.layers.mark_sharded`), and bf16 master weights when
 `precision.param_dtype=bf16`. What stays ours: tensor-parallel collectives inside the model, the LR schedule
-(set on the optimizer's groups every step), the data order, metrics and the checkpoint format.
+(set on the optimizer's groups every step), the data order, metrics and the checkpoint format; with optim=muon
+under ZeRO-1/2 also the Muon update and the clipping of the raw gradients before it (optim/zero.py, attached
+in `initialize`), and under expert parallelism the routed experts' optimizer (`ExpertOptimizer`).
 """
 
 from __future__ import annotations
@@ -140,16 +142,24 @@ class ExpertOptimizer:
 
     DeepSpeed's ZeRO flattens and reduces every parameter it manages over the dense data-parallel group, which
     would add expert e of one EP rank to expert e + E/ep of another. So the local experts get their own
-    optimizer of the same kind (fp32 master copies when the module is bf16): their gradients are summed over
-    the expert-data-parallel group (ranks holding the same experts) and divided by the dense DP size -- each
+    optimizer of the same kind (fp32 master copies, which carry the parameters' Muon annotations: with
+    optim=muon each local expert is its own matrix, as in one process): their gradients are summed over the
+    expert-data-parallel group (ranks holding the same experts) and divided by the dense DP size -- each
     expert has received the tokens of every DP replica in its EP group, so the sum over EDP covers the global
-    batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`)."""
+    batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`),
+    with the same coefficient (`optim.zero.clip_coefficient`), before the optimizer's momentum sees them."""
 
     def __init__(self, named_params, make_optimizer):
+        from ..optim import MUON_ANNOTATIONS
+
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.optimizer = make_optimizer(self.masters)
+        for p, m in zip(self.params, self.masters):
+            for k in MUON_ANNOTATIONS:
+                if hasattr(p, k):
+                    setattr(m, k, getattr(p, k))
+        self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
         self.edp_group = state.get_expert_data_parallel_group()
         self.ep_group = state.get_expert_model_parallel_group()
         self.dp = state.get_data_parallel_world_size()
@@ -182,9 +192,12 @@ class ExpertOptimizer:
 
     @torch.no_grad()
     def step(self, total_norm: float, clip: float):
-        if clip > 0 and (total_norm + 1e-6) / clip > 1:  # the same coefficient DeepSpeed applies to the rest
+        from ..optim.zero import clip_coefficient
+
+        coef = clip_coefficient(total_norm, clip)  # the coefficient the dense parameters got
+        if coef != 1.0:
             for m in self.masters:
-                m.grad.mul_(clip / (total_norm + 1e-6))
+                m.grad.mul_(coef)
         self.optimizer.step()
         for p, m in zip(self.params, self.masters):
             m.grad = None
@@ -201,10 +214,30 @@ def install_norm(engine, experts: ExpertOptimizer) -> None:
         return (dense.double() ** 2 + experts.sq_norm.to(dense.device)).sqrt().to(dense.dtype)
 
     zero.scaled_global_norm = scaled_global_norm
+    from ..optim.zero import ZeroMuon
+
+    if isinstance(zero.optimizer, ZeroMuon):  # its step takes the norm itself (optim/zero.py)
+        zero.optimizer.extra_sq_norm = lambda: experts.sq_norm.to(zero.bit16_groups[0][0].device)
 
 
 def optimizer_params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def build_optimizers(model, run: RunConfig) -> tuple:
+    """(the optimizer DeepSpeed wraps, ExpertOptimizer or None): `run.optim` over the dense parameters (with
+    optim=muon under ZeRO-1/2 the ZeroMuon that `initialize` attaches), and under expert parallelism the same
+    kind over this rank's routed experts."""
+    from ..optim import build_optimizer
+
+    o, p = run.optim, run.parallel  # optim=muon with ZeRO-0 and bf16 parameters: refused by RunConfig.validate
+    named = list(model.named_parameters())
+    dense = [(n, q) for n, q in named if not is_expert_parallel(q)]
+    expert = [(n, q) for n, q in named if is_expert_parallel(q)]
+    optimizer = build_optimizer(model, o, zero=p.zero_stage > 0, params=dense)
+    experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)"))
+               if expert else None)
+    return optimizer, experts
 
 
 def initialize(model, optimizer, run: RunConfig):
@@ -228,6 +261,10 @@ def initialize(model, optimizer, run: RunConfig):
     for name, buf in engine.module.named_buffers():
         if name.rsplit(".", 1)[-1] in FP32_BUFFERS and buf.dtype != torch.float32:
             buf.data = buf.data.float()
+    from ..optim.zero import ZeroMuon, attach
+
+    if _zero_optimizer(engine) is not None and isinstance(_base_optimizer(engine), ZeroMuon):
+        attach(engine)  # our Muon update and clipping of the raw gradients inside ZeRO (optim/zero.py)
     return engine
 
 
@@ -268,25 +305,35 @@ def _scalar(v):
     return float(v.item()) if torch.is_tensor(v) else v
 
 
+def _group_key(group: dict, gi: int, prefix: str) -> str:
+    """A group's name in the checkpoint: its rule where it has one (the same under every layout, also when the
+    experts leave the dense optimizer under ep > 1), else its index."""
+    return f"{prefix}.{group['rule']}" if "rule" in group else f"{prefix}.{gi}"
+
+
 def _group_scalars(opt, scalar_keys, prefix) -> dict:
     out = {}
     for gi, group in enumerate(opt.param_groups):
         for q in group["params"]:
             st = opt.state.get(q)
             if st:
-                out[f"{prefix}.{gi}"] = {k: _scalar(st[k]) for k in scalar_keys if k in st}
+                out[_group_key(group, gi, prefix)] = {k: _scalar(st[k]) for k in scalar_keys if k in st}
                 break
     return out
 
 
-def _ensure_states(opt, elem, scalars: dict, prefix: str) -> None:
+def _ensure_states(opt, keys_of: dict, scalars: dict, prefix: str) -> None:
     """Optimizer states are created lazily at the first step; build them now, shaped like the tensors they track,
-    so saved values have somewhere to go."""
+    so saved values have somewhere to go: `keys_of` {id(tensor): state keys} for the tensors the checkpoint
+    holds states of, which also get their group's scalars (a step count)."""
     for gi, group in enumerate(opt.param_groups):
-        sc = scalars.get(f"{prefix}.{gi}", {})
+        sc = scalars.get(_group_key(group, gi, prefix), scalars.get(f"{prefix}.{gi}", {}))
         for q in group["params"]:
+            keys = keys_of.get(id(q))
+            if not keys:
+                continue
             st = opt.state[q]
-            for k in elem:
+            for k in keys:
                 if k not in st:
                     st[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
             for k, v in sc.items():
@@ -304,10 +351,70 @@ def _local_experts(t: torch.Tensor) -> torch.Tensor:
     return t.chunk(state.get_expert_model_parallel_world_size(), 0)[state.get_expert_model_parallel_rank()]
 
 
+MOMENTUM = "momentum_buffer"  # Muon's state key, per matrix in one process, per partition in DeepSpeed's ZeRO
+
+
+class _ZeroLayout:
+    """Where ZeRO-1/2 keeps each parameter: its group, the group's flat fp32 partition (the key of the torch
+    optimizer's state), and for Muon groups DeepSpeed's flat momentum of whole matrices (optim/zero.py)."""
+
+    def __init__(self, zero, base):
+        self.zero, self.base = zero, base
+        self.group_of = {id(q): gi for gi, g in enumerate(zero.bit16_groups) for q in g}
+        self.flat = [g["params"][0] for g in base.param_groups]
+        from ..optim.zero import ZeroMuon
+
+        self.muon = {gi for gi, g in enumerate(base.param_groups)
+                     if isinstance(base, ZeroMuon) and g.get("use_muon")}
+        self._offsets = {}
+
+    def elem_keys(self, gi: int) -> list:
+        """The per-element states of group gi that DeepSpeed's fragments map (Muon's momentum is not one)."""
+        st = self.base.state.get(self.flat[gi], {})
+        return sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
+                      and not (gi in self.muon and k == MOMENTUM))
+
+    def offsets(self, gi: int) -> dict:
+        if gi not in self._offsets:
+            from ..optim.zero import momentum_offsets
+
+            self._offsets[gi] = momentum_offsets(self.zero, gi)
+        return self._offsets[gi]
+
+    def full_momentum(self, gi: int, p) -> torch.Tensor:
+        """p's whole Muon momentum, on every rank: the lowest DP rank whose partition touches p sends it
+        (every such rank holds the same one); zeros before the first step."""
+        group = self.zero.real_dp_process_group[gi]
+        src = min(self.zero.param_to_partition_ids[gi][self.zero.get_param_id(p)])
+        t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if dist.get_rank(group) == src:
+            buf = self.base.state.get(self.flat[gi], {}).get(MOMENTUM)
+            if buf is not None:
+                t.copy_(buf.narrow(0, self.offsets(gi)[id(p)], p.numel()).view(p.shape))
+        if dist.get_world_size(group) > 1:
+            dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+        return t
+
+    def load_momentum(self, gi: int, states: dict, name_of: dict) -> None:
+        """This rank's flat momentum of group gi from the per-parameter ones (absent ones: zeros)."""
+        params = self.zero.params_in_partition[gi]
+        if not params:
+            return
+        flat = self.flat[gi]
+        parts = []
+        for q in params:
+            v = states.get(name_of[id(q)], {}).get(MOMENTUM)
+            parts.append(torch.zeros(q.numel()) if v is None else v.float().flatten())
+        old = self.base.state[flat].get(MOMENTUM)
+        dtype = old.dtype if old is not None else torch.float32
+        self.base.state[flat][MOMENTUM] = torch.cat(parts).to(device=flat.device, dtype=dtype)
+
+
 def full_states(engine, named_params, experts: "ExpertOptimizer | None" = None) -> tuple:
-    """({name: fp32 master weight}, {name: {state key: full tensor}}, {'dense.<group>'|'experts.<group>': {scalar
-    key: value}}), at full size for this tensor-parallel shard: ZeRO's partitions gathered over data parallel,
-    expert-parallel weights gathered over the EP group (global expert order).
+    """({name: fp32 master weight}, {name: {state key: full tensor}}, {'dense.<rule>'|'experts.<rule>': {scalar
+    key: value}}), at full size for this tensor-parallel shard: ZeRO's partitions gathered over data parallel
+    (Muon's momentum, which DeepSpeed keeps per whole matrix, sent by a rank that holds it), expert-parallel
+    weights gathered over the EP group (global expert order).
 
     Every rank must call this, in the same order everywhere (it is made of collectives)."""
     zero = _zero_optimizer(engine)
@@ -317,12 +424,19 @@ def full_states(engine, named_params, experts: "ExpertOptimizer | None" = None) 
     weights, states = {}, {}
     if zero is not None:
         _relink(zero)
+        layout = _ZeroLayout(zero, base) if hasattr(zero, "params_in_partition") else None
     for name, p in named_params:
         if name in expert_names:
             continue
         if zero is not None:
             weights[name] = p.get_full_hp_param().detach().cpu()
-            states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in elem} if elem else {}
+            if layout is None:
+                states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in elem}
+                continue
+            gi = layout.group_of[id(p)]
+            states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in layout.elem_keys(gi)}
+            if gi in layout.muon:
+                states[name][MOMENTUM] = layout.full_momentum(gi, p).cpu()
         else:
             weights[name] = p.detach().float().cpu()
             st = base.state.get(p, {})
@@ -347,23 +461,42 @@ def load_full_states(engine, named_params, weights: dict, states: dict, scalars:
     base = _base_optimizer(engine)
     expert_names = set(experts.names) if experts is not None else set()
     named_params = [(n, p) for n, p in named_params if n not in expert_names]
-    elem = sorted({k for n, st in states.items() if n not in expert_names for k in st})
-    _ensure_states(base, elem, scalars, "dense")
+    layout = _ZeroLayout(zero, base) if zero is not None and hasattr(zero, "params_in_partition") else None
+    keys_of = {}
+    if zero is None:
+        for name, p in named_params:
+            keys_of[id(p)] = sorted(states.get(name, {}))
+    elif layout is None:  # a ZeRO optimizer without per-group bookkeeping (DeepSpeed's bf16 one): one set of keys
+        keys = sorted({k for name, _ in named_params for k in states.get(name, {})})
+        keys_of = {id(q): keys for g in base.param_groups for q in g["params"]}
+    else:
+        for name, p in named_params:
+            gi = layout.group_of[id(p)]
+            keys = [k for k in states.get(name, {}) if not (gi in layout.muon and k == MOMENTUM)]
+            flat = id(layout.flat[gi])
+            keys_of[flat] = sorted(set(keys_of.get(flat, [])) | set(keys))
+    _ensure_states(base, keys_of, scalars, "dense")
     if zero is not None:
         _relink(zero)
     for name, p in named_params:
         w = weights[name].to(p.device)
         if zero is not None:
             p.set_full_hp_param(w)
+            gi = layout.group_of[id(p)] if layout is not None else None
             for k, v in states.get(name, {}).items():
-                p.set_full_hp_param(v.to(p.device), k)
+                if not (layout is not None and gi in layout.muon and k == MOMENTUM):
+                    p.set_full_hp_param(v.to(p.device), k)
         else:
             for k, v in states.get(name, {}).items():
                 base.state[p][k].copy_(v.to(p.device))
         p.data.copy_(w.to(p.dtype))
+    if layout is not None:
+        name_of = {id(p): n for n, p in named_params}
+        for gi in sorted(layout.muon):
+            layout.load_momentum(gi, states, name_of)
     if experts is not None:
-        e_elem = sorted({k for n in experts.names for k in states.get(n, {})})
-        _ensure_states(experts.optimizer, e_elem, scalars, "experts")
+        e_keys = {id(m): sorted(states.get(n, {})) for n, m in zip(experts.names, experts.masters)}
+        _ensure_states(experts.optimizer, e_keys, scalars, "experts")
         for name, p, m in zip(experts.names, experts.params, experts.masters):
             m.copy_(_local_experts(weights[name]).to(m.device))
             for k, v in states.get(name, {}).items():

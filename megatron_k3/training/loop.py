@@ -25,7 +25,6 @@ from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, mak
                             split_documents)
 from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
-from ..optim import build_optimizer
 from ..optim.schedule import lr_at
 from ..parallel import state
 from ..precision import forward_context, prepare_model_for_precision
@@ -137,13 +136,6 @@ def build_data(run: RunConfig, rank: int):
     return out[0], out[1]
 
 
-def param_groups(named_params, weight_decay: float):
-    decay, no_decay = [], []
-    for n, p in named_params:
-        (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 class Trainer:
     def __init__(self, run: RunConfig, run_dir: Path):
         self.run, self.run_dir = run, Path(run_dir)
@@ -166,19 +158,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         model = K3ForCausalLM(run.model).to(self.device)
         prepare_model_for_precision(model, run.precision, self.device)
-        named = list(model.named_parameters())
-        dense = [(n, p) for n, p in named if not ds_engine.is_expert_parallel(p)]
-        expert = [(n, p) for n, p in named if ds_engine.is_expert_parallel(p)]
-        if run.optim.name == "muon":
-            if run.parallel.zero_stage > 0 or expert:
-                raise ConfigError("optim", "muon", "the training loop runs Per-Head Muon with parallel.zero_stage=0 "
-                                  "and parallel.ep=1 for now (its ZeRO momentum is not in our checkpoints yet)")
-            optimizer = build_optimizer(model, run.optim)
-        else:
-            optimizer = self._make_optimizer(param_groups(dense, run.optim.weight_decay))
+        # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
-        self.experts = (ds_engine.ExpertOptimizer(expert, lambda ms: self._make_optimizer(
-            param_groups(list(zip([n for n, _ in expert], ms)), run.optim.weight_decay))) if expert else None)
+        optimizer, self.experts = ds_engine.build_optimizers(model, run)
         self.engine = ds_engine.initialize(model, optimizer, run)
         if self.experts is not None:
             ds_engine.install_norm(self.engine, self.experts)
@@ -194,10 +176,6 @@ class Trainer:
         self._last_samples = None
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.start_time = time.time()
-
-    def _make_optimizer(self, groups):
-        o = self.run.optim
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
     # ------------------------------------------------------------------ resume / save
     def maybe_resume(self):
