@@ -258,7 +258,8 @@ class Trainer:
         named = list(self.model.named_parameters())
         meta = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                 "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
-                "tensor_parallel": self.tp, "expert_parallel": self.run.parallel.ep, "world_size": self.world,
+                "tensor_parallel": self.tp, "expert_parallel": self.run.parallel.ep, "context_parallel": self.cp,
+                "world_size": self.world,
                 "data_parallel": self.dp, "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
                 "tp_split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in named},
                 "lr_schedule": "derived from step (optim.*)",
