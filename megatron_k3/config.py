@@ -308,6 +308,8 @@ class MoEConfig:
     exact_max_margins: int = 4_000_000  # auto: exact while tokens x experts per layer and step stay below this
     histogram_bins: int = 4096  # histogram: error of the quantile <= one bin width = range / bins
     sign_rate: float = 1e-3  # sign: bias step per optimizer step
+    rescore: bool = False  # quantile: estimate from this step's tokens re-scored by the updated router
+    rescore_max_tokens: int = 8192  # rescore: router inputs kept per micro-batch and rank (a strided subset)
 
 
 @dataclass

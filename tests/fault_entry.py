@@ -5,8 +5,10 @@ bench/fault_drill.py). Same arguments as `python -m megatron_k3.train`; the faul
                                        under torchrun --max-restarts the restarted workers run clean)
     K3_FAULT=sigterm:STEP[:RANK]       SIGTERM to rank RANK after step STEP (what Slurm sends before a kill)
     K3_FAULT=kill_in_save:STEP[:N]     SIGKILL in the middle of writing checkpoint STEP, after N files (default 1)
+    K3_FAULT=nan:STEP[:RANK]           the loss of step STEP on rank RANK becomes NaN (a bad batch)
 
-Nothing here changes what the trainer does; the faults are real signals to the real process.
+Nothing here changes what the trainer does; the faults are real signals to the real process (and, for nan,
+a real non-finite loss).
 """
 
 import os
@@ -37,6 +39,16 @@ def _install(spec: str):
             return out
 
         loop.Trainer.train_step = train_step
+    elif kind == "nan":
+        orig_forward = loop.Trainer._forward
+
+        def forward(self, samples):
+            out, n = orig_forward(self, samples)
+            if self.step + 1 == step and self.rank == (arg or 0) and self.model.training:
+                out.loss = out.loss * float("nan")
+            return out, n
+
+        loop.Trainer._forward = forward
     elif kind == "kill_in_save":
         orig_write, files = ckpt._fsync, []
 

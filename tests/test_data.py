@@ -139,7 +139,8 @@ def test_training_on_preprocessed_indexed_data_end_to_end(tmp_path):
                "data.split='90,10,0'", "model.vocab_size=512", "model.num_layers=4", "model.hidden_size=64",
                "model.dense_intermediate_size=128", "model.attn_res_block_size=2", "train.seq_length=64",
                "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=4", "train.eval_interval=4",
-               "train.eval_iters=1", "optim.warmup_steps=1", "logging.wandb.mode=disabled", f"hydra.run.dir={run}"])
+               "train.eval_iters=1", "optim=adamw", "optim.warmup_steps=1", "logging.wandb.mode=disabled",
+               f"hydra.run.dir={run}"])  # adamw: the loss check below was measured with it
     assert rc == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and "eval_loss" in rows[-1]

@@ -148,3 +148,61 @@ def test_config_keys_are_validated():
         compose_run_config(FAST + ["train.max_consecutive_skips=0"])
     with pytest.raises(ConfigError, match="parallel.timeout_minutes"):
         compose_run_config(FAST + ["parallel.timeout_minutes=0"])
+
+
+@pytest.fixture(scope="module")
+def indexed_data(tmp_path_factory):
+    """A small Megatron-format dataset and its tokenizer (tools/preprocess_data.py on stdlib sources)."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    d = tmp_path_factory.mktemp("indexed")
+    files = sorted(str(p) for p in (Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py"))
+    tool = Path(__file__).resolve().parent.parent / "tools" / "preprocess_data.py"
+    subprocess.run([sys.executable, str(tool), "--input", *files, "--output-prefix", str(d / "a"), "--train-bpe",
+                    "512"], check=True, capture_output=True, timeout=300)
+    return d
+
+
+def _train_cli(args, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-m", "megatron_k3.train", *args, "logging.wandb.mode=disabled",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True, timeout=300)
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    return p.returncode, lines, p.stderr
+
+
+@pytest.mark.parametrize("case", ["tokenizer garbage", "tokenizer too large", "idx truncated", "bin truncated"])
+def test_corrupted_or_mismatched_files_name_the_file_or_key(indexed_data, tmp_path, case):
+    """Corrupted or mismatched dataset and tokenizer files: exit code 2 and one line naming the key and the file."""
+    import shutil
+
+    d = tmp_path / "data"
+    shutil.copytree(indexed_data, d)
+    tok, vocab = d / "a.tokenizer.json", "512"
+    if case == "tokenizer garbage":
+        tok.write_text('{"version": "1.0", "model": ')
+        key, name = "data.tokenizer", "a.tokenizer.json"
+    elif case == "tokenizer too large":
+        vocab, key, name = "256", "model.vocab_size", "256"
+    elif case == "idx truncated":
+        f = d / "a.idx"
+        f.write_bytes(f.read_bytes()[:-8])
+        key, name = "data.paths", "a.idx"
+    else:
+        f = d / "a.bin"
+        f.write_bytes(f.read_bytes()[:-4])
+        key, name = "data.paths", "a.bin"
+    rc, lines, err = _train_cli(["data=indexed", f"data.paths=[{d / 'a'}]", f"data.tokenizer={tok}",
+                                 f"model.vocab_size={vocab}", "model.num_layers=4", "model.hidden_size=64",
+                                 "model.dense_intermediate_size=128", "model.attn_res_block_size=2",
+                                 "train.seq_length=64", "train.steps=1"], tmp_path)
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert key in lines[0] and name in lines[0], lines[0]
+    assert "Traceback" not in err, err[-3000:]

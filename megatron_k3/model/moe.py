@@ -60,7 +60,7 @@ class StableLatentMoE(nn.Module):
         route = self.gate(x_ND)
         if self.balance is not None and self.training and torch.is_grad_enabled() and \
                 torch._C._current_graph_task_id() == -1:  # real forward passes only, not a recomputation
-            self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias)
+            self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias, x_ND.detach())
         z_NL = self.latent_down_proj(x_ND) if self.latent else x_ND
         r_NL, kept_M = dispatch_combine(z_NL, route.topk_idx_Nk, route.topk_weight_Nk, self.experts, self.ep,
                                         self.overflow, self.capacity_factor)

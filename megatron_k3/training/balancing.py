@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 log = logging.getLogger("megatron_k3.balancing")
@@ -38,19 +39,36 @@ class BiasBalancer:
 
     def _reset(self):
         self.margins, self.tokens = [], 0
+        self.inputs = []  # rescore: the router inputs of this step (a strided subset when large)
         self.hist = None
         self.loads = torch.zeros(self.E, dtype=torch.float64, device=self.bias.device)
         self.range = None
 
     # ------------------------------------------------------------------ during the step
     @torch.no_grad()
-    def observe(self, scores_NE: torch.Tensor, bias_E: torch.Tensor) -> None:
+    def observe(self, scores_NE: torch.Tensor, bias_E: torch.Tensor, x_ND: torch.Tensor | None = None) -> None:
+        """One real training forward's router scores (and, with moe.rescore, its router inputs)."""
+        if self._rescoring() and x_ND is not None:
+            self.loads += self._loads(scores_NE.float() + bias_E.float())
+            stride = max(1, -(-x_ND.shape[0] // self.cfg.rescore_max_tokens))
+            self.inputs.append(x_ND[::stride].detach().clone())
+            self.tokens += x_ND.shape[0]
+            return
+        self._observe_scores(scores_NE, bias_E)
+
+    def _rescoring(self) -> bool:
+        return self.cfg.rescore and self.cfg.balancing == "quantile" and self.k < self.E
+
+    def _loads(self, biased_NE):
+        chosen = biased_NE.topk(self.k, dim=-1).indices
+        return torch.bincount(chosen.reshape(-1), minlength=self.E).to(self.loads.dtype)
+
+    def _observe_scores(self, scores_NE: torch.Tensor, bias_E: torch.Tensor, count: bool = True) -> None:
         s = scores_NE.float()
         biased = s + bias_E.float()
-        N = s.shape[0]
-        self.tokens += N
-        chosen = biased.topk(self.k, dim=-1).indices
-        self.loads += torch.bincount(chosen.reshape(-1), minlength=self.E).to(self.loads.dtype)
+        if count:
+            self.tokens += s.shape[0]
+            self.loads += self._loads(biased)
         if self.cfg.balancing != "quantile" or self.k >= self.E:
             return
         cutoff_N1 = biased.topk(self.k + 1, dim=-1).values[:, -1:]
@@ -81,6 +99,13 @@ class BiasBalancer:
         if self.tokens == 0:
             return
         mode = self.cfg.balancing
+        if self._rescoring() and self.inputs:
+            # Score this step's tokens again with the router as the optimizer step just left it: the bias then
+            # answers the weights the next step routes with, not the ones before the update (the drift between
+            # estimating and applying that MODEL.md section 5 lists as QB's weakness).
+            w = self.moe.gate.weight.detach().float()
+            for x in self.inputs:
+                self._observe_scores(torch.sigmoid(F.linear(x.float(), w)), self.bias, count=False)
         if mode == "sign":
             loads = self._all_reduce(self.loads)
             self.bias += self.cfg.sign_rate * torch.sign(loads.mean() - loads).to(self.bias.dtype)
