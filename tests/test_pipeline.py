@@ -1,0 +1,88 @@
+"""Pipeline parallelism (parallel/pipeline.py): the 1F1B order, the stage split at AttnRes block boundaries, and
+pp=2 / pp=2 x tp=2 training through the real Trainer equal to the single-process run (test_engine's reference:
+5 AdamW steps of the 4-layer k3_tiny, fp32, 4 micro-batches so the steady 1F1B phase runs, gradient clipping
+active: grad_clip=1.0 against norms of about 2.6, so a norm that missed a stage would change every update).
+
+Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32); parameters per tensor
+||a - b|| / ||b|| <= PARAM_RTOL (the gradient of a block that several stages use is summed in another order).
+"""
+
+import pytest
+
+from dist_utils import run_distributed
+from test_engine import FAST, PARAM_RTOL, RTOL, _rel, _train
+
+
+def test_schedule_1f1b_order():
+    from megatron_k3.parallel.pipeline import schedule_1f1b
+
+    # pp=4, 6 micro-batches: stage 0 warms up with 3 forwards, the last stage alternates from the start
+    assert schedule_1f1b(6, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                      ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert schedule_1f1b(6, 4, 3) == [x for i in range(6) for x in (("F", i), ("B", i))]
+    assert schedule_1f1b(2, 4, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # fewer micro-batches than stages
+    for pp in (1, 2, 3, 5):
+        for m in (1, 2, 4, 7):
+            for s in range(pp):
+                ops = schedule_1f1b(m, pp, s)
+                assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                done, live, peak = set(), 0, 0
+                for kind, i in ops:  # every backward after its forward, micro-batches in order
+                    assert kind == "F" or ("F", i) in done
+                    assert [j for k, j in ops if k == kind] == list(range(m))
+                    done.add((kind, i))
+                    live += 1 if kind == "F" else -1
+                    peak = max(peak, live)
+                assert peak == min(pp - s, m)  # the 1F1B memory bound: at most pp - stage micro-batches held
+
+
+def test_stage_split_and_config_errors():
+    from megatron_k3.config import ConfigError, compose_run_config
+    from megatron_k3.parallel.pipeline import stage_ranges
+
+    run, _, _ = compose_run_config(["model.num_layers=10", "model.attn_res_block_size=3"], world_size=1)
+    # blocks [0,3) [3,6) [6,9) [9,10): cuts only at block boundaries, balanced by layer count
+    assert stage_ranges(run.model, 2) == [(0, 6), (6, 10)]
+    assert stage_ranges(run.model, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert all(s % 3 == 0 for s, _ in stage_ranges(run.model, 4))
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        compose_run_config(["model.num_layers=4", "model.attn_res_block_size=2", "parallel.pp=4"], world_size=4)
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        compose_run_config(FAST + ["parallel.pp=2", "model.tie_word_embeddings=true"], world_size=2)
+    with pytest.raises(ConfigError, match="parallel.zero_stage"):
+        compose_run_config(FAST + ["parallel.pp=2", "parallel.zero_stage=0"], world_size=2)
+
+
+def test_stage_holds_only_its_layers():
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.model import K3ForCausalLM
+
+    run, _, _ = compose_run_config(FAST, world_size=1)
+    names = [{n for n, _ in K3ForCausalLM(run.model, stage=st).named_parameters()}
+             for st in ((0, 2, True, False), (2, 4, False, True))]
+    full = {n for n, _ in K3ForCausalLM(run.model).named_parameters()}
+    assert names[0] | names[1] == full and not names[0] & names[1]  # global names, each parameter once
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+    assert {n.split(".")[2] for n in names[1] if n.startswith("model.layers.")} == {"2", "3"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, ["parallel.pp=2"]),
+    (4, ["parallel.pp=2", "parallel.tp=2"]),
+], ids=["pp2", "pp2xtp2"])
+def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
+    ref_losses, ref_params, _, _ = reference
+    results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
+    held = set()
+    for rank, (losses, params, _, _) in enumerate(results):
+        for step, (a, b) in enumerate(zip(losses, ref_losses), 1):  # every rank logs the last stage's loss
+            assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
+        worst = max((_rel(p, ref_params[n]), n) for n, p in params.items())
+        assert worst[0] < PARAM_RTOL, (rank, worst)
+        held |= set(params)
+    assert held == set(ref_params)  # the stages together hold every parameter
