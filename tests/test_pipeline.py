@@ -8,6 +8,7 @@ Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32
 """
 
 import pytest
+import torch
 
 from dist_utils import run_distributed
 from test_engine import FAST, PARAM_RTOL, RTOL, _rel, _train
@@ -86,3 +87,53 @@ def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
         assert worst[0] < PARAM_RTOL, (rank, worst)
         held |= set(params)
     assert held == set(ref_params)  # the stages together hold every parameter
+
+
+def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):
+    """Train 4 steps straight under the loading layout; then train 2 under the saving layout, save, resume under the
+    loading layout and train 2 more. Returns both runs' losses and this rank's parameters."""
+    from test_checkpoint import M, N, _trainer
+    from test_engine import _full_params
+
+    from megatron_k3.training.engine import shutdown
+
+    try:
+        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/straight"])
+        straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
+        p_straight = _full_params(t)
+    finally:
+        shutdown()
+    try:
+        t = _trainer(world, save_overrides + [f"checkpoint.dir={ckpt_dir}/run"])
+        first = [t.train_step()[0]["loss"] for _ in range(N)]
+        t.save()
+    finally:
+        shutdown()
+    try:
+        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/run", "checkpoint.load=auto"])
+        t.maybe_resume()
+        assert t.step == N
+        second = [t.train_step()[0]["loss"] for _ in range(M)]
+        p_resumed = _full_params(t)
+    finally:
+        shutdown()
+    return straight, first + second, p_straight, p_resumed
+
+
+@pytest.mark.parametrize("save,load", [
+    (["parallel.pp=2"], ["parallel.pp=2"]),
+    (["parallel.pp=2"], []),
+], ids=["pp2-pp2", "pp2-to-dp2"])
+def test_checkpoint_across_pipeline_layouts(tmp_path, save, load):
+    """Each stage writes its own parameters under their global names (files `_ppXX`); a checkpoint loads under
+    any pipeline split. Same layout: bit for bit; across layouts (pp=2 vs dp=2, both 2 processes): the
+    single-process tolerances, as the two layouts sum gradients in different orders."""
+    for rank, (straight, resumed, p_straight, p_resumed) in enumerate(
+            run_distributed(_restage, 2, save, load, str(tmp_path), timeout=300)):
+        if save == load:
+            assert straight == resumed, (rank, straight, resumed)
+            assert all(torch.equal(p_straight[n], p_resumed[n]) for n in p_straight)
+        for a, b in zip(resumed, straight):
+            assert abs(a - b) <= RTOL * abs(b), (rank, straight, resumed)
+        worst = max((_rel(p_resumed[n], p), n) for n, p in p_straight.items())
+        assert worst[0] < PARAM_RTOL, (rank, worst)
