@@ -73,16 +73,18 @@ class StageLink:
         self.prev = ranks[self.stage - 1] if self.stage > 0 else None
         self.next = ranks[self.stage + 1] if self.stage < self.size - 1 else None
         self._pending = []
+        # gloo moves host tensors; NCCL device tensors
+        self.wire = None if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self._sent_meta = False
         self._meta_in = None
 
     def _isend(self, t: torch.Tensor, dst: int):
-        t = t.detach().contiguous()
+        t = t.detach().to(self.wire or t.device).contiguous()
         self._pending.append((dist.isend(t, dst, group=self.group), t))
 
     def send_forward(self, x: torch.Tensor):
         if not self._sent_meta:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.wire or x.device)
             meta[0], meta[1] = _DTYPES.index(x.dtype), x.dim()
             meta[2:2 + x.dim()] = torch.tensor(x.shape)
             self._isend(meta, self.next)
@@ -91,12 +93,12 @@ class StageLink:
 
     def recv_forward(self, device) -> torch.Tensor:
         if self._meta_in is None:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.wire or device)
             dist.recv(meta, self.prev, group=self.group)
             ndim = int(meta[1])
             self._meta_in = (tuple(int(v) for v in meta[2:2 + ndim]), _DTYPES[int(meta[0])])
         shape, dtype = self._meta_in
-        x = torch.empty(shape, dtype=dtype)
+        x = torch.empty(shape, dtype=dtype, device=self.wire or device)
         dist.recv(x, self.prev, group=self.group)
         return x.to(device)
 
@@ -104,7 +106,7 @@ class StageLink:
         self._isend(g, self.prev)
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
-        g = torch.empty(like.shape, dtype=like.dtype)
+        g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
         dist.recv(g, self.next, group=self.group)
         return g.to(like.device)
 
