@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from test_engine import FAST, PARAM_RTOL, RTOL, _rel, _train
+from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
 
 
 def test_schedule_1f1b_order():
@@ -67,6 +67,24 @@ def test_stage_holds_only_its_layers():
     assert {n.split(".")[2] for n in names[1] if n.startswith("model.layers.")} == {"2", "3"}
 
 
+def _train(rank, world, overrides, run_dir):
+    """test_engine's 5 steps, also returning what every rank logs: per-step grad norm, the last step's expert-load
+    summary (routing counts and router biases of every stage's MoE layers), and an evaluation."""
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
+
+    run, _, _ = compose_run_config(FAST + ["train.eval_iters=2"] + overrides, world_size=world)
+    try:
+        trainer = Trainer(run, f"{run_dir}/{rank}")
+        recs = [trainer.train_step()[0] for _ in range(STEPS)]
+        logged = {"grad_norm": [r["grad_norm"] for r in recs], "eval_loss": trainer.evaluate(),
+                  **{f"expert_load.{k}": v for k, v in recs[-1]["expert_load"].items()}}
+        return [r["loss"] for r in recs], _full_params(trainer), logged
+    finally:
+        shutdown()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
@@ -77,12 +95,17 @@ def reference(tmp_path_factory):
     (4, ["parallel.pp=2", "parallel.tp=2"]),
 ], ids=["pp2", "pp2xtp2"])
 def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
-    ref_losses, ref_params, _, _ = reference
+    ref_losses, ref_params, ref_logged = reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
     held = set()
-    for rank, (losses, params, _, _) in enumerate(results):
+    for rank, (losses, params, logged) in enumerate(results):
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):  # every rank logs the last stage's loss
             assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
+        # the global clipping norm, evaluation and routing statistics, gathered from both stages, on every rank
+        assert logged.keys() == ref_logged.keys()
+        for k, ref in ref_logged.items():
+            for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
+                assert abs(a - b) <= RTOL * max(abs(b), 1e-3), (rank, k, logged[k], ref)
         worst = max((_rel(p, ref_params[n]), n) for n, p in params.items())
         assert worst[0] < PARAM_RTOL, (rank, worst)
         held |= set(params)
