@@ -427,6 +427,21 @@ class RunConfig:
             if p.tp > 1 and local % p.tp and (p.sequence_parallel or m.first_k_dense < m.num_layers):
                 raise ConfigError("parallel.cp", p.cp, f"each CP rank holds micro_batch_size*seq_length/cp={local} "
                                   f"tokens, which must divide over parallel.tp={p.tp}")
+        if p.pp > 1:  # pipeline stages hold whole AttnRes blocks (megatron_k3/parallel/pipeline.py)
+            from .planning.layout import stage_layers
+
+            try:
+                stage_layers(m, p.pp)
+            except ValueError as e:
+                raise ConfigError("parallel.pp", p.pp, f"{e} (model.num_layers={m.num_layers}, "
+                                  f"model.attn_res_block_size={m.attn_res_block_size})") from None
+            if m.tie_word_embeddings:
+                raise ConfigError("parallel.pp", p.pp, "model.tie_word_embeddings=true needs the embedding and the "
+                                  "LM head on one stage: use parallel.pp=1 or untied embeddings")
+            if p.zero_stage == 0:
+                raise ConfigError("parallel.zero_stage", 0, f"with parallel.pp={p.pp} use ZeRO 1 or 2: DeepSpeed's "
+                                  "ZeRO-0 clipping counts replicated parameters on model-parallel rank 0 only, "
+                                  "i.e. on the first stage")
         model_parallel = p.tp * p.pp * p.cp
         if world_size % model_parallel:
             raise ConfigError("parallel.tp", p.tp, f"tp*pp*cp={model_parallel} must divide the world size {world_size}")

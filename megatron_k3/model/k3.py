@@ -46,17 +46,42 @@ class K3Model(nn.Module):
                 for p in m.parameters():
                     mark_partial_grad(p)
 
+    def numbered_layers(self):
+        """(global layer index, layer) of the layers this module holds: all of them, or one pipeline stage's."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(k), m) for k, m in self.layers.items()]
+        return list(enumerate(self.layers))
+
+    def keep_stage(self, start: int, end: int, first: bool, last: bool):
+        """Drop everything outside one pipeline stage: layers [start, end) stay under their global names
+        (`layers.{i}`), the embedding only on the first stage, the output mix and final norm on the last."""
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in range(start, end)})
+        if not first:
+            self.embed_tokens = None
+        if not last:
+            self.norm = None
+            if self.cfg.attn_res:
+                self.output_attn_res = None
+
     def forward(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, context: SequenceShard | None = None) -> torch.Tensor:
+                cache: InferenceCache | None = None, context: SequenceShard | None = None,
+                state_in: ResidualState | None = None):
         """context: under context parallelism, input_ids_BT are this rank's tokens and `context` says where
-        they sit in the sequence (cu_seqlens is then None: the shard holds the document boundaries)."""
+        they sit in the sequence (cu_seqlens is then None: the shard holds the document boundaries).
+        Under pipeline parallelism a stage without the embedding starts from `state_in` (the previous stage's
+        ResidualState), and a stage without the final norm returns its ResidualState."""
         if self.tp.sequence_parallel and cache is not None:
             raise ValueError("sequence parallelism is for training; decode with parallel.sequence_parallel=false")
-        h = self.embed_tokens(input_ids_BT)  # [B, T/tp, D] under sequence parallelism
-        st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
-        for i, layer in enumerate(self.layers):
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids_BT)  # [B, T/tp, D] under sequence parallelism
+            st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
+        else:
+            st = state_in
+        for i, layer in self.numbered_layers():
             st = layer(st, cu_seqlens=cu_seqlens, cache_state=cache.layers[i] if cache is not None else None,
                        context=context)
+        if self.norm is None:
+            return st
         h = self.output_attn_res(st.blocks + [st.partial]) if self.cfg.attn_res else st.hidden
         if cache is not None:
             cache.seen_tokens += input_ids_BT.shape[1]
@@ -64,7 +89,9 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg, init: bool = True):
+    def __init__(self, cfg, init: bool = True, stage: tuple | None = None):
+        """stage: (start, end, first, last) keeps one pipeline stage (parallel/pipeline.py). The whole model is
+        built and initialised first, so every stage starts from exactly the single-process weights."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp = current_tp()
@@ -81,6 +108,13 @@ class K3ForCausalLM(nn.Module):
                     p.register_hook(all_reduce_grad_hook(tp.group))
         if init:
             self.reset_parameters()
+        if stage is not None:
+            start, end, first, last = stage
+            if cfg.tie_word_embeddings and not (first and last):
+                raise ValueError("tied embeddings need the embedding and the LM head on one stage")
+            self.model.keep_stage(start, end, first, last)
+            if not last:
+                self.lm_head = None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None):
@@ -128,7 +162,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None,
-                return_logits: bool | None = None) -> CausalLMOutput:
+                return_logits: bool | None = None, state_in: ResidualState | None = None) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with the inputs (label t is the token after t; -100 is
         ignored); cu_seqlens: document offsets of a packed row (B = 1). Under tensor parallelism the logits
         are vocabulary-sharded and the loss is the vocab-parallel cross-entropy; full logits are gathered
@@ -137,7 +171,10 @@ class K3ForCausalLM(nn.Module):
         Under context parallelism (parallel.cp > 1) every CP rank passes the whole sequence; the model keeps its
         zigzag share of the tokens (parallel/context.py), the logits are those of its own tokens in its local
         order, and the loss has the whole sequence's mean as its value and this rank's share of it as its
-        gradient."""
+        gradient.
+
+        A pipeline stage (built with `stage`) takes the previous stage's ResidualState as `state_in` (not on the
+        first stage) and returns its own ResidualState instead of an output (not on the last stage)."""
         context = None
         if self.cp.size > 1:
             if cache is not None:
@@ -145,7 +182,9 @@ class K3ForCausalLM(nn.Module):
             context = SequenceShard(self.cp, input_ids.shape[1], cu_seqlens, input_ids.device)
             input_ids, cu_seqlens = context.take(input_ids), None
             labels = context.take(labels) if labels is not None else None
-        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, context=context)
+        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, context=context, state_in=state_in)
+        if self.lm_head is None:  # a pipeline stage before the last: its ResidualState goes on
+            return h
         logits = self.lm_head(self.tp.enter(h))  # [B, T, V/tp]
         loss = None
         if labels is not None:

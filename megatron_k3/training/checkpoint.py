@@ -141,16 +141,34 @@ def config_diff(saved: dict, current: dict, prefix: str = "") -> list:
     return out
 
 
-def shard_suffix(tp: int, tp_rank: int) -> str:
-    return f"_tp{tp_rank:02d}" if tp > 1 else ""
+def shard_suffix(tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> str:
+    """The file-name suffix of one (tensor-parallel shard, pipeline stage): '', '_tp01', '_pp01', '_tp01_pp01'."""
+    return (f"_tp{tp_rank:02d}" if tp > 1 else "") + (f"_pp{pp_rank:02d}" if pp > 1 else "")
+
+
+def read_stages(path: Path, meta: dict, tp_rank: int = 0) -> tuple:
+    """(model tensors, optimizer states, extra) of one tensor-parallel shard, every pipeline stage's files merged:
+    a stage holds its own parameters under their global names, so the merge is a union (the optimizer scalars,
+    keyed by parameter-group rule, likewise)."""
+    tp, pp = int(meta.get("tensor_parallel", 1)), int(meta.get("pipeline_parallel", 1))
+    stages = [read_shard(path, shard_suffix(tp, tp_rank, pp, s)) for s in range(pp)]
+    model, optim, extra = {}, {}, dict(stages[0][2])
+    scalars = {}
+    for m, o, e in stages:
+        model.update(m)
+        optim.update(o)
+        scalars.update(e.get("optimizer_scalars", {}))
+    extra["optimizer_scalars"] = scalars
+    return model, optim, extra
 
 
 def read_full(path: Path, meta: dict) -> tuple:
-    """(model tensors, optimizer states, extra) at full, unsharded size whatever tensor-parallel size saved them:
-    the shards of each tensor concatenated along the dimension `meta['tp_split_dims']` records. Routed experts are
-    stored in global order already (gathered over expert parallelism at save time)."""
+    """(model tensors, optimizer states, extra) at full, unsharded size whatever tensor-parallel size and pipeline
+    split saved them: the stage files merged (`read_stages`), the shards of each tensor concatenated along the
+    dimension `meta['tp_split_dims']` records. Routed experts are stored in global order already (gathered over
+    expert parallelism at save time)."""
     tp = int(meta.get("tensor_parallel", 1))
-    shards = [read_shard(path, shard_suffix(tp, r)) for r in range(tp)]
+    shards = [read_stages(path, meta, r) for r in range(tp)]
     if tp == 1:
         return shards[0]
     dims = meta.get("tp_split_dims")

@@ -183,6 +183,8 @@ class ExpertOptimizer:
             p.grad = None
         if dist.get_world_size(self.ep_group) > 1:
             dist.all_reduce(sq, group=self.ep_group)
+        if state.get_pipeline_model_parallel_world_size() > 1:  # every stage's experts
+            dist.all_reduce(sq, group=state.get_pipeline_model_parallel_group())
         self.sq_norm = sq
 
     def skip(self):

@@ -26,7 +26,7 @@ from ..data.dataset import (BlendedDataset, IndexedDocuments, PackedDataset, mak
 from ..data.tokenizer import load_tokenizer
 from ..model import K3ForCausalLM
 from ..optim.schedule import lr_at
-from ..parallel import state
+from ..parallel import pipeline, state
 from ..precision import forward_context, prepare_model_for_precision
 from ..parallel.layers import set_sequence_parallel
 from . import checkpoint as ckpt
@@ -151,12 +151,18 @@ class Trainer:
         self.cp = state.get_context_parallel_world_size()
         self.dp_cp_group, self.dp_cp_rank = state.get_data_parallel_group(True), state.get_data_parallel_rank(True)
         self.tp, self.tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        # pipeline parallelism: this rank's stage holds whole AttnRes blocks; the embedding on the first stage, the
+        # final norm, LM head and loss on the last; 1F1B over point-to-point (parallel/pipeline.py)
+        self.pp, self.pp_rank = state.get_pipeline_model_parallel_world_size(), state.get_pipeline_model_parallel_rank()
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        self.link = pipeline.StageLink(state.get_pipeline_model_parallel_group()) if self.pp > 1 else None
         self.device = _device(run)
         t = run.train
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         torch.manual_seed(t.seed)
-        model = K3ForCausalLM(run.model).to(self.device)
+        stage = pipeline.stage_spec(run.model, self.pp, self.pp_rank) if self.pp > 1 else None
+        model = K3ForCausalLM(run.model, stage=stage).to(self.device)
         prepare_model_for_precision(model, run.precision, self.device)
         # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
@@ -169,6 +175,9 @@ class Trainer:
         self.balancers = balancing.install(self.model, run.moe, state.get_group("tp-dp-cp"),
                                            t.global_batch_size * t.seq_length)
         self.moe_layer_ids = [i for i, ty in enumerate(run.model.ffn_types()) if ty == "moe"]
+        # the rows of the (global) per-layer routing statistics that this stage's MoE layers fill
+        self.moe_rows = [self.moe_layer_ids.index(i) for i, layer in self.model.model.numbered_layers()
+                         if layer.ffn_type == "moe"]
         self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.step, self.consumed, self.tokens = 0, 0, 0
@@ -191,11 +200,17 @@ class Trainer:
             meta = read_meta(path)
             self._check_model_config(path, meta)
             saved_tp = int(meta.get("tensor_parallel", 1))
+            saved_pp = int(meta.get("pipeline_parallel", 1))
             dims = {n: getattr(p, "tp_split_dim", None) for n, p in self.model.named_parameters()}
-            if saved_tp == self.tp:
+            if saved_tp == self.tp and saved_pp == self.pp:
                 model_t, optim_t, extra = read_shard(path, self._shard_suffix())
+            elif saved_tp == self.tp:  # another pipeline split: the stage files merged, this stage's tensors kept
+                model_t, optim_t, extra = ckpt.read_stages(path, meta, self.tp_rank)
+                model_t, optim_t = self._own(model_t), self._own(optim_t)
+                log.info("re-staging %s: saved with pipeline_parallel=%d, loading with %d", path, saved_pp, self.pp)
             else:  # resharding: merge the saved shards, keep this rank's slice
                 model_t, optim_t, extra = ckpt.read_full(path, meta)
+                model_t, optim_t = self._own(model_t), self._own(optim_t)
                 model_t = ckpt.split_full(model_t, dims, self.tp, self.tp_rank)
                 optim_t = {n: ckpt.split_full({k: v for k, v in st.items()}, {k: dims.get(n) for k in st},
                                               self.tp, self.tp_rank) for n, st in optim_t.items()}
@@ -231,6 +246,11 @@ class Trainer:
                         self.run.train.global_batch_size, meta.get("global_batch_size"))
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
 
+    def _own(self, tensors: dict) -> dict:
+        """The entries of a whole-model dict that this rank's pipeline stage holds."""
+        own = self.model.state_dict()
+        return {k: v for k, v in tensors.items() if k in own}
+
     # Model keys that may change between a save and a resume: they do not change any tensor or what it means.
     RESUMABLE_MODEL_KEYS = ("name", "kda_chunk_size", "moe_overflow", "moe_capacity_factor", "initializer_range",
                             "kda_a_log_init")
@@ -249,7 +269,7 @@ class Trainer:
                      ", ".join(f"model.{k} {a!r} -> {b!r}" for k, a, b in diff))
 
     def _shard_suffix(self) -> str:
-        return ckpt.shard_suffix(self.tp, self.tp_rank)
+        return ckpt.shard_suffix(self.tp, self.tp_rank, self.pp, self.pp_rank)
 
     def save(self):
         """Every rank takes part (ZeRO gathers each parameter's partitions over DP, experts are gathered over EP);
@@ -259,6 +279,7 @@ class Trainer:
         meta = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                 "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
                 "tensor_parallel": self.tp, "expert_parallel": self.run.parallel.ep, "context_parallel": self.cp,
+                "pipeline_parallel": self.pp,
                 "world_size": self.world,
                 "data_parallel": self.dp, "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
                 "tp_split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in named},
@@ -267,10 +288,14 @@ class Trainer:
         weights, states, scalars = ds_engine.full_states(self.engine, named, self.experts)
         rngs = [None] * self.world
         dist.all_gather_object(rngs, ckpt.rng_state())
+        if self.pp > 1:  # every stage's parameters' split dimensions (meta.json is written by rank 0)
+            dims = [None] * self.world
+            dist.all_gather_object(dims, meta["tp_split_dims"])
+            meta["tp_split_dims"] = {k: v for d in dims for k, v in d.items()}
         tmp, final = ckpt.begin(self.ckpt_dir, self.step, unique=False) if self.rank == 0 else (None, None)
         dist.barrier()
         tmp = self.ckpt_dir / f".tmp-step_{self.step:08d}"
-        if self.dp_cp_rank == 0:  # one writer per tensor-parallel shard
+        if self.dp_cp_rank == 0:  # one writer per (tensor-parallel shard, pipeline stage)
             model_t = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             model_t.update(weights)  # fp32 masters over the module's (possibly bf16) parameters
             for k in [k for k in model_t if k not in weights and k not in dict(self.model.named_buffers())]:
@@ -289,11 +314,16 @@ class Trainer:
         ids = rank_sample_ids(consumed, micro, self.dp_rank, self.dp, self.run.train.micro_batch_size)
         return [dataset.sample(c) for c in ids]
 
-    def _forward(self, samples):
+    def _forward(self, samples, state_in=None):
+        """(output, tokens). Under pipeline parallelism a stage after the first starts from `state_in`, the packed
+        ResidualState it received, and a stage before the last returns its packed ResidualState as the output."""
         b = make_batch(samples, self.run.data.reset_at_document_boundaries)
+        st = None if state_in is None else pipeline.unpack(state_in, self.run.model.attn_res)
         with forward_context(self.run.precision, self.device):
             out = self.model(b.input_ids.to(self.device), labels=b.labels.to(self.device),
-                             cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device))
+                             cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device), state_in=st)
+        if not self.last_stage:
+            out = pipeline.pack(out)
         return out, b.num_tokens
 
     def train_step(self) -> dict:
@@ -304,48 +334,30 @@ class Trainer:
         for g in self.engine.optimizer.param_groups + (self.experts.param_groups if self.experts else []):
             g["lr"] = lr
         loss_sum = torch.zeros((), dtype=torch.float64)
-        loads = torch.zeros(len(self.moe), self.run.model.num_experts, dtype=torch.float64)
+        loads = torch.zeros(len(self.moe_layer_ids), self.run.model.num_experts, dtype=torch.float64)
         dropped = torch.zeros((), dtype=torch.float64)
         tokens = 0
-        applied = True
-        for micro in range(self.num_micro):
+        self._norm0, self._applied = None, True
+        if self.pp > 1:
+            loss_sum, tokens, dropped = self._pipeline_step(loads, dropped)
+        for micro in range(self.num_micro if self.pp == 1 else 0):
             samples = self._samples(self.train_ds, self.consumed, micro)
             out, n = self._forward(samples)
             if not bool(torch.isfinite(out.loss.detach())):
                 self._last_samples = samples  # the batch a diagnosis re-runs
             self.engine.backward(out.loss)  # DeepSpeed scales by 1/num_micro and reduces at the boundary
-            last = micro == self.num_micro - 1
-            if last and self.experts is not None:
-                self.experts.reduce_gradients()
-            if last and self.run.parallel.zero_stage == 0:
-                norm0 = ds_engine.grad_norm_without_zero(self.model)
-            if last and self.run.parallel.zero_stage == 0 and not math.isfinite(norm0):
-                # without ZeRO DeepSpeed would apply it: let it finish its step bookkeeping without the update
-                with _no_optimizer_step(self.engine.optimizer):
-                    self.engine.step()
-            else:
-                self.engine.step()  # a no-op except after the last micro-batch
-            if last:
-                # ZeRO skips a step whose global norm (experts included) is not finite; ZeRO-0: dropped above
-                applied = (math.isfinite(norm0) if self.run.parallel.zero_stage == 0
-                           else bool(self.engine.was_step_applied()))
-                if self.experts is not None:  # (ep > 1 implies ZeRO >= 1)
-                    if applied:
-                        self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
-                    else:
-                        self.experts.skip()
-            if last and self._last_samples is None and not applied:
-                self._last_samples = samples
+            self._after_backward(micro, samples)
             loss_sum += out.loss.detach().double().cpu()
             tokens += n
-            for i, m in enumerate(self.moe):
-                loads[i] += m.tokens_per_expert_E.double().cpu()
-                dropped += m.dropped_assignments.double().cpu()
+            dropped += self._routing(loads)
             self.stats.accumulate()
+        applied, norm0 = self._applied, self._norm0
         loss = loss_sum / self.num_micro
         if self.world > 1:  # statistics of the global batch; each TP rank routes its own 1/tp of the tokens
             # (every CP rank's loss is already its sequences' whole mean; its routing counts are its own tokens')
             stats = torch.cat([loss.view(1), dropped.view(1), loads.flatten()]).to(self.device)
+            if self.pp > 1:  # the loss from the last stage, each stage's MoE layers' counts in their own rows
+                dist.all_reduce(stats, group=state.get_pipeline_model_parallel_group())
             dist.all_reduce(stats, group=self.dp_cp_group)
             if self.tp > 1:
                 stats[1:] = ds_engine.tp_sum(stats[1:])
@@ -373,22 +385,114 @@ class Trainer:
                "tokens": self.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
                **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world),
                "memory": memory_stats(self.device), **self.stats.collect()}
-        if self.moe:
+        if self.moe_layer_ids:
+            bias_LE = torch.zeros(len(self.moe_layer_ids), self.run.model.num_experts)
+            for row, m in zip(self.moe_rows, self.moe):
+                bias_LE[row] = m.gate.e_score_correction_bias.detach().float().cpu()
+            if self.pp > 1:  # every stage's routers
+                bias_LE = bias_LE.to(self.device)
+                dist.all_reduce(bias_LE, group=state.get_pipeline_model_parallel_group())
+                bias_LE = bias_LE.cpu()
             st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k, dropped=float(dropped),
-                                   bias_LE=torch.stack([m.gate.e_score_correction_bias.detach().cpu() for m in self.moe]))
+                                   bias_LE=bias_LE)
             rec["expert_load"] = st["summary"]
             rec["expert_load_per_layer"] = dict(st["per_layer"], layers=self.moe_layer_ids)
         return rec, loads
+
+    def _routing(self, loads: torch.Tensor) -> torch.Tensor:
+        """Add this stage's MoE layers' token counts of the last forward to their rows; returns the dropped count."""
+        dropped = torch.zeros((), dtype=torch.float64)
+        for row, m in zip(self.moe_rows, self.moe):
+            loads[row] += m.tokens_per_expert_E.double().cpu()
+            dropped += m.dropped_assignments.double().cpu()
+        return dropped
+
+    def _after_backward(self, micro: int, samples):
+        """After a micro-batch's backward: DeepSpeed's step (a no-op except after the last micro-batch), and at the
+        boundary the experts' reduction and step and whether the step was applied (self._applied)."""
+        last = micro == self.num_micro - 1
+        if last and self.experts is not None:
+            self.experts.reduce_gradients()
+        if last and self.run.parallel.zero_stage == 0:
+            self._norm0 = ds_engine.grad_norm_without_zero(self.model)
+        if last and self.run.parallel.zero_stage == 0 and not math.isfinite(self._norm0):
+            # without ZeRO DeepSpeed would apply it: let it finish its step bookkeeping without the update
+            with _no_optimizer_step(self.engine.optimizer):
+                self.engine.step()
+        else:
+            self.engine.step()  # a no-op except after the last micro-batch
+        if last:
+            # ZeRO skips a step whose global norm (experts included) is not finite; ZeRO-0: dropped above
+            self._applied = (math.isfinite(self._norm0) if self.run.parallel.zero_stage == 0
+                             else bool(self.engine.was_step_applied()))
+            if self.experts is not None:  # (ep > 1 implies ZeRO >= 1)
+                if self._applied:
+                    self.experts.step(float(self.engine.get_global_grad_norm()), self.run.train.grad_clip)
+                else:
+                    self.experts.skip()
+        if last and self._last_samples is None and not self._applied:
+            self._last_samples = samples
+
+    def _pipeline_step(self, loads: torch.Tensor, dropped: torch.Tensor) -> tuple:
+        """One step's micro-batches through this stage in the 1F1B order (parallel/pipeline.py); returns (loss sum
+        over the micro-batches -- zero except on the last stage --, tokens, dropped assignments).
+
+        The last stage back-propagates its loss, which DeepSpeed scales by 1/num_micro. An earlier stage
+        back-propagates the surrogate sum(y * g) of its output y and the gradient g it received: its gradient with
+        respect to y is exactly g, which already carries the 1/num_micro, so it is not scaled again
+        (scale_wrt_gas=False). Going through engine.backward keeps DeepSpeed's accumulation and boundary
+        bookkeeping. The gradient of the received input is sent back before the boundary step, whose collectives
+        (the global norm over tp x pp) the previous stage joins only after receiving it."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens, held = 0, {}
+        for kind, micro in pipeline.schedule_1f1b(self.num_micro, self.pp, self.pp_rank):
+            if kind == "F":
+                samples = self._samples(self.train_ds, self.consumed, micro)
+                x = None if self.first_stage else self.link.recv_forward(self.device).requires_grad_()
+                out, n = self._forward(samples, x)
+                tokens += n
+                dropped += self._routing(loads)
+                self.stats.accumulate()
+                if self.last_stage:
+                    y = out.loss
+                    if not bool(torch.isfinite(y.detach())):
+                        self._last_samples = samples
+                    loss_sum += y.detach().double().cpu()
+                else:
+                    y = out
+                    self.link.send_forward(y)
+                held[micro] = (samples, x, y)
+            else:
+                samples, x, y = held.pop(micro)
+                if self.last_stage:
+                    self.engine.backward(y)
+                else:
+                    g = self.link.recv_backward(y)
+                    self.engine.backward((y * g).sum(), scale_wrt_gas=False)
+                if not self.first_stage:
+                    self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x))
+                self._after_backward(micro, samples)
+        self.link.wait()
+        return loss_sum, tokens, dropped
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         total, n = 0.0, 0
         for it in range(self.run.train.eval_iters):  # the same held-out samples at every evaluation
-            out, _ = self._forward(self._samples(self.valid_ds, 0, it))
-            total += out.loss.double().item()
+            x = None if self.first_stage else self.link.recv_forward(self.device)
+            out, _ = self._forward(self._samples(self.valid_ds, 0, it), x)
+            if self.last_stage:
+                total += out.loss.double().item()
+            else:
+                self.link.send_forward(out)
             n += 1
         val = torch.tensor([total / n], dtype=torch.float64)
+        if self.pp > 1:  # the last stage's value on every stage
+            self.link.wait()
+            val = val.to(self.device)
+            dist.all_reduce(val, group=state.get_pipeline_model_parallel_group())
+            val = val.cpu()
         if self.dp > 1:
             val = val.to(self.device)
             dist.all_reduce(val, group=self.dp_group)
@@ -448,7 +552,9 @@ class Trainer:
         """Too many skipped steps in a row: find where the non-finite values start, then stop (nothing is saved:
         the newest checkpoint is the last good state)."""
         where = "no batch to re-run"
-        if self._last_samples is not None:
+        if self.pp > 1:
+            where = "not diagnosed under pipeline parallelism (a stage cannot re-run the forward alone)"
+        elif self._last_samples is not None:
             self.model.train()
             where = faults.diagnose_nonfinite(self.model, lambda: self._forward(self._last_samples)[0].loss)
         places = [None] * self.world

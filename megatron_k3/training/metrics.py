@@ -88,10 +88,11 @@ class ModelStats:
         from ..model.decoder import DepthMix
 
         self.routers = [m.gate for m in model.moe_layers()]
-        self.moe_layer_ids = [i for i, layer in enumerate(getattr(model.model, "layers", []))
-                              if getattr(layer, "ffn_type", None) == "moe"]
+        numbered = (model.model.numbered_layers() if hasattr(model.model, "numbered_layers")
+                    else list(enumerate(getattr(model.model, "layers", []))))
+        self.moe_layer_ids = [i for i, layer in numbered if getattr(layer, "ffn_type", None) == "moe"]
         self.mixes = []  # (layer index or -1 for the output mix, "pre_mixer" | "pre_ffn" | "output", module)
-        for i, layer in enumerate(getattr(model.model, "layers", [])):
+        for i, layer in numbered:
             for what, name in (("pre_mixer", "self_attention_res"), ("pre_ffn", "mlp_res")):
                 m = getattr(layer, name, None)
                 if isinstance(m, DepthMix):

@@ -1,0 +1,162 @@
+"""Pipeline parallelism (parallel/pipeline.py): the 1F1B order, the stage split at AttnRes block boundaries, and
+pp=2 / pp=2 x tp=2 training through the real Trainer equal to the single-process run (test_engine's reference:
+5 AdamW steps of the 4-layer k3_tiny, fp32, 4 micro-batches so the steady 1F1B phase runs, gradient clipping
+active: grad_clip=1.0 against norms of about 2.6, so a norm that missed a stage would change every update).
+
+Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32); parameters per tensor
+||a - b|| / ||b|| <= PARAM_RTOL (the gradient of a block that several stages use is summed in another order).
+"""
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
+
+
+def test_schedule_1f1b_order():
+    from megatron_k3.parallel.pipeline import schedule_1f1b
+
+    # pp=4, 6 micro-batches: stage 0 warms up with 3 forwards, the last stage alternates from the start
+    assert schedule_1f1b(6, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                      ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert schedule_1f1b(6, 4, 3) == [x for i in range(6) for x in (("F", i), ("B", i))]
+    assert schedule_1f1b(2, 4, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # fewer micro-batches than stages
+    for pp in (1, 2, 3, 5):
+        for m in (1, 2, 4, 7):
+            for s in range(pp):
+                ops = schedule_1f1b(m, pp, s)
+                assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                done, live, peak = set(), 0, 0
+                for kind, i in ops:  # every backward after its forward, micro-batches in order
+                    assert kind == "F" or ("F", i) in done
+                    assert [j for k, j in ops if k == kind] == list(range(m))
+                    done.add((kind, i))
+                    live += 1 if kind == "F" else -1
+                    peak = max(peak, live)
+                assert peak == min(pp - s, m)  # the 1F1B memory bound: at most pp - stage micro-batches held
+
+
+def test_stage_split_and_config_errors():
+    from megatron_k3.config import ConfigError, compose_run_config
+    from megatron_k3.parallel.pipeline import stage_ranges
+
+    run, _, _ = compose_run_config(["model.num_layers=10", "model.attn_res_block_size=3"], world_size=1)
+    # blocks [0,3) [3,6) [6,9) [9,10): cuts only at block boundaries, balanced by layer count
+    assert stage_ranges(run.model, 2) == [(0, 6), (6, 10)]
+    assert stage_ranges(run.model, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert all(s % 3 == 0 for s, _ in stage_ranges(run.model, 4))
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        compose_run_config(["model.num_layers=4", "model.attn_res_block_size=2", "parallel.pp=4"], world_size=4)
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        compose_run_config(FAST + ["parallel.pp=2", "model.tie_word_embeddings=true"], world_size=2)
+    with pytest.raises(ConfigError, match="parallel.zero_stage"):
+        compose_run_config(FAST + ["parallel.pp=2", "parallel.zero_stage=0"], world_size=2)
+
+
+def test_stage_holds_only_its_layers():
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.model import K3ForCausalLM
+
+    run, _, _ = compose_run_config(FAST, world_size=1)
+    names = [{n for n, _ in K3ForCausalLM(run.model, stage=st).named_parameters()}
+             for st in ((0, 2, True, False), (2, 4, False, True))]
+    full = {n for n, _ in K3ForCausalLM(run.model).named_parameters()}
+    assert names[0] | names[1] == full and not names[0] & names[1]  # global names, each parameter once
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+    assert {n.split(".")[2] for n in names[1] if n.startswith("model.layers.")} == {"2", "3"}
+
+
+def _train(rank, world, overrides, run_dir):
+    """test_engine's 5 steps, also returning what every rank logs: per-step grad norm, the last step's expert-load
+    summary (routing counts and router biases of every stage's MoE layers), and an evaluation."""
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
+
+    run, _, _ = compose_run_config(FAST + ["train.eval_iters=2"] + overrides, world_size=world)
+    try:
+        trainer = Trainer(run, f"{run_dir}/{rank}")
+        recs = [trainer.train_step()[0] for _ in range(STEPS)]
+        logged = {"grad_norm": [r["grad_norm"] for r in recs], "eval_loss": trainer.evaluate(),
+                  **{f"expert_load.{k}": v for k, v in recs[-1]["expert_load"].items()}}
+        return [r["loss"] for r in recs], _full_params(trainer), logged
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, ["parallel.pp=2"]),
+    (4, ["parallel.pp=2", "parallel.tp=2"]),
+], ids=["pp2", "pp2xtp2"])
+def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
+    ref_losses, ref_params, ref_logged = reference
+    results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
+    held = set()
+    for rank, (losses, params, logged) in enumerate(results):
+        for step, (a, b) in enumerate(zip(losses, ref_losses), 1):  # every rank logs the last stage's loss
+            assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
+        # the global clipping norm, evaluation and routing statistics, gathered from both stages, on every rank
+        assert logged.keys() == ref_logged.keys()
+        for k, ref in ref_logged.items():
+            for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
+                assert abs(a - b) <= RTOL * max(abs(b), 1e-3), (rank, k, logged[k], ref)
+        worst = max((_rel(p, ref_params[n]), n) for n, p in params.items())
+        assert worst[0] < PARAM_RTOL, (rank, worst)
+        held |= set(params)
+    assert held == set(ref_params)  # the stages together hold every parameter
+
+
+def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):
+    """Train 4 steps straight under the loading layout; then train 2 under the saving layout, save, resume under the
+    loading layout and train 2 more. Returns both runs' losses and this rank's parameters."""
+    from test_checkpoint import M, N, _trainer
+    from test_engine import _full_params
+
+    from megatron_k3.training.engine import shutdown
+
+    try:
+        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/straight"])
+        straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
+        p_straight = _full_params(t)
+    finally:
+        shutdown()
+    try:
+        t = _trainer(world, save_overrides + [f"checkpoint.dir={ckpt_dir}/run"])
+        first = [t.train_step()[0]["loss"] for _ in range(N)]
+        t.save()
+    finally:
+        shutdown()
+    try:
+        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/run", "checkpoint.load=auto"])
+        t.maybe_resume()
+        assert t.step == N
+        second = [t.train_step()[0]["loss"] for _ in range(M)]
+        p_resumed = _full_params(t)
+    finally:
+        shutdown()
+    return straight, first + second, p_straight, p_resumed
+
+
+@pytest.mark.parametrize("save,load", [
+    (["parallel.pp=2"], ["parallel.pp=2"]),
+    (["parallel.pp=2"], []),
+], ids=["pp2-pp2", "pp2-to-dp2"])
+def test_checkpoint_across_pipeline_layouts(tmp_path, save, load):
+    """Each stage writes its own parameters under their global names (files `_ppXX`); a checkpoint loads under
+    any pipeline split. Same layout: bit for bit; across layouts (pp=2 vs dp=2, both 2 processes): the
+    single-process tolerances, as the two layouts sum gradients in different orders."""
+    for rank, (straight, resumed, p_straight, p_resumed) in enumerate(
+            run_distributed(_restage, 2, save, load, str(tmp_path), timeout=300)):
+        if save == load:
+            assert straight == resumed, (rank, straight, resumed)
+            assert all(torch.equal(p_straight[n], p_resumed[n]) for n in p_straight)
+        for a, b in zip(resumed, straight):
+            assert abs(a - b) <= RTOL * abs(b), (rank, straight, resumed)
+        worst = max((_rel(p_resumed[n], p), n) for n, p in p_straight.items())
+        assert worst[0] < PARAM_RTOL, (rank, worst)
