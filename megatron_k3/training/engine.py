@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -35,19 +34,15 @@ FP32_BUFFERS = ("e_score_correction_bias", "tokens_per_expert_E")
 
 
 def ensure_distributed(backend: str = "gloo") -> None:
-    """DeepSpeed needs a process group even for one process: make a one-rank group on a free local port."""
+    """DeepSpeed needs a process group even for one process: make a one-rank group on an in-process store (no
+    port: a free-port search can race, and an inherited MASTER_PORT may be taken by the process that set it)."""
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; launchers set it
     if dist.is_initialized():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("WORLD_SIZE > 1 but torch.distributed is not initialised (launch through "
                            "megatron_k3.train, or call init_process_group first)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group(backend, rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def shutdown() -> None:
