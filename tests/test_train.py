@@ -1,6 +1,7 @@
 """Training from the command line: one-line config errors, exact resume, metrics and the offline W&B run."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -84,6 +85,10 @@ def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
     assert n_series < 100  # bounded: global + 2 per MoE layer + top/bottom experts + media
 
 
+# Two workers on two cores: one intra-op thread each (oversubscribed OpenMP threads spin and make a step 30x slower)
+WORKER_ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
 def _free_port() -> int:
     import socket
 
@@ -95,7 +100,8 @@ def _free_port() -> int:
 def _torchrun(args, run_dir):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_port", str(_free_port()), "-m", "megatron_k3.train", *args,
-                        f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=WORKER_ENV)
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -147,7 +153,7 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
     args = FAST + ["train.steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "precision=bf16",
                    "parallel.zero_stage=2", f"hydra.run.dir={tmp_path}"]
     p = subprocess.run([exe, "--num_gpus", "2", "--master_port", str(_free_port()), "megatron_k3/train.py"] + args,
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=WORKER_ENV)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = _losses(tmp_path)
     assert sorted(losses) == [1, 2, 3] and all(9.0 < v < 9.2 for v in losses.values()), losses
@@ -161,7 +167,8 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
 def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragment):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(_free_port()), "-m", "megatron_k3.train", "parallel.tp=2", override,
-                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=WORKER_ENV)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: invalid config") and fragment in line]
     # Each rank validates before its first collective and exits 2 with the line; torchrun stops the group at the
