@@ -12,6 +12,7 @@ tensor parallelism sums the row-parallel matmuls in a different order (measured:
 """
 
 import json
+import math
 import logging
 import os
 import pickle
@@ -304,3 +305,45 @@ def test_incomplete_checkpoints_are_ignored_with_a_warning(one_checkpoint, tmp_p
     warned = " ".join(r.getMessage() for r in caplog.records)
     for name in (".tmp-step_00000009", "step_00000010", "step_00000011"):
         assert name in warned, warned
+
+
+def _resume_steps(rank, world, path):
+    from megatron_k3.training.engine import shutdown
+
+    try:
+        t = _trainer(world, [f"checkpoint.load={path}"])
+        t.maybe_resume()
+        start = dict((n, p.detach().clone()) for n, p in t.model.named_parameters())
+        loss = t.train_step()[0]["loss"]
+        return t.step, start, loss
+    finally:
+        shutdown()
+
+
+def test_convert_tool_to_and_from_hugging_face(one_checkpoint, tmp_path):
+    """A training checkpoint -> a K3-layout Hugging Face directory (fp32 non-expert tensors, MXFP4 experts) -> a
+    step-0 training checkpoint that a run starts from: non-expert weights arrive bit for bit, routed experts as
+    their MXFP4 values."""
+    import importlib.util
+
+    from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
+    from megatron_k3.training import checkpoint as ckpt
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
+        os.path.dirname(__file__), "..", "tools", "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    src = ckpt.list_checkpoints(one_checkpoint)[-1]
+    assert tool.main([str(src), str(tmp_path / "hf"), "--to-hf", "--dtype", "float32"]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert tool.main([str(tmp_path / "hf"), str(tmp_path / "back"), "--from-hf"]) == 0
+    saved, _, _ = ckpt.read_shard(src)
+    back = ckpt.list_checkpoints(tmp_path / "back")[-1]
+    step, start, loss = run_distributed(_resume_steps, 1, str(back), timeout=300)[0]
+    assert step == 1 and math.isfinite(loss)
+    for n, p in start.items():
+        if ".mlp.experts." in n:  # [E, out, in]: each expert's matrix through MXFP4
+            want = torch.stack([dequantize_k3_weight(*quantize_k3_weight(w)) for w in saved[n]])
+        else:
+            want = saved[n]
+        assert torch.equal(p, want), n

@@ -1,7 +1,14 @@
 #!/usr/bin/env python
-"""Re-shard a megatron-k3 training checkpoint for another tensor-parallel size (offline, no processes).
+"""Convert megatron-k3 training checkpoints: re-shard for another tensor-parallel size, or to / from the Hugging Face
+layouts (offline, no processes).
 
     python tools/convert_checkpoint.py SRC DST [--tp N]
+    python tools/convert_checkpoint.py SRC OUT_DIR --to-hf [--layout k3|kimi_linear] [--dtype bfloat16|float32]
+    python tools/convert_checkpoint.py HF_DIR DST --from-hf [--layout auto|k3|kimi_linear]
+
+--to-hf: the checkpoint's fp32 master weights (any TP/EP/PP layout, merged) as a Hugging Face directory
+(config.json + safetensors; megatron_k3.interop.hf). --from-hf: a checkpoint at step 0 holding the Hugging Face
+model's weights and no optimizer states, which `checkpoint.load=DST` starts a run from (fine-tuning).
 
 SRC: a checkpoint (`.../checkpoints/step_00000100`) or a checkpoint directory (its newest complete checkpoint).
 DST: the checkpoint directory to write into; the result is DST/step_<same step>, committed atomically with
@@ -46,8 +53,50 @@ def convert(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
     if (path / "rng.pt").is_file():
         ckpt.write_rng(tmp, ckpt.load_pickle_safely(path / "rng.pt")["ranks"])
     out = {k: v for k, v in meta.items() if k not in ("format_version", "saved_at", "complete")}
-    out.update(tensor_parallel=tp, converted_from=str(path))
+    out.update(tensor_parallel=tp, pipeline_parallel=1, converted_from=str(path))
     return ckpt.commit(tmp, final, out)
+
+
+def _model_config(meta: dict):
+    from megatron_k3.config import ModelConfig
+
+    return ModelConfig(**meta["model"])
+
+
+def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None) -> Path:
+    """The newest (or given) checkpoint's master weights, whatever layout saved them, as a Hugging Face directory."""
+    import torch
+
+    from megatron_k3.model import K3ForCausalLM
+
+    path = ckpt.resolve_load_path(str(src), Path(src))
+    meta = ckpt.read_meta(path)
+    tensors, _, _ = ckpt.read_full(path, meta)
+    model = K3ForCausalLM(_model_config(meta), init=False)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if k in dict(model.named_parameters())]
+    if missing or unexpected:
+        raise ckpt.CheckpointError(f"{path}: does not match its own model config (missing {missing[:5]}, "
+                                   f"unexpected {unexpected[:5]})")
+    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+    return Path(model.save_hf(out, layout=layout, **kwargs))
+
+
+def from_hf(hf_dir: str | Path, dst: str | Path, layout: str = "auto") -> Path:
+    """A Hugging Face directory as a step-0 training checkpoint (weights, no optimizer states)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_k3.model import K3ForCausalLM
+
+    model = K3ForCausalLM.from_hf(hf_dir, layout=layout)
+    named = dict(model.named_parameters())
+    tensors = {k: v.detach().to(torch.float32 if k in named else v.dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    meta = {"step": 0, "consumed_samples": 0, "tokens": 0, "tensor_parallel": 1, "pipeline_parallel": 1,
+            "tp_split_dims": {}, "model": dataclasses.asdict(model.cfg), "converted_from": str(hf_dir)}
+    return ckpt.save_checkpoint(dst, 0, tensors, {}, {"optimizer_scalars": {}}, meta)
 
 
 def main(argv=None) -> int:
@@ -55,9 +104,20 @@ def main(argv=None) -> int:
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write (default 1: unsharded)")
+    ap.add_argument("--to-hf", action="store_true", help="write DST as a Hugging Face directory")
+    ap.add_argument("--from-hf", action="store_true", help="read SRC as a Hugging Face directory")
+    ap.add_argument("--layout", default=None, help="k3 | kimi_linear (--to-hf, default k3); auto (--from-hf)")
+    ap.add_argument("--dtype", default=None, help="--to-hf: bfloat16 | float32 for the non-expert tensors")
     a = ap.parse_args(argv)
     try:
-        out = convert(a.src, a.dst, a.tp)
+        if a.to_hf and a.from_hf:
+            raise ValueError("--to-hf and --from-hf exclude each other")
+        if a.to_hf:
+            out = to_hf(a.src, a.dst, a.layout or "k3", a.dtype)
+        elif a.from_hf:
+            out = from_hf(a.src, a.dst, a.layout or "auto")
+        else:
+            out = convert(a.src, a.dst, a.tp)
     except (ckpt.CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

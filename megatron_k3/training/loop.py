@@ -239,7 +239,8 @@ class Trainer:
             if rng is not None and self.rank == 0:
                 log.warning("the checkpoint holds the RNG states of %d ranks and this run has %d: every rank takes "
                             "the saved rank-0 state", len(ranks), self.world)
-            ckpt.set_rng_state(ranks[0] if ranks else extra["rng"])
+            if ranks or "rng" in extra:  # a converted checkpoint (tools/convert_checkpoint.py --from-hf) has none
+                ckpt.set_rng_state(ranks[0] if ranks else extra["rng"])
         self.step, self.consumed, self.tokens = meta["step"], meta["consumed_samples"], meta["tokens"]
         if meta.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
@@ -259,7 +260,19 @@ class Trainer:
         saved = meta.get("model")
         if saved is None:
             return
-        diff = ckpt.config_diff(saved, dataclasses.asdict(self.run.model))
+        current = dataclasses.asdict(self.run.model)
+        # the layer pattern may be spelled as a list or as a period: compare what it resolves to
+        pattern = ("mla_layers", "mla_every", "mla_at_last")
+        diff = ckpt.config_diff({k: v for k, v in saved.items() if k not in pattern},
+                                {k: v for k, v in current.items() if k not in pattern})
+        try:
+            from ..config import ModelConfig
+
+            saved_types = ModelConfig(**saved).layer_types()
+        except (TypeError, ValueError):
+            saved_types = None
+        if saved_types is not None and saved_types != self.run.model.layer_types():
+            diff.append(("layer_types()", saved_types, self.run.model.layer_types()))
         hard = [d for d in diff if d[0] not in self.RESUMABLE_MODEL_KEYS]
         if hard:
             listed = "; ".join(f"model.{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in hard)
