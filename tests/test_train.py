@@ -75,7 +75,10 @@ def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
     files = find_run_files(tmp_path)
     assert len(files) == 1
-    hist = history(files[0])
+    # the offline run file is written by W&B's service process, which may still be flushing when finish() returns
+    deadline = time.time() + 30
+    while len(hist := history(files[0])) < 6 and time.time() < deadline:
+        time.sleep(0.5)
     assert [h["step"] for h in hist] == list(range(1, 7))
     assert [h["train/loss"] for h in hist] == [r["loss"] for r in rows]
     assert all("expert_load/max_over_mean" in h and "expert_load_layer/001/cv" in h for h in hist)
