@@ -87,7 +87,8 @@ class ModelConfig:
     router_num_groups: int = 1
     router_topk_groups: int = 1
     router_force_balanced: bool = False  # debug knob: round-robin routing, for throughput ceilings
-    moe_overflow: str = "dropless"  # drop: static-shape dispatch with fixed capacity; dropless: every assignment
+    moe_overflow: str = "auto"  # drop: static-shape dispatch with fixed capacity; dropless: every assignment
+    #                             (split sizes on the host under ep > 1); auto: drop under ep > 1, else dropless
     moe_capacity_factor: float = 1.25  # drop: slots per expert = ceil(factor * tokens * top_k / num_experts)
 
     # ---- Block Attention Residuals
@@ -179,8 +180,8 @@ class ModelConfig:
             if self.router_topk_groups > self.router_num_groups:
                 raise ConfigError(key("router_topk_groups"), self.router_topk_groups,
                                   f"must be <= router_num_groups={self.router_num_groups}")
-            if self.moe_overflow not in ("drop", "dropless"):
-                raise ConfigError(key("moe_overflow"), self.moe_overflow, "valid: drop, dropless")
+            if self.moe_overflow not in ("auto", "drop", "dropless"):
+                raise ConfigError(key("moe_overflow"), self.moe_overflow, "valid: auto, drop, dropless")
             if not self.moe_capacity_factor > 0:
                 raise ConfigError(key("moe_capacity_factor"), self.moe_capacity_factor, "must be > 0")
             per_group = self.num_experts // self.router_num_groups

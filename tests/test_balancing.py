@@ -203,3 +203,14 @@ def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes():
         assert len(splits) == 4  # dispatch and combine, forward and backward
         assert all(s == (None, None) for s in splits), splits
         assert calls == [], calls
+
+
+def test_default_overflow_is_static_under_expert_parallelism():
+    """model.moe_overflow=auto (the default): the static `drop` dispatch whenever experts are sharded, so the
+    default path never exchanges split sizes; one EP rank keeps `dropless` (device-side grouped GEMM offsets)."""
+    from megatron_k3.config import ModelConfig
+    from megatron_k3.model.moe import resolve_overflow
+
+    assert ModelConfig().moe_overflow == "auto"
+    assert resolve_overflow("auto", 2) == "drop" and resolve_overflow("auto", 1) == "dropless"
+    assert resolve_overflow("dropless", 2) == "dropless" and resolve_overflow("drop", 1) == "drop"

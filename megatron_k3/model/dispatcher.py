@@ -3,7 +3,8 @@
 Legend: N tokens (this rank), k experts per token, M = N*k assignments, E experts (global), R expert-parallel
 ranks, El = E/R experts on this rank, C capacity (slots per expert per source rank), L latent width.
 
-Two policies (`model.moe_overflow`):
+Two policies (`model.moe_overflow`; the default `auto` takes `drop` under expert parallelism, `dropless` without,
+so the default path never reads a value on the host):
 
 - ``drop`` (static shapes). Each assignment gets a slot (expert, position) with position = its rank among the
   assignments to that expert in token order; positions >= C are dropped (not computed, counted). Slots are
@@ -12,9 +13,10 @@ Two policies (`model.moe_overflow`):
   brings the outputs back and one gather combines them. Every shape depends only on N, k, E, C and R, and
   nothing between router and combine reads a value on the host: no `.item()`, `.tolist()`, `.cpu()`, no
   exchange of split sizes. C = ceil(capacity_factor * N * k / E).
-- ``dropless`` (for comparison). Rows sorted by expert run through a grouped GEMM with device-side offsets;
-  under expert parallelism the per-expert counts are exchanged and the all-to-all uses split sizes, which
-  needs them on the host (one synchronisation per layer and direction).
+- ``dropless``. Rows sorted by expert run through a grouped GEMM with device-side offsets (no host
+  synchronisation in one EP rank). Under expert parallelism, only when asked for explicitly (for comparison),
+  the per-expert counts are exchanged and the all-to-all uses split sizes, which torch takes as host lists:
+  one synchronisation per layer and direction, the one place this module reads device values on the host.
 
 Late routing weights: each expert's output is multiplied by its fp32 routing weight after the expert's down
 projection and the k outputs are summed in fp32.

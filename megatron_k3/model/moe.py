@@ -12,6 +12,8 @@ gathered back; the shared experts are split Megatron-style like any MLP.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -24,12 +26,27 @@ from .router import TopKRouter
 from .situ import GatedMLP
 
 
+log = logging.getLogger("megatron_k3.moe")
+
+
+def resolve_overflow(policy: str, ep_size: int) -> str:
+    """model.moe_overflow=auto: the static-shape `drop` dispatch under expert parallelism (no host synchronisation
+    between router and combine), `dropless` without it (one grouped GEMM with device-side offsets: no split sizes,
+    no host synchronisation either). An explicit `dropless` under ep > 1 exchanges split sizes through the host."""
+    if policy == "auto":
+        return "drop" if ep_size > 1 else "dropless"
+    if policy == "dropless" and ep_size > 1:
+        log.warning("model.moe_overflow=dropless with parallel.ep=%d: the all-to-all needs split sizes on the host "
+                    "(one synchronisation per MoE layer and direction); drop or auto keeps shapes static", ep_size)
+    return policy
+
+
 class StableLatentMoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.tp = tp = current_tp()
         self.ep = ep = current_ep()
-        self.overflow, self.capacity_factor = cfg.moe_overflow, cfg.moe_capacity_factor
+        self.overflow, self.capacity_factor = resolve_overflow(cfg.moe_overflow, ep.size), cfg.moe_capacity_factor
         D, L = cfg.hidden_size, cfg.expert_width
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.gate = TopKRouter(D, cfg.num_experts, cfg.top_k, cfg.routed_scaling_factor, cfg.norm_topk_prob,
