@@ -47,8 +47,7 @@ def convert(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
             raise ValueError(f"--tp {tp}: {name} has {model[name].shape[d]} rows along dim {d}, not divisible by {tp}")
     tmp, final = ckpt.begin(dst, int(meta["step"]))
     for r in range(tp):
-        m = ckpt.split_full(model, dims, tp, r)
-        o = {n: ckpt.split_full(st, {k: dims.get(n) for k in st}, tp, r) for n, st in optim.items()}
+        m, o = ckpt.split_shard(model, optim, dims, tp, r)
         ckpt.write_shard(tmp, ckpt.shard_suffix(tp, r), m, o, extra)
     if (path / "rng.pt").is_file():
         ckpt.write_rng(tmp, ckpt.load_pickle_safely(path / "rng.pt")["ranks"])

@@ -35,6 +35,16 @@ def load(path: Path) -> list:
     return rows
 
 
+def _save(plt, fig, path: Path, title: str | None = None) -> Path:
+    """Title, lay out, write at 100 dpi and close one figure; returns its path."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _plt():
     import matplotlib
 
@@ -70,12 +80,7 @@ def plot_loss(rows: list, out: Path) -> Path:
         tw = ax[1, 1].twinx()
         tw.plot(steps, [100 * r.get("mfu", float("nan")) for r in rows], color="tab:orange", ls="--", label="MFU")
         tw.set_ylabel("MFU (%)")
-    fig.suptitle("training curves")
-    fig.tight_layout()
-    p = out / "loss.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out / "loss.png", "training curves")
 
 
 def plot_expert_load(rows: list, out: Path):
@@ -103,12 +108,7 @@ def plot_expert_load(rows: list, out: Path):
         ax[0, 1].set(title=f"load per expert at step {step}", xlabel="expert", ylabel="MoE layer")
         _layer_ticks(ax[0, 1], d["layers"])
         fig.colorbar(im2, ax=ax[0, 1], label="tokens / mean tokens (1 = balanced)")
-    fig.suptitle("expert load")
-    fig.tight_layout()
-    p = out / "expert_load.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out / "expert_load.png", "expert load")
 
 
 def plot_attn_res(rows: list, out: Path):
@@ -138,12 +138,7 @@ def plot_attn_res(rows: list, out: Path):
                        label="b0 (embedding)" if j == 0 else f"b{j}")
         ax[1].set(title="output mix weight per block over steps", xlabel="step", ylabel="weight")
         ax[1].legend(fontsize=7)
-    fig.suptitle("Block Attention Residuals")
-    fig.tight_layout()
-    p = out / "attn_res.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out / "attn_res.png", "Block Attention Residuals")
 
 
 def plot_router(rows: list, out: Path):
@@ -171,11 +166,7 @@ def plot_router(rows: list, out: Path):
     ax[1].plot(steps, drift, label="bias drift (RMS change per step)", ls="--")
     ax[1].set(title="router selection bias (Quantile Balancing)", xlabel="step")
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "router.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out / "router.png")
 
 
 def main(argv) -> int:

@@ -191,6 +191,12 @@ def split_full(full: dict, dims: dict, tp: int, tp_rank: int) -> dict:
             for k, v in full.items()}
 
 
+def split_shard(model: dict, optim: dict, dims: dict, tp: int, tp_rank: int) -> tuple:
+    """`split_full` of the model tensors and of every parameter's optimizer states (shaped like the parameter)."""
+    return (split_full(model, dims, tp, tp_rank),
+            {n: split_full(st, {k: dims.get(n) for k in st}, tp, tp_rank) for n, st in optim.items()})
+
+
 def begin(ckpt_dir: str | Path, step: int, unique: bool = True) -> tuple:
     """(temporary directory, final directory) of a checkpoint being written."""
     ckpt_dir = Path(ckpt_dir)

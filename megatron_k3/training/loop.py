@@ -211,9 +211,7 @@ class Trainer:
             else:  # resharding: merge the saved shards, keep this rank's slice
                 model_t, optim_t, extra = ckpt.read_full(path, meta)
                 model_t, optim_t = self._own(model_t), self._own(optim_t)
-                model_t = ckpt.split_full(model_t, dims, self.tp, self.tp_rank)
-                optim_t = {n: ckpt.split_full({k: v for k, v in st.items()}, {k: dims.get(n) for k in st},
-                                              self.tp, self.tp_rank) for n, st in optim_t.items()}
+                model_t, optim_t = ckpt.split_shard(model_t, optim_t, dims, self.tp, self.tp_rank)
                 log.info("resharding %s: saved with tensor_parallel=%d, loading with %d", path, saved_tp, self.tp)
             rng = ckpt.load_pickle_safely(path / "rng.pt") if (path / "rng.pt").is_file() else None
         except (ckpt.CheckpointError, FileNotFoundError, OSError) as e:
