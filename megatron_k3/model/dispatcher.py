@@ -52,55 +52,63 @@ def slots(expert_M: torch.Tensor, num_experts: int, cap: int):
     return slot_M, kept_M
 
 
-def _static(z_NL, idx_Nk, experts, ep: EPContext, cap: int):
+def _static(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext, cap: int):
     N, k = idx_Nk.shape
     L, E = z_NL.shape[-1], experts.num_experts
     M = N * k
     slot_M, kept_M = slots(idx_Nk.reshape(-1), E, cap)
-    # source row of every buffer slot: the assignment that owns it, or M (a zero row) when empty
+    # source assignment of every buffer slot, or M when the slot is empty (dropped ones land on slot E * cap)
     src = torch.full((E * cap + 1,), M, dtype=torch.long, device=z_NL.device)
-    src.scatter_(0, slot_M, torch.arange(M, device=z_NL.device))
-    # token-major copies: each row is read by one slot at most, so the backward is collision-free
-    z_rows = torch.cat([z_NL.unsqueeze(1).expand(N, k, L).reshape(M, L), z_NL.new_zeros(1, L)])
-    buf_ECL = z_rows.index_select(0, src[:E * cap]).view(E, cap, L)
+    src = src.scatter_(0, slot_M, torch.arange(M, device=z_NL.device))[:E * cap]
+    tok_S = src // k  # token of each slot; N (a zero row, then a discarded one) for empty slots
+    # gather the slots from the N token rows plus one zero row; a token's k slots are distinct rows, so the
+    # backward (index_add) sums its k gradients
+    z_rows = torch.cat([z_NL, z_NL.new_zeros(1, L)])
+    buf_ECL = z_rows.index_select(0, tok_S).view(E, cap, L)
+    w_S = torch.cat([weight_Nk.reshape(-1), weight_Nk.new_zeros(1)]).index_select(0, src)  # 0 for empty slots
     R, El = ep.size, E // ep.size
-    if R > 1:  # block r (experts of rank r) to rank r; receive [R sources, El, C, L]
-        recv = all_to_all(buf_ECL.reshape(R, El * cap * L), ep.group).view(R, El, cap, L)
-        x_ECL = recv.transpose(0, 1).reshape(El, R * cap, L)
-    else:
-        x_ECL = buf_ECL
-    y_ECL = experts.forward_batched(x_ECL)
-    if R > 1:
-        back = y_ECL.view(El, R, cap, -1).transpose(0, 1).reshape(R, El * cap * y_ECL.shape[-1])
-        y_ECL = all_to_all(back, ep.group).view(E, cap, -1)
-    y_rows = torch.cat([y_ECL.reshape(E * cap, -1), y_ECL.new_zeros(1, y_ECL.shape[-1])])
-    return y_rows.index_select(0, slot_M).view(N, k, -1), kept_M
+    if R == 1:  # row N of the result collects the empty slots and is dropped
+        return experts.forward_batched(buf_ECL, combine=(w_S, tok_S, N + 1))[:N], kept_M
+    # block r (experts of rank r) to rank r; receive [R sources, El, C, L]
+    recv = all_to_all(buf_ECL.reshape(R, El * cap * L), ep.group).view(R, El, cap, L)
+    y_ECL = experts.forward_batched(recv.transpose(0, 1).reshape(El, R * cap, L))
+    back = y_ECL.view(El, R, cap, -1).transpose(0, 1).reshape(R, El * cap * y_ECL.shape[-1])
+    y_ECL = all_to_all(back, ep.group).view(E, cap, -1)
+    return _combine(y_ECL.reshape(E * cap, -1), w_S, tok_S, N + 1)[:N], kept_M
 
 
-def _dropless(z_NL, idx_Nk, experts, ep: EPContext):
+def _dropless(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext):
     N, k = idx_Nk.shape
-    L, E = z_NL.shape[-1], experts.num_experts
+    E = experts.num_experts
     expert_M = idx_Nk.reshape(-1)
     order = torch.argsort(expert_M, stable=True)
     counts_E = torch.bincount(expert_M, minlength=E)
-    z_rows = z_NL.unsqueeze(1).expand(N, k, L).reshape(N * k, L).index_select(0, order)
+    tok_M = order // k  # token of each expert-sorted row
+    z_rows = z_NL.index_select(0, tok_M)
+    w_M = weight_Nk.reshape(-1).index_select(0, order)
     R, El = ep.size, E // ep.size
     if R == 1:
-        y_sorted = experts(z_rows, torch.cumsum(counts_E, 0))
-    else:
-        # counts_RE[r, e]: rows rank r sends to its local expert e of this rank, after the exchange
-        recv_counts = all_to_all(counts_E.view(R, El), ep.group)  # [R sources, El]
-        send = counts_E.view(R, El).sum(1).tolist()  # host synchronisation: dropless needs split sizes
-        recv = recv_counts.sum(1).tolist()
-        x = all_to_all(z_rows, ep.group, recv, send)
-        # received rows are grouped by source, then by local expert: regroup by local expert
-        e_of_row = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(R), recv_counts.reshape(-1))
-        regroup = torch.argsort(e_of_row, stable=True)
-        y = experts(x.index_select(0, regroup), torch.cumsum(recv_counts.sum(0), 0))
-        y = torch.zeros_like(y).index_copy(0, regroup, y)
-        y_sorted = all_to_all(y, ep.group, send, recv)
-    y_Nk = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted).view(N, k, -1)
-    return y_Nk, None
+        return experts(z_rows, torch.cumsum(counts_E, 0), combine=(w_M, tok_M, N)), None
+    # counts_RE[r, e]: rows rank r sends to its local expert e of this rank, after the exchange
+    recv_counts = all_to_all(counts_E.view(R, El), ep.group)  # [R sources, El]
+    send = counts_E.view(R, El).sum(1).tolist()  # host synchronisation: dropless needs split sizes
+    recv = recv_counts.sum(1).tolist()
+    x = all_to_all(z_rows, ep.group, recv, send)
+    # received rows are grouped by source, then by local expert: regroup by local expert
+    e_of_row = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(R), recv_counts.reshape(-1))
+    regroup = torch.argsort(e_of_row, stable=True)
+    y = experts(x.index_select(0, regroup), torch.cumsum(recv_counts.sum(0), 0))
+    y = torch.zeros_like(y).index_copy(0, regroup, y)
+    y_sorted = all_to_all(y, ep.group, send, recv)
+    return _combine(y_sorted, w_M, tok_M, N), None
+
+
+def _combine(y_SL: torch.Tensor, w_S: torch.Tensor, tok_S: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """r[t] = sum over rows s with tok_S[s] = t of w_S[s] * y[s], in fp32: one weighted index_add into [num_rows,
+    L] (its backward is a gather), instead of un-sorting the rows into [N, k, L] and reducing over k."""
+    out = torch.zeros(num_rows, y_SL.shape[-1], dtype=torch.promote_types(y_SL.dtype, torch.float32),
+                      device=y_SL.device)
+    return out.index_add_(0, tok_S, atleast_fp32(y_SL) * w_S.unsqueeze(-1))
 
 
 def dispatch_combine(z_NL: torch.Tensor, idx_Nk: torch.Tensor, weight_Nk: torch.Tensor, experts, ep: EPContext,
@@ -108,9 +116,8 @@ def dispatch_combine(z_NL: torch.Tensor, idx_Nk: torch.Tensor, weight_Nk: torch.
     """r_NL = sum_j weight[n, j] * expert_{idx[n, j]}(z[n]) over the kept assignments; returns (r_NL, kept_M or
     None). `experts` holds this rank's El experts."""
     if overflow == "drop":
-        y_Nk, kept = _static(z_NL, idx_Nk, experts, ep, capacity(z_NL.shape[0], idx_Nk.shape[1],
-                                                                   experts.num_experts, capacity_factor))
+        r_NL, kept = _static(z_NL, idx_Nk, weight_Nk, experts, ep, capacity(z_NL.shape[0], idx_Nk.shape[1],
+                                                                              experts.num_experts, capacity_factor))
     else:
-        y_Nk, kept = _dropless(z_NL, idx_Nk, experts, ep)
-    r_NL = (atleast_fp32(y_Nk) * weight_Nk.unsqueeze(-1)).sum(1).to(z_NL.dtype)
-    return r_NL, kept
+        r_NL, kept = _dropless(z_NL, idx_Nk, weight_Nk, experts, ep)
+    return r_NL.to(z_NL.dtype), kept
