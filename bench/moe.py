@@ -185,8 +185,9 @@ def gemm_kernels(N, k, E, D, I, cap):
     """Callables that run only GEMMs the layer must do, with no autograd, dispatch or elementwise work:
     the routed experts' 3 forward GEMMs (gate, up, down) and 6 backward ones (input and weight gradient of
     each) for N*k rows split evenly over E experts, as bmm on [E, N*k/E, .] and as torch._grouped_mm on
-    [N*k, .] rows; the same bmm on E*cap rows (what the drop path computes, padding included); and the
-    shared expert's 9 plus the router's 3 GEMMs."""
+    [N*k, .] rows; the same bmm on E*cap rows (what the drop path computes, padding included); the 7 GEMMs
+    of the fused gate/up form ours runs, as _grouped_mm on N*k rows and as bmm on E*cap rows; and the shared
+    expert's 9 plus the router's 3 GEMMs."""
     g = torch.Generator().manual_seed(3)
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     W1, W3, W2 = rn(E, I, D), rn(E, I, D), rn(E, D, I)
@@ -206,12 +207,34 @@ def gemm_kernels(N, k, E, D, I, cap):
     x2, h2, dg2, du2, dy2 = rn(E * C, D), rn(E * C, I), rn(E * C, I), rn(E * C, I), rn(E * C, D)
     gm = torch._grouped_mm
 
+    # as ours runs them (megatron_k3.model.experts): w1/w3 as one [E, 2I, D] weight, so forward gate+up and the
+    # backward input gradient are one GEMM each; 7 GEMMs instead of 9, the same FLOPs
+    W13 = torch.cat([W1, W3], 1)
+
+    def fused_bmm(C):
+        X, H, dGU, dY = rn(E, C, D), rn(E, C, I), rn(E, C, 2 * I), rn(E, C, D)
+
+        def run():
+            torch.bmm(X, W13.transpose(1, 2)), torch.bmm(H, W2.transpose(1, 2))
+            torch.bmm(dY, W2), torch.bmm(dY.transpose(1, 2), H)  # dH, dW2
+            torch.bmm(dGU, W13)  # dX
+            torch.bmm(dGU[..., :I].transpose(1, 2), X), torch.bmm(dGU[..., I:].transpose(1, 2), X)  # dW1, dW3
+        return run
+
     def routed_grouped():
         gm(x2, W1.transpose(1, 2), offs=offs), gm(x2, W3.transpose(1, 2), offs=offs)
         gm(h2, W2.transpose(1, 2), offs=offs)
         gm(dy2, W2, offs=offs), gm(dy2.t(), h2, offs=offs)  # dH [M, I], dW2 [E, D, I]
         gm(dg2, W1, offs=offs), gm(dg2.t(), x2, offs=offs)
         gm(du2, W3, offs=offs), gm(du2.t(), x2, offs=offs)
+
+    dgu2 = rn(E * C, 2 * I)
+
+    def fused_grouped():
+        gm(x2, W13.transpose(1, 2), offs=offs), gm(h2, W2.transpose(1, 2), offs=offs)
+        gm(dy2, W2, offs=offs), gm(dy2.t(), h2, offs=offs)
+        gm(dgu2, W13, offs=offs)
+        gm(dgu2[:, :I].t(), x2, offs=offs), gm(dgu2[:, I:].t(), x2, offs=offs)
 
     xs, s1, s3, s2, hs, dgs, dus, dys = rn(N, D), rn(I, D), rn(I, D), rn(D, I), rn(N, I), rn(N, I), rn(N, I), rn(N, D)
     wr, dr = rn(E, D), rn(N, E)
@@ -227,6 +250,9 @@ def gemm_kernels(N, k, E, D, I, cap):
         "GEMMs only: routed, bmm": (routed_bmm(C), routed),
         "GEMMs only: routed, _grouped_mm": (routed_grouped, routed),
         f"GEMMs only: routed, bmm on {E}x{cap} capacity rows": (routed_bmm(cap), routed * E * cap // (N * k)),
+        "GEMMs only: routed, fused gate/up, _grouped_mm (as ours dropless)": (fused_grouped, routed),
+        f"GEMMs only: routed, fused gate/up, bmm on {E}x{cap} capacity rows (as ours drop)":
+            (fused_bmm(cap), routed * E * cap // (N * k)),
         "GEMMs only: shared expert + router": (shared_router, 3 * 2 * N * (3 * D * I + D * E)),
         "GEMMs only: one 2048^3 matmul (throughput reference)": (lambda: a @ b, 2 * 2048 ** 3)}
 
@@ -380,13 +406,14 @@ def main():
         tok = f"{N / med[name]:,.0f}" if "2048^3" not in name else "-"
         print(f"| {name.split(': ', 1)[1]} | {fl / 1e9:.2f} | {med[name] * 1e3:.1f} | {min(times[name]) * 1e3:.1f} | "
               f"{fl / med[name] / 1e9:.0f} | {tok} |")
-    (kb, flops), (kg, _), (kc, _), (ks, _), (kp, fp) = ((med[n], fl) for n, (_, fl) in kernels.items())
-    bound, peak = min(kb, kg), fp / kp
+    (kb, flops), (kg, _), (kc, _), (kfg, _), (kfc, _), (ks, _), (kp, fp) = ((med[n], fl) for n, (_, fl) in
+                                                                          kernels.items())
+    bound, peak = min(kb, kg, kfg), fp / kp
     print(f"routed-expert GEMM bound at these shapes: {bound * 1e3:.1f} ms ({N / bound:,.0f} tokens/s); all GEMMs of "
           f"the layer (+ shared expert and router): {(bound + ks) * 1e3:.1f} ms ({N / (bound + ks):,.0f} tokens/s); "
           f"the routed GEMMs at the 2048^3 matmul's {peak / 1e9:.0f} GFLOP/s would take {flops / peak * 1e3:.1f} ms "
           f"({N / (flops / peak):,.0f} tokens/s)")
-    for name, own in ((ours_main, kg), (f"ours drop cf={args.capacity_factor} (bmm), silu", kc)):
+    for name, own in ((ours_main, kfg), (f"ours drop cf={args.capacity_factor} (bmm), silu", kfc)):
         print(f"{name}: {med[name] * 1e3:.1f} ms = {med[name] / bound:.1f}x the routed-GEMM bound "
               f"({bound / med[name]:.0%} of its speed), {med[name] / (bound + ks):.1f}x all GEMMs, "
               f"{med[name] / (flops / peak):.1f}x the routed GEMMs at large-matmul throughput; its own GEMMs as it "

@@ -88,7 +88,7 @@ def _dropless(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext):
     w_M = weight_Nk.reshape(-1).index_select(0, order)
     R, El = ep.size, E // ep.size
     if R == 1:
-        return experts(z_rows, torch.cumsum(counts_E, 0), combine=(w_M, tok_M, N)), None
+        return experts(z_rows, torch.cumsum(counts_E, 0, dtype=torch.int32), combine=(w_M, tok_M, N)), None
     # counts_RE[r, e]: rows rank r sends to its local expert e of this rank, after the exchange
     recv_counts = all_to_all(counts_E.view(R, El), ep.group)  # [R sources, El]
     send = counts_E.view(R, El).sum(1).tolist()  # host synchronisation: dropless needs split sizes
