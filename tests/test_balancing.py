@@ -205,6 +205,36 @@ def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes():
         assert calls == [], calls
 
 
+def test_dropless_one_rank_never_syncs_with_the_host():
+    """One EP rank, dropless (the default there): grouped GEMMs with device offsets, fused gate/up and combine;
+    nothing in forward or backward reads a tensor on the host."""
+    from megatron_k3.model.moe import StableLatentMoE
+
+    cfg = load_model_config("k3_tiny", ["moe_overflow=dropless"])
+    torch.manual_seed(0)
+    moe = StableLatentMoE(cfg).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(2, 64, cfg.hidden_size, requires_grad=True)
+    calls, saved = [], {name: getattr(torch.Tensor, name) for name in _SYNCING}
+
+    def trap(name):
+        def f(self, *a, **kw):
+            calls.append(name)
+            return saved[name](self, *a, **kw)
+        return f
+
+    for name in _SYNCING:
+        setattr(torch.Tensor, name, trap(name))
+    try:
+        moe(x).square().sum().backward()
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+    assert calls == [], calls
+    assert moe.experts.w1.grad is not None and x.grad.abs().sum() > 0
+
+
 def test_default_overflow_is_static_under_expert_parallelism():
     """model.moe_overflow=auto (the default): the static `drop` dispatch whenever experts are sharded, so the
     default path never exchanges split sizes; one EP rank keeps `dropless` (device-side grouped GEMM offsets)."""
