@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..parallel.layers import EPContext
-from ..parallel.mappings import all_to_all
+from ..parallel.mappings import all_to_all, all_to_all_overlapped
 from .norm import atleast_fp32
 
 
@@ -52,7 +52,7 @@ def slots(expert_M: torch.Tensor, num_experts: int, cap: int):
     return slot_M, kept_M
 
 
-def _static(z_NL, idx_Nk, experts, ep: EPContext, cap: int):
+def _static(z_NL, idx_Nk, experts, ep: EPContext, cap: int, side=None):
     N, k = idx_Nk.shape
     L, E = z_NL.shape[-1], experts.num_experts
     M = N * k
@@ -65,7 +65,12 @@ def _static(z_NL, idx_Nk, experts, ep: EPContext, cap: int):
     buf_ECL = z_rows.index_select(0, src[:E * cap]).view(E, cap, L)
     R, El = ep.size, E // ep.size
     if R > 1:  # block r (experts of rank r) to rank r; receive [R sources, El, C, L]
-        recv = all_to_all(buf_ECL.reshape(R, El * cap * L), ep.group).view(R, El, cap, L)
+        send = buf_ECL.reshape(R, El * cap * L)
+        if side is None:
+            recv = all_to_all(send, ep.group)
+        else:  # the side computation (shared experts) runs while the exchange is in flight, both directions
+            recv, _ = all_to_all_overlapped(send, ep.group, side)
+        recv = recv.view(R, El, cap, L)
         x_ECL = recv.transpose(0, 1).reshape(El, R * cap, L)
     else:
         x_ECL = buf_ECL
@@ -104,12 +109,13 @@ def _dropless(z_NL, idx_Nk, experts, ep: EPContext):
 
 
 def dispatch_combine(z_NL: torch.Tensor, idx_Nk: torch.Tensor, weight_Nk: torch.Tensor, experts, ep: EPContext,
-                     overflow: str, capacity_factor: float):
+                     overflow: str, capacity_factor: float, side=None):
     """r_NL = sum_j weight[n, j] * expert_{idx[n, j]}(z[n]) over the kept assignments; returns (r_NL, kept_M or
-    None). `experts` holds this rank's El experts."""
+    None). `experts` holds this rank's El experts. `side`, a callable, is called while the dispatch all-to-all is
+    in flight when there is one with static shapes (expert parallelism, drop), and not called otherwise."""
     if overflow == "drop":
         y_Nk, kept = _static(z_NL, idx_Nk, experts, ep, capacity(z_NL.shape[0], idx_Nk.shape[1],
-                                                                   experts.num_experts, capacity_factor))
+                                                                   experts.num_experts, capacity_factor), side)
     else:
         y_Nk, kept = _dropless(z_NL, idx_Nk, experts, ep)
     r_NL = (atleast_fp32(y_Nk) * weight_Nk.unsqueeze(-1)).sum(1).to(z_NL.dtype)
