@@ -244,3 +244,65 @@ def test_default_overflow_is_static_under_expert_parallelism():
     assert ModelConfig().moe_overflow == "auto"
     assert resolve_overflow("auto", 2) == "drop" and resolve_overflow("auto", 1) == "dropless"
     assert resolve_overflow("dropless", 2) == "dropless" and resolve_overflow("drop", 1) == "drop"
+
+
+def _overlap_worker(rank, world, tp):
+    import torch.distributed as dist
+
+    from megatron_k3.model import dispatcher
+    from megatron_k3.model.moe import StableLatentMoE
+    from megatron_k3.parallel import state
+    from megatron_k3.parallel.mappings import all_to_all
+
+    state.initialize_model_parallel(tp=tp, ep=world // tp)
+    try:
+        cfg = load_model_config("k3_tiny", ["moe_overflow=drop", "moe_capacity_factor=1.25"])
+        torch.manual_seed(0)
+        moe = StableLatentMoE(cfg)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        torch.manual_seed(1 + rank // tp)  # distinct tokens per EP rank, the same on the TP ranks of one
+        x = torch.randn(2, 32, cfg.hidden_size)
+        events = []
+        real_a2a, real_overlapped = dist.all_to_all_single, dispatcher.all_to_all_overlapped
+
+        def a2a(out, inp, *a, async_op=False, **kw):
+            events.append("a2a_async" if async_op else "a2a")
+            return real_a2a(out, inp, *a, async_op=async_op, **kw)
+
+        shared = moe.shared_experts
+        shared.register_forward_pre_hook(lambda m, a: events.append("shared_fwd"))
+        shared.down_proj.weight.register_hook(lambda g: events.append("shared_bwd"))
+        results = {}
+        for mode in ("overlapped", "sequential"):
+            if mode == "sequential":
+                dispatcher.all_to_all_overlapped = lambda t, group, side: (all_to_all(t, group), side())
+            dist.all_to_all_single = a2a
+            events.clear()
+            moe.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            try:
+                y = moe(xi)
+                y.square().sum().backward()
+            finally:
+                dist.all_to_all_single, dispatcher.all_to_all_overlapped = real_a2a, real_overlapped
+            results[mode] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in moe.named_parameters()},
+                             list(events))
+        return results
+    finally:
+        state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_experts_overlap_the_dispatch_all_to_all_with_identical_results(tp):
+    """Under expert parallelism the shared experts' forward runs while the dispatch all-to-all is in flight and
+    their backward while the reverse one is; values and gradients equal the sequential form bit for bit."""
+    for res in run_distributed(_overlap_worker, 2 * tp, tp, timeout=180):
+        (y, gx, grads, ev), (y_s, gx_s, grads_s, ev_s) = res["overlapped"], res["sequential"]
+        assert torch.equal(y, y_s) and torch.equal(gx, gx_s)
+        assert all(torch.equal(grads[n], grads_s[n]) for n in grads)
+        # forward: dispatch started asynchronously, shared experts, then the (synchronous) combine all-to-all;
+        # backward: the combine's reverse, then the dispatch's reverse started asynchronously before the shared
+        # experts' weight gradient is computed
+        assert ev == ["a2a_async", "shared_fwd", "a2a", "a2a", "a2a_async", "shared_bwd"], ev
+        assert ev_s.index("shared_fwd") > ev_s.index("a2a") and ev_s.count("a2a_async") == 0, ev_s

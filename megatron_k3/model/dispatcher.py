@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..parallel.layers import EPContext
-from ..parallel.mappings import all_to_all
+from ..parallel.mappings import all_to_all, all_to_all_overlapped
 from .norm import atleast_fp32
 
 
@@ -52,7 +52,7 @@ def slots(expert_M: torch.Tensor, num_experts: int, cap: int):
     return slot_M, kept_M
 
 
-def _static(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext, cap: int):
+def _static(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext, cap: int, side=None):
     N, k = idx_Nk.shape
     L, E = z_NL.shape[-1], experts.num_experts
     M = N * k
@@ -70,8 +70,12 @@ def _static(z_NL, idx_Nk, weight_Nk, experts, ep: EPContext, cap: int):
     if R == 1:  # row N of the result collects the empty slots and is dropped
         return experts.forward_batched(buf_ECL, combine=(w_S, tok_S, N + 1))[:N], kept_M
     # block r (experts of rank r) to rank r; receive [R sources, El, C, L]
-    recv = all_to_all(buf_ECL.reshape(R, El * cap * L), ep.group).view(R, El, cap, L)
-    y_ECL = experts.forward_batched(recv.transpose(0, 1).reshape(El, R * cap, L))
+    send = buf_ECL.reshape(R, El * cap * L)
+    if side is None:
+        recv = all_to_all(send, ep.group)
+    else:  # the side computation (shared experts) runs while the exchange is in flight, both directions
+        recv, _ = all_to_all_overlapped(send, ep.group, side)
+    y_ECL = experts.forward_batched(recv.view(R, El, cap, L).transpose(0, 1).reshape(El, R * cap, L))
     back = y_ECL.view(El, R, cap, -1).transpose(0, 1).reshape(R, El * cap * y_ECL.shape[-1])
     y_ECL = all_to_all(back, ep.group).view(E, cap, -1)
     return _combine(y_ECL.reshape(E * cap, -1), w_S, tok_S, N + 1)[:N], kept_M
@@ -112,12 +116,14 @@ def _combine(y_SL: torch.Tensor, w_S: torch.Tensor, tok_S: torch.Tensor, num_row
 
 
 def dispatch_combine(z_NL: torch.Tensor, idx_Nk: torch.Tensor, weight_Nk: torch.Tensor, experts, ep: EPContext,
-                     overflow: str, capacity_factor: float):
+                     overflow: str, capacity_factor: float, side=None):
     """r_NL = sum_j weight[n, j] * expert_{idx[n, j]}(z[n]) over the kept assignments; returns (r_NL, kept_M or
-    None). `experts` holds this rank's El experts."""
+    None). `experts` holds this rank's El experts. `side`, a callable, is called while the dispatch all-to-all is
+    in flight when there is one with static shapes (expert parallelism, drop), and not called otherwise."""
     if overflow == "drop":
         r_NL, kept = _static(z_NL, idx_Nk, weight_Nk, experts, ep, capacity(z_NL.shape[0], idx_Nk.shape[1],
-                                                                              experts.num_experts, capacity_factor))
+                                                                              experts.num_experts, capacity_factor),
+                             side)
     else:
         r_NL, kept = _dropless(z_NL, idx_Nk, weight_Nk, experts, ep)
     return r_NL.to(z_NL.dtype), kept

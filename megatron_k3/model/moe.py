@@ -72,15 +72,16 @@ class StableLatentMoE(nn.Module):
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.balance = None
 
-    def routed(self, x_ND: torch.Tensor):
-        """The routed branch in latent space (before the norm and up-projection), for this rank's tokens."""
+    def routed(self, x_ND: torch.Tensor, side=None):
+        """The routed branch in latent space (before the norm and up-projection), for this rank's tokens; `side`
+        as in dispatch_combine."""
         route = self.gate(x_ND)
         if self.balance is not None and self.training and torch.is_grad_enabled() and \
                 torch._C._current_graph_task_id() == -1:  # real forward passes only, not a recomputation
             self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias, x_ND.detach())
         z_NL = self.latent_down_proj(x_ND) if self.latent else x_ND
         r_NL, kept_M = dispatch_combine(z_NL, route.topk_idx_Nk, route.topk_weight_Nk, self.experts, self.ep,
-                                        self.overflow, self.capacity_factor)
+                                        self.overflow, self.capacity_factor, side)
         self.tokens_per_expert_E = torch.bincount(route.topk_idx_Nk.reshape(-1), minlength=self.num_experts
                                                   ).detach().to(self.tokens_per_expert_E.dtype)
         self.dropped_assignments = (torch.zeros((), device=x_ND.device) if kept_M is None else
@@ -97,15 +98,21 @@ class StableLatentMoE(nn.Module):
                 raise ValueError(f"{x_ND.shape[0]} tokens cannot be split over {tp.size} tensor-parallel ranks "
                                  f"for routing")
             split = False  # inference on a few tokens: route them on every rank
+        # Under expert parallelism the shared experts run while the dispatch all-to-all is in flight (and their
+        # backward while the reverse one is): `side` is called by the dispatcher or, where nothing overlaps, below.
+        shared = []
+        side = (lambda: shared.append(self.shared_experts(x_BTD))) if self.shared_experts is not None else None
         if split:
-            r, _ = self.routed(split_rows(x_ND, tp.group))
+            r, _ = self.routed(split_rows(x_ND, tp.group), side)
             r = gather_rows(r, tp.group)
         else:
-            r, _ = self.routed(x_ND)
+            r, _ = self.routed(x_ND, side)
         if self.latent_norm is not None:
             r = self.latent_norm(r)
         if self.latent:
             r = self.latent_up_proj(r)
         if self.shared_experts is not None:
-            r = r + self.shared_experts(x_BTD).reshape(r.shape)
+            if not shared:
+                side()
+            r = r + shared[0].reshape(r.shape)
         return r.view(shape)

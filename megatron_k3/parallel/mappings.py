@@ -11,6 +11,7 @@ identity, so the model is exactly the single-device model when nothing is parall
   split_rows            fwd keep my rows        bwd all-gather dim 0 (MoE: each TP rank routes its rows)
   gather_rows           fwd all-gather dim 0    bwd keep my rows
   all_to_all            fwd all-to-all          bwd the reverse all-to-all (expert dispatch)
+  all_to_all_overlapped the same, run asynchronously around a side computation, both directions
 """
 
 from __future__ import annotations
@@ -145,6 +146,66 @@ def all_to_all(x, group, out_splits=None, in_splits=None):
     if _size(group) == 1:
         return x
     return _AllToAll.apply(x, group, out_splits, in_splits)
+
+
+class _Handles:
+    """The in-flight all-to-all of one overlapped exchange: forward work, backward work and its output."""
+    __slots__ = ("group", "work", "bwd_work", "bwd_out")
+
+    def __init__(self, group):
+        self.group, self.work, self.bwd_work, self.bwd_out = group, None, None, None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Starts the equal-split all-to-all; its backward waits for the reverse one that _AllToAllWait started."""
+
+    @staticmethod
+    def forward(ctx, x, h):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        h.work = dist.all_to_all_single(out, x, group=h.group, async_op=True)
+        ctx.h = h
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        h = ctx.h
+        h.bwd_work.wait()
+        out, h.bwd_out, h.bwd_work = h.bwd_out, None, None
+        return out, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Waits for the forward all-to-all; its backward starts the reverse all-to-all and returns at once, so
+    autograd runs other ready nodes (the side computation's backward) while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, y, h):
+        h.work.wait()
+        h.work = None
+        ctx.h = h
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        h = ctx.h
+        g = g.contiguous()
+        h.bwd_out = torch.empty_like(g)
+        h.bwd_work = dist.all_to_all_single(h.bwd_out, g, group=h.group, async_op=True)
+        return h.bwd_out, None  # filled when _AllToAllStart.backward (its only consumer) has waited
+
+
+def all_to_all_overlapped(x, group, side):
+    """(all_to_all(x, group), side()) with `side` computed while the exchange is in flight, and in backward
+    the reverse exchange in flight while autograd is free to run side's backward (autograd runs the nodes
+    created later first, and side's nodes lie between the start and the wait). Equal splits only (static
+    shapes). Values and gradients are those of the sequential form, bit for bit."""
+    if _size(group) == 1:
+        return x, side()
+    h = _Handles(group)
+    started = _AllToAllStart.apply(x, h)
+    out = side()
+    return _AllToAllWait.apply(started, h), out
 
 
 def all_reduce_grad_hook(group):
