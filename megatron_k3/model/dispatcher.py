@@ -8,9 +8,9 @@ so the default path never reads a value on the host):
 
 - ``drop`` (static shapes). Each assignment gets a slot (expert, position) with position = its rank among the
   assignments to that expert in token order; positions >= C are dropped (not computed, counted). Slots are
-  filled by one gather into a fixed [E, C, L] buffer, one `all_to_all_single` with equal splits sends block r
-  ([El, C, L]) to EP rank r, the local experts run as one batched GEMM on [El, R*C, L], the reverse all-to-all
-  brings the outputs back and one gather combines them. Every shape depends only on N, k, E, C and R, and
+  filled by one gather from the token rows into a fixed [E, C, L] buffer, one `all_to_all_single` with equal
+  splits sends block r ([El, C, L]) to EP rank r, the local experts run as one batched GEMM on [El, R*C, L], the
+  reverse all-to-all brings the outputs back and one weighted index_add combines them. Every shape depends only on N, k, E, C and R, and
   nothing between router and combine reads a value on the host: no `.item()`, `.tolist()`, `.cpu()`, no
   exchange of split sizes. C = ceil(capacity_factor * N * k / E).
 - ``dropless``. Rows sorted by expert run through a grouped GEMM with device-side offsets (no host
@@ -19,7 +19,9 @@ so the default path never reads a value on the host):
   one synchronisation per layer and direction, the one place this module reads device values on the host.
 
 Late routing weights: each expert's output is multiplied by its fp32 routing weight after the expert's down
-projection and the k outputs are summed in fp32.
+projection and the k outputs are summed in fp32, by one index_add of the weighted rows into an fp32 [N, L]
+buffer (its backward is a gather). On one EP rank the down projection, the weight and the index_add run as one
+autograd Function (experts._DownCombine) that does not keep the projected rows.
 """
 
 from __future__ import annotations
