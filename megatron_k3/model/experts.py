@@ -4,6 +4,11 @@ Legend: M routed rows (token-expert pairs, sorted by expert), L expert width (la
 intermediate size, E experts, C rows per expert (static buffers). offs_E holds the cumulative row count per
 expert (int32, on device), so nothing syncs with the host on the grouped-GEMM path.
 
+Forward and backward run as two autograd Functions: `_GateUpGLU` (w1 and w3 as one GEMM against their per-step
+concatenation, then the GLU of situ.py, derivative by hand) and, where the dispatcher can combine right after
+the experts, `_DownCombine` (down projection, fp32 routing weight and the weighted index_add into the token
+rows). The parameters keep their separate w1 / w3 / w2 layout.
+
 Under expert parallelism a rank holds the block of experts [offset, offset + E/ep) of the E global ones; the
 weights keep the global layout's names and [E, ...] order (`parallel.layers.shard_tensor` / `full_shape`).
 """
