@@ -10,9 +10,9 @@ so the default path never reads a value on the host):
   assignments to that expert in token order; positions >= C are dropped (not computed, counted). Slots are
   filled by one gather from the token rows into a fixed [E, C, L] buffer, one `all_to_all_single` with equal
   splits sends block r ([El, C, L]) to EP rank r, the local experts run as one batched GEMM on [El, R*C, L], the
-  reverse all-to-all brings the outputs back and one weighted index_add combines them. Every shape depends only on N, k, E, C and R, and
-  nothing between router and combine reads a value on the host: no `.item()`, `.tolist()`, `.cpu()`, no
-  exchange of split sizes. C = ceil(capacity_factor * N * k / E).
+  reverse all-to-all brings the outputs back and one weighted index_add combines them. Every shape depends only
+  on N, k, E, C and R, and nothing between router and combine reads a value on the host: no `.item()`,
+  `.tolist()`, `.cpu()`, no exchange of split sizes. C = ceil(capacity_factor * N * k / E).
 - ``dropless``. Rows sorted by expert run through a grouped GEMM with device-side offsets (no host
   synchronisation in one EP rank). Under expert parallelism, only when asked for explicitly (for comparison),
   the per-expert counts are exchanged and the all-to-all uses split sizes, which torch takes as host lists:
