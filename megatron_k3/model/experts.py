@@ -70,9 +70,10 @@ def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) ->
 class _GateUpGLU(torch.autograd.Function):
     """h = glu(x w1^T, x w3^T) per expert, with w1 and w3 run as one GEMM against their concatenation [E, 2I, L]
     (forward; and backward: dx = [dg du] W13 is one GEMM with a reduction of 2I instead of two of I plus a sum).
-    The parameters stay w1 and w3; the concatenation is a copy of both per step (kept for the backward), far
-    cheaper than the GEMM launches and the sum it saves. Their gradients are two GEMMs on the halves of [dg du]
-    (as fast as one on [E, 2I, L] plus the copies that would split it). x: [M, L] rows split by offs_E, or [E, C, L]
+    The parameters stay w1 and w3; the concatenation is a copy of both per step, kept for the backward (memory:
+    one copy of w1 + w3 per layer in flight). Measured on CPU (bench/RESULTS.md) the fusion is a small win at 2
+    threads and neutral at one. The weight gradients are two GEMMs on the halves of [dg du] (as fast as one on
+    [E, 2I, L] plus the copies that would split it), so they come out contiguous. x: [M, L] rows split by offs_E, or [E, C, L]
     with offs_E None."""
 
     @staticmethod
