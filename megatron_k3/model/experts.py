@@ -70,11 +70,11 @@ def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) ->
 class _GateUpGLU(torch.autograd.Function):
     """h = glu(x w1^T, x w3^T) per expert, with w1 and w3 run as one GEMM against their concatenation [E, 2I, L]
     (forward; and backward: dx = [dg du] W13 is one GEMM with a reduction of 2I instead of two of I plus a sum).
-    The parameters stay w1 and w3; the concatenation is a copy of both per step, kept for the backward (memory:
-    one copy of w1 + w3 per layer in flight). Measured on CPU (bench/RESULTS.md) the fusion is a small win at 2
-    threads and neutral at one. The weight gradients are two GEMMs on the halves of [dg du] (as fast as one on
-    [E, 2I, L] plus the copies that would split it), so they come out contiguous. x: [M, L] rows split by offs_E, or [E, C, L]
-    with offs_E None."""
+    The parameters stay w1 and w3. The concatenation is a transient copy, made again in the backward rather than
+    kept: keeping it would hold one more copy of w1 + w3 for every MoE layer in flight (at K3 size, GBs per rank
+    under pipeline parallelism). The weight gradients are two GEMMs on the halves of [dg du] (as fast as one on
+    [E, 2I, L] plus the copies that would split it), so they come out contiguous. x: [M, L] rows split by
+    offs_E, or [E, C, L] with offs_E None."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up):
@@ -82,17 +82,17 @@ class _GateUpGLU(torch.autograd.Function):
         W13 = torch.cat([w1, w3], 1).to(x.dtype)  # [E, 2I, L]
         gu = _rows_mm(x, W13.transpose(1, 2), offs_E)  # [..., 2I]: gate columns, then up
         h, saved = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)
-        ctx.save_for_backward(x, W13, offs_E, *saved)
+        ctx.save_for_backward(x, w1, w3, offs_E, *saved)
         ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype)
         return h
 
     @staticmethod
     def backward(ctx, dh):
         act, beta_gate, beta_up, I, dt1, dt3 = ctx.cfg
-        x, W13, offs_E, *saved = ctx.saved_tensors
+        x, w1, w3, offs_E, *saved = ctx.saved_tensors
         dgu = x.new_empty(*x.shape[:-1], 2 * I)
         glu_backward(dh, saved, act, beta_gate, beta_up, dgate=dgu[..., :I], dup=dgu[..., I:])
-        dx = _rows_mm(dgu, W13, offs_E) if ctx.needs_input_grad[0] else None
+        dx = _rows_mm(dgu, torch.cat([w1, w3], 1).to(x.dtype), offs_E) if ctx.needs_input_grad[0] else None
         dw1 = dw3 = None
         if ctx.needs_input_grad[1]:  # two GEMMs on the strided halves: contiguous [E, I, L] gradients, no copy
             dw1 = _wgrad_mm(dgu[..., :I], x, offs_E).to(dt1)
