@@ -104,8 +104,11 @@ def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
         # the global clipping norm, evaluation and routing statistics, gathered from both stages, on every rank
         assert logged.keys() == ref_logged.keys()
         for k, ref in ref_logged.items():
+            # the selection bias is a difference of two sigmoid scores (a margin): its rounding error is relative
+            # to the scores' scale (~1), not to the bias's own small spread
+            floor = 1.0 if "bias" in k else 1e-3
             for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
-                assert abs(a - b) <= RTOL * max(abs(b), 1e-3), (rank, k, logged[k], ref)
+                assert abs(a - b) <= RTOL * max(abs(b), floor), (rank, k, logged[k], ref)
         worst = max((_rel(p, ref_params[n]), n) for n, p in params.items())
         assert worst[0] < PARAM_RTOL, (rank, worst)
         held |= set(params)

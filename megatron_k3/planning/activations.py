@@ -178,10 +178,11 @@ def _moe(cfg, tp: int, kernels: str) -> list:
          ActTerm("router_scores", "moe", E + k + 1, "f", "seq"),
          ActTerm("router_indices", "moe", 2 * k, "i", "seq")]
     t.append(ActTerm("expert_inputs", "moe", k * W, "a", "seq"))
-    if eager:  # SiTU-GLU keeps six fp32 intermediates per row, the down projection its input
-        t += [ActTerm("expert_situ", "moe", 6 * k * I, "f", "seq", True),
+    if eager:  # the GLU Function keeps three fp32 tensors per row (situ: tanh(g/b1), sigmoid(g), tanh(u/b2)), the
+        # down projection fused with the combine its input, the routing weights and token indices (int64 = 2 x 4 B)
+        t += [ActTerm("expert_situ", "moe", 3 * k * I, "f", "seq", True),
               ActTerm("expert_hidden", "moe", k * I, "a", "seq"),
-              ActTerm("expert_outputs", "moe", 2 * k * W + k, "f", "seq")]
+              ActTerm("expert_combine", "moe", 3 * k, "f", "seq")]
     else:
         t += [ActTerm("expert_gate_up", "moe", 2 * k * I, "a", "seq"),
               ActTerm("expert_hidden", "moe", k * I, "a", "seq", True),
@@ -199,7 +200,7 @@ def _moe(cfg, tp: int, kernels: str) -> list:
 def _glu(what: str, I: float, D: int, eager: bool, cat: str) -> list:
     if eager:
         return [ActTerm(f"{what}_input", cat, D, "a", "full"),
-                ActTerm(f"{what}_situ", cat, 6 * I, "f", "full", True),
+                ActTerm(f"{what}_situ", cat, 3 * I, "f", "full", True),  # the GLU Function's three fp32 tensors
                 ActTerm(f"{what}_hidden", cat, I, "a", "full")]
     return [ActTerm(f"{what}_input", cat, D, "a", "full"),
             ActTerm(f"{what}_gate_up", cat, 2 * I, "a", "full"),
