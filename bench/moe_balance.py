@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,8 +52,9 @@ def floor(run_dir: Path, steps: int, gbs: int, sizes=(16, 32, 64, 128, 256), poo
     layers], dropped at cf 1.25, in-sample max_over_mean) for the frozen QB run at its last step."""
     import torch
 
-    from megatron_k3.config import compose_run_config
+    from megatron_k3.config import MoEConfig, compose_run_config
     from megatron_k3.model.dispatcher import capacity
+    from megatron_k3.training.balancing import BiasBalancer
     from megatron_k3.training.loop import Trainer
 
     run, _, _ = compose_run_config(overrides("quantile", steps, gbs, run_dir, ["checkpoint.load=auto"]),
@@ -74,12 +76,12 @@ def floor(run_dir: Path, steps: int, gbs: int, sizes=(16, 32, 64, 128, 256), poo
               for x, m in zip(xs, tr.moe)]
     biases = [m.gate.e_score_correction_bias.detach().float() for m in tr.moe]
 
-    def qb(s, b):  # one Quantile Balancing update (training/balancing.py, exact estimator)
-        c = (s + b).topk(k + 1, dim=-1).values[:, -1:]
-        mu = (s - c).double()
-        M = mu.shape[0]
-        b_hat = -torch.kthvalue(mu, M - (M * k) // E, dim=0).values
-        return (b_hat - b_hat.mean()).float()
+    def qb(s, b):  # one Quantile Balancing update with the trainer's own balancer (exact estimator)
+        layer = SimpleNamespace(num_experts=E, top_k=k, gate=SimpleNamespace(e_score_correction_bias=b.clone()))
+        balancer = BiasBalancer(layer, MoEConfig(quantile_estimator="exact"))
+        balancer.observe(s, b)
+        balancer.step()
+        return layer.gate.e_score_correction_bias
 
     def load(s, b):
         return torch.bincount((s + b).topk(k, dim=-1).indices.reshape(-1), minlength=E).double()

@@ -41,12 +41,16 @@ def _spans(offs_E: torch.Tensor):
     return list(zip([0] + ends[:-1], ends))
 
 
+def _native(dtype) -> bool:
+    return dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
+
+
 def _rows_mm(x: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor | None) -> torch.Tensor:
-    """No autograd. offs_E given: row block e of x [M, K] times w[e] [K, N] -> [M, N] (grouped GEMM);
+    """The GEMMs the Functions below run (autograd records them where it is on: `grouped_mm`). offs_E given: row block e of x [M, K] times w[e] [K, N] -> [M, N] (grouped GEMM);
     None: x [E, C, K] times w [E, K, N] (batched GEMM)."""
     if offs_E is None:
         return torch.bmm(x, w)
-    if x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
+    if _native(x.dtype):
         return torch._grouped_mm(x, w, offs=offs_E.to(torch.int32))
     return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(_spans(offs_E))])
 
@@ -55,16 +59,17 @@ def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor | None) -> 
     """No autograd. Per expert e: a_e^T b_e, a [M, K] and b [M, N] split by offs_E (or [E, C, .]) -> [E, K, N]."""
     if offs_E is None:
         return torch.bmm(a.transpose(1, 2), b)
-    if a.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
+    if _native(a.dtype):
         return torch._grouped_mm(a.t(), b, offs=offs_E.to(torch.int32))
     return torch.stack([a[s:e].t() @ b[s:e] for s, e in _spans(offs_E)])
 
 
 def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Row block e of x (rows offs[e-1]:offs[e]) times w[e]."""
-    if x_MK.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
-        return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN.to(x_MK.dtype), offs=offs_E.to(torch.int32)))
-    return torch.cat([x_MK[s:e] @ w_EKN[i].to(x_MK.dtype) for i, (s, e) in enumerate(_spans(offs_E))])
+    """Row block e of x (rows offs[e-1]:offs[e]) times w[e], differentiable: `_rows_mm` with the contiguous
+    gradient native `_grouped_mm`'s backward requires."""
+    w_EKN = w_EKN.to(x_MK.dtype)
+    out = _rows_mm(x_MK, w_EKN, offs_E)
+    return _ContiguousGrad.apply(out) if _native(x_MK.dtype) else out
 
 
 class _GateUpGLU(torch.autograd.Function):
