@@ -1,24 +1,34 @@
-# megatron-k3: the commands users and CI rely on (see ../shared/design/INTERFACES.md).
+# megatron-k3: the commands users and CI rely on (see ../shared/design/INTERFACES.md and docs/architecture.md).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 
-.PHONY: install train test bench clean
+.PHONY: install train test test-fast lint bench clean
 
-$(STAMP): requirements.txt pyproject.toml
+# runtime (requirements.txt = pyproject's dependencies) + test references and tools, the package in editable mode
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --upgrade pip
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# the whole suite: unit tests, multi-process gloo worlds, training runs (~10 minutes on 2 cores)
 test: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest $(PYTEST_ARGS)
+	$(THREADS) $(PY) -m pytest $(PYTEST_ARGS)
+
+# the inner loop: everything not marked slow (no multi-process worlds, no training runs; under 3 minutes)
+test-fast: install
+	$(THREADS) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
 
 train: install
 	$(PY) -m megatron_k3.train $(ARGS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -25,21 +24,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from machine import machine  # noqa: E402  (bench/machine.py)
+
 from megatron_k3.data.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 from megatron_k3.data.tokenizer import train_bpe  # noqa: E402
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = re.search(r"Model name:\s*(.+)", out).group(1).strip()
-    except Exception:
-        pass
-    import torch
-
-    return (f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"numpy {np.__version__}")
 
 
 def load() -> str:

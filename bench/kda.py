@@ -10,9 +10,7 @@ import argparse
 import importlib.util
 import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -20,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from machine import machine  # noqa: E402  (bench/machine.py)
+
 from megatron_k3.ops.kda import chunk_kda  # noqa: E402
 
 
@@ -79,16 +80,6 @@ def _timed(f):
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
-
-
-def machine():
-    model = platform.processor() or "?"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # noqa: BLE001 - description only
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def main():

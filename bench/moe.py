@@ -23,15 +23,15 @@ import argparse
 import importlib.abc
 import logging
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from machine import machine  # noqa: E402  (bench/machine.py)
 
 
 class _Block(importlib.abc.MetaPathFinder):
@@ -48,9 +48,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megatron_k3.config import load_model_config  # noqa: E402
-from megatron_k3.model.dispatcher import capacity, dispatch_combine  # noqa: E402
+from megatron_k3.model.dispatcher import Dispatcher, capacity  # noqa: E402
 from megatron_k3.model.moe import StableLatentMoE  # noqa: E402
-from megatron_k3.parallel.layers import EPContext  # noqa: E402
 
 GEMM_OPS = ("aten::_grouped_mm", "aten::bmm", "aten::mm", "aten::addmm", "aten::matmul", "aten::linear")
 
@@ -257,16 +256,6 @@ def gemm_kernels(N, k, E, D, I, cap):
         "GEMMs only: one 2048^3 matmul (throughput reference)": (lambda: a @ b, 2 * 2048 ** 3)}
 
 
-def machine():
-    model = platform.processor() or "?"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # noqa: BLE001 - description only
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-
-
 def _timed(f):
     t0 = time.perf_counter()
     f()
@@ -358,7 +347,7 @@ def main():
             logits = x.reshape(N, D) @ W["router"].t()
             top_p, idx = logits.softmax(-1).topk(k, dim=-1)
             w_ds = top_p / top_p.sum(-1, keepdim=True)
-            r, _ = dispatch_combine(x.reshape(N, D), idx, w_ds, ref.experts, EPContext(), "dropless", 1.0)
+            r, _ = Dispatcher("dropless", 1.0)(x.reshape(N, D), idx, w_ds, ref.experts)
             y_chk = r + ref.shared_experts(x.reshape(N, D))
             same_experts = torch.equal(ds.moe.deepspeed_moe.exp_counts.float(), counts.float())
         print(f"check: DeepSpeed picks the same experts (per-expert counts equal: {same_experts}); its output vs our "

@@ -124,13 +124,15 @@ def main():
         last, tail = rows[-1], rows[-20:]
         el = [r["expert_load"] for r in tail]
         lines.append(f"| {label} | {last['expert_load']['max_over_mean']:.3f} | "
-                     f"{sum(e['max_over_mean'] for e in el) / len(el):.3f} | {sum(e['cv'] for e in el) / len(el):.3f} | "
+                     f"{sum(e['max_over_mean'] for e in el) / len(el):.3f} | "
+                     f"{sum(e['cv'] for e in el) / len(el):.3f} | "
                      f"{100 * last['expert_load']['dropped_frac']:.2f}% | "
-                     f"{100 * sum(e['dropped_frac'] for e in el) / len(el):.2f}% | {last['expert_load']['dead_experts']} | "
+                     f"{100 * sum(e['dropped_frac'] for e in el) / len(el):.2f}% | "
+                     f"{last['expert_load']['dead_experts']} | "
                      f"{sum(r['loss'] for r in tail) / len(tail):.3f} |")
         print(lines[-1], flush=True)
-    lines += ["", f"Batch-size floor: the quantile run frozen at step {a.steps}; bias from n sequences (one QB update), "
-              "applied to the next n (mean over the disjoint pairs of 512 unseen sequences)", "",
+    lines += ["", f"Batch-size floor: the quantile run frozen at step {a.steps}; bias from n sequences "
+              "(one QB update), applied to the next n (mean over the disjoint pairs of 512 unseen sequences)", "",
               "| sequences per step | tokens | max_over_mean, next batch (max over layers) | same, mean over layers | "
               "dropped at cf 1.25 (one forward) | max_over_mean, same batch | pairs |", "|---|---|---|---|---|---|---|"]
     for n, o_max, o_mean, drop, i_max, pairs in floor(out / "quantile", a.steps, a.global_batch):

@@ -30,19 +30,19 @@ def worker(rank, a, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=a.ep)
     from megatron_k3.config import load_model_config
-    from megatron_k3.model import dispatcher
     from megatron_k3.model.dispatcher import capacity
     from megatron_k3.model.moe import StableLatentMoE
-    from megatron_k3.parallel import state
+    from megatron_k3.parallel import ParallelGroups, parallelize, state
+    from megatron_k3.parallel import experts as dispatcher
     from megatron_k3.parallel.mappings import all_to_all
 
-    state.initialize_model_parallel(ep=a.ep)
+    ps = state.initialize_model_parallel(ep=a.ep)
     cfg = load_model_config("k3_tiny", [f"hidden_size={a.hidden}", f"num_experts={a.experts}", f"top_k={a.top_k}",
                                         f"moe_intermediate_size={a.inter}", "moe_latent_size=0",
                                         "moe_latent_norm=false", f"shared_intermediate_size={a.shared}",
                                         "moe_overflow=drop", "moe_capacity_factor=1.25"])
     torch.manual_seed(0)
-    moe = StableLatentMoE(cfg)
+    moe = parallelize(StableLatentMoE(cfg), ParallelGroups.from_state(ps))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.05)
     torch.manual_seed(1 + rank)
@@ -80,7 +80,8 @@ def worker(rank, a, q):
         dist.all_to_all_single(out, buf)  # and back (the backward's reverse is the same size)
         return time.perf_counter() - t0
 
-    times = {"overlapped": [], "sequential": [], "shared experts alone (fwd+bwd)": [], "dispatch all-to-all, fwd+bwd": []}
+    times = {"overlapped": [], "sequential": [], "shared experts alone (fwd+bwd)": [],
+             "dispatch all-to-all, fwd+bwd": []}
     for r in range(a.reps + 3):
         res = {}
         for mode in ("overlapped", "sequential"):

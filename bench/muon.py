@@ -102,16 +102,16 @@ def ns_flops(shape, annotate, steps: int = 5) -> float:
 
 def _step_once(shape, annotate, optim: str) -> float:
     """Seconds for one optimizer step of a single parameter of `shape` (after a state-allocating step)."""
+    from megatron_k3.annotations import annotate as set_meta
     from megatron_k3.config import OptimConfig
     from megatron_k3.optim import build_optimizer
-    from megatron_k3.parallel.layers import mark_batched_matrices, mark_expert_blocks, mark_head_blocks
 
     p = nn.Parameter(torch.empty(shape).normal_(0, 0.02))
     if annotate == "batched":
-        mark_batched_matrices(p)
+        set_meta(p, batched=True)
     elif annotate is not None:
         kind, n, axis = annotate
-        (mark_head_blocks if kind == "heads" else mark_expert_blocks)(p, n, axis)
+        set_meta(p, blocks=n, block_axis=axis, block_kind=kind)
     holder = nn.Module()
     holder.p = p
     p.grad = torch.randn(shape) * 1e-3

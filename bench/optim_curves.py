@@ -32,7 +32,8 @@ def run_one(optim: str, lr: float, steps: int, out: Path, extra: list) -> dict:
 
     run_dir = out / f"{optim}_lr{lr:g}"
     overrides = ["model=k3_tiny", f"optim={optim}", f"optim.lr={lr}", f"optim.min_lr={lr / 10}",
-                 f"train.steps={steps}", "train.save_interval=0", "parallel.zero_stage=0", "logging.wandb.mode=disabled",
+                 f"train.steps={steps}", "train.save_interval=0", "parallel.zero_stage=0",
+                 "logging.wandb.mode=disabled",
                  f"hydra.run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"] + extra
     run, cfg, _ = compose_run_config(overrides)
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)

@@ -41,9 +41,8 @@ CONFIGS = [
 
 
 def memory_row(overrides):
-    from megatron_k3.training.loop import Trainer
-
     from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
 
     # optim=adamw: the results in RESULTS.md were measured with it (plan.py counts Muon's states as well)
     run, _, _ = compose_run_config(["logging.wandb.mode=disabled", "optim=adamw", *overrides])

@@ -20,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
 
 
 def run_one(precision: str, steps: int, out: Path, extra: list) -> list:
@@ -33,7 +32,8 @@ def run_one(precision: str, steps: int, out: Path, extra: list) -> list:
 
     run_dir = out / precision
     overrides = ["model=k3_tiny", "optim=adamw", f"precision={precision}", f"train.steps={steps}",
-                 "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"] + extra
+                 "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}",
+                 f"checkpoint.dir={run_dir}/checkpoints"] + extra
     run, cfg, _ = compose_run_config(overrides)
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)

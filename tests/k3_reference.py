@@ -254,7 +254,7 @@ def _mla(x, t, a, c):
 
 
 def _moe(x, t, b, c):
-    E, k = c["num_experts"], c["num_experts_per_token"]
+    k = c["num_experts_per_token"]
     b1, b2 = c["activation_situ_beta"], c["activation_situ_linear_beta"]
     s = torch.sigmoid(x @ t[b + "gate.weight"].T)  # [T, E]
     idx = (s + t[b + "gate.e_score_correction_bias"]).topk(k, -1).indices

@@ -12,16 +12,17 @@ tensor parallelism sums the row-parallel matmuls in a different order (measured:
 """
 
 import json
-import math
 import logging
+import math
 import os
 import pickle
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_engine import FAST, _full_params
+
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 N, M = 2, 2
 STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
@@ -90,7 +91,8 @@ def _logits(trainer):
 
 
 def _save_then_report(rank, world, overrides, ckpt_dir):
-    from megatron_k3.training.engine import full_states, shutdown
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.zero_views import full_states
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.dir={ckpt_dir}"])
@@ -104,7 +106,8 @@ def _save_then_report(rank, world, overrides, ckpt_dir):
 
 
 def _load_then_report(rank, world, overrides, ckpt_dir):
-    from megatron_k3.training.engine import full_states, shutdown
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.zero_views import full_states
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.load={ckpt_dir}"])
@@ -118,13 +121,14 @@ def _load_then_report(rank, world, overrides, ckpt_dir):
 
 def _gather_states(t, states):
     """Optimizer states at full size (TP shards gathered; experts are already global in full_states)."""
+    from megatron_k3.annotations import meta
     from megatron_k3.parallel import state
 
     size, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
     params = dict(t.model.named_parameters())
     out = {}
     for n, st in states.items():
-        d = getattr(params[n], "tp_split_dim", None)
+        d = meta(params[n]).tp_dim
         for k, v in st.items():
             if d is not None and size > 1:
                 parts = [torch.empty_like(v) for _ in range(size)]

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
 
@@ -43,11 +42,12 @@ TINY = dict(moe_capacity_factor=4.0)  # k3_tiny (8 layers, two MLA), every token
 
 
 def test_zigzag_shard_bookkeeping():
-    from megatron_k3.parallel.context import CPContext, SequenceShard
+    from megatron_k3.parallel.context import SequenceShard
+    from megatron_k3.parallel.mappings import Group
 
     T, cu = 64, torch.tensor([0, 5, 14, 16, 40, 64])  # cp=2: chunks of 16; 14 inside chunk 1's halo, 16 at its start
-    s0 = SequenceShard(CPContext(None, 2, 0), T, cu)
-    s1 = SequenceShard(CPContext(None, 2, 1), T, cu)
+    s0 = SequenceShard(Group(None, 2, 0), T, cu)
+    s1 = SequenceShard(Group(None, 2, 1), T, cu)
     assert s0.chunks == (0, 3) and s1.chunks == (1, 2)
     assert s0.index.tolist() == list(range(0, 16)) + list(range(48, 64))
     assert s1.take(torch.arange(T)[None])[0].tolist() == list(range(16, 48))
@@ -58,7 +58,7 @@ def test_zigzag_shard_bookkeeping():
     assert s1.extended_cu(3).tolist() == [0, 1, 3, 19, 30, 38]
     assert s0.extended_cu(3).tolist() == [0, 3, 8, 17, 19, 38]
     with pytest.raises(ValueError, match="not divisible by 4"):
-        SequenceShard(CPContext(None, 2, 0), 66)
+        SequenceShard(Group(None, 2, 0), 66)
 
 
 def test_config_rejects_bad_context_parallel_sizes():
@@ -82,8 +82,8 @@ def _ops_cp(rank, world, T, cu, batch):
     from megatron_k3.ops.kda import chunk_kda
     from megatron_k3.ops.short_conv import causal_conv1d
     from megatron_k3.parallel import state
-    from megatron_k3.parallel.context import (SequenceShard, conv_context_parallel, current_cp,
-                                              kda_context_parallel)
+    from megatron_k3.parallel.context import SequenceShard, conv_context_parallel, kda_context_parallel
+    from megatron_k3.parallel.mappings import Group
 
     state.initialize_model_parallel(cp=world)
     try:
@@ -103,7 +103,7 @@ def _ops_cp(rank, world, T, cu, batch):
         o_ref, _ = chunk_kda(q, k, v, gate, beta, chunk_size=16, cu_seqlens=cu_t)
         y_ref, _ = causal_conv1d(x, w, cu_seqlens=cu_t)
         ref_grads = torch.autograd.grad((o_ref * probe_o).sum() + (y_ref * probe_y).sum(), inputs)
-        shard = SequenceShard(current_cp(), T, cu_t)
+        shard = SequenceShard(Group.of(state.get_context_parallel_group()), T, cu_t)
         loc = [shard.take(t) for t in (q, k, v, gate, beta, x)]
         o = kda_context_parallel(chunk_kda, *loc[:5], shard, chunk_size=16)
         y = conv_context_parallel(causal_conv1d, loc[5], w, shard)
@@ -118,6 +118,7 @@ def _ops_cp(rank, world, T, cu, batch):
         state.destroy_model_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cu,batch", [(None, 2), ([0, 7, 30, 46, 48, 70, 96], 1)], ids=["rows", "documents"])
 def test_ops_equal_whole_sequence_in_fp64(cu, batch):
     """In fp64 the composed per-chunk transitions and the halo exchange reproduce the whole-sequence KDA and conv
@@ -134,19 +135,18 @@ def test_ops_equal_whole_sequence_in_fp64(cu, batch):
 def _model_grads(rank, world, cfg_over, T, batch, cu, tp, sp):
     import torch.distributed as dist
 
+    from megatron_k3.annotations import meta
     from megatron_k3.config import load_model_config
     from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.parallel import state
-    from megatron_k3.parallel.layers import set_sequence_parallel
+    from megatron_k3.parallel import ParallelGroups, parallelize, state
 
-    state.initialize_model_parallel(tp=tp, cp=world // tp)
-    set_sequence_parallel(sp)
+    ps = state.initialize_model_parallel(tp=tp, cp=world // tp)
     try:
         cfg = load_model_config("k3_tiny")
         for k, v in cfg_over.items():
             setattr(cfg, k, v)
         torch.manual_seed(0)
-        model = K3ForCausalLM(cfg)
+        model = parallelize(K3ForCausalLM(cfg), ParallelGroups.from_state(ps, sp))
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (batch, T), generator=g)
         labels = torch.randint(0, cfg.vocab_size, (batch, T), generator=g)
@@ -157,7 +157,7 @@ def _model_grads(rank, world, cfg_over, T, batch, cu, tp, sp):
             gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
             if world // tp > 1:  # each CP rank holds the gradient of its share of the tokens
                 dist.all_reduce(gr, group=state.get_context_parallel_group())
-            d = getattr(p, "tp_split_dim", None)
+            d = meta(p).tp_dim
             if d is not None and tp > 1:
                 parts = [torch.empty_like(gr) for _ in range(tp)]
                 dist.all_gather(parts, gr.contiguous(), group=state.get_tensor_model_parallel_group())
@@ -165,7 +165,6 @@ def _model_grads(rank, world, cfg_over, T, batch, cu, tp, sp):
             grads[n] = gr
         return out.loss.item(), grads
     finally:
-        set_sequence_parallel(False)
         state.destroy_model_parallel()
 
 
@@ -189,10 +188,12 @@ def tiny_reference():
 
 @pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 1, False), (4, 2, True)],
                          ids=["cp2", "cp4", "tp2-sp-x-cp2"])
+@pytest.mark.slow
 def test_model_with_documents_equals_single_process(tiny_reference, world, tp, sp):
     _compare(run_distributed(_model_grads, world, TINY, 128, 1, DOCS, tp, sp, timeout=120), tiny_reference)
 
 
+@pytest.mark.slow
 def test_long_sequence_32k_equals_single_process():
     """32,768 tokens, two sequences' worth of work for MLA's attention square, cp=2 against one process."""
     T = 32768
@@ -233,6 +234,7 @@ def train_reference(tmp_path_factory):
     (4, ["parallel.cp=2", "parallel.ep=2"], {"cp": [0, 1], "dp": [0, 2], "dp-cp": [0, 1, 2, 3], "ep": [0, 1],
                                               "edp": [0, 2]}),
 ], ids=["cp2", "cp2xep2"])
+@pytest.mark.slow
 def test_trainer_equals_single_process(train_reference, tmp_path, world, overrides, groups):
     ref_losses, ref_norms, ref_params, _, _, _ = train_reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
@@ -282,6 +284,7 @@ def _plan(overrides) -> dict:
     return json.loads(buf.getvalue())
 
 
+@pytest.mark.slow
 def test_memory_estimate_under_context_parallelism(tmp_path):
     """The peak of live tensor bytes of two real k3_tiny steps (one micro-batch of 2 x 512 tokens, packed) at
     cp=1 and cp=2 against tools/plan.py for the same runs. Measured on 2 CPU cores: cp=1 482 MB vs 485 MB

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from megatron_k3.config import load_model_config
-from megatron_k3.data.dataset import (ArrayDocuments, BlendedDataset, PackedDataset, make_batch, rank_sample_ids,
-                                      split_documents)
+from megatron_k3.data.dataset import (
+    ArrayDocuments,
+    BlendedDataset,
+    PackedDataset,
+    make_batch,
+    rank_sample_ids,
+    split_documents,
+)
 from megatron_k3.model import K3ForCausalLM
 
 
@@ -52,7 +58,8 @@ def test_packed_row_gives_each_document_its_own_logits():
     model = K3ForCausalLM(cfg).eval()
     rng = np.random.default_rng(1)
     lengths = np.array([70, 30, 45, 90])
-    docs = ArrayDocuments(rng.integers(0, cfg.vocab_size, size=lengths.sum()), np.concatenate([[0], np.cumsum(lengths)]))
+    docs = ArrayDocuments(rng.integers(0, cfg.vocab_size, size=lengths.sum()),
+                          np.concatenate([[0], np.cumsum(lengths)]))
     ds = PackedDataset(docs, np.arange(4), 96, seed=0)
     samples = [ds.sample(c) for c in range(2)]
     assert any(len(s.doc_starts) > 1 for s in samples)
@@ -114,6 +121,7 @@ def test_global_order_is_independent_of_data_parallel_size(dp_before, dp_after):
     assert first + second == straight == list(range(6 * gbs))
 
 
+@pytest.mark.slow
 def test_training_on_preprocessed_indexed_data_end_to_end(tmp_path):
     """tools/preprocess_data.py writes two Megatron datasets; the trainer blends them by weight."""
     import json

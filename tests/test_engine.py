@@ -13,7 +13,6 @@ reduction (a missing average, a gradient reduced over the wrong group) is off by
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
@@ -27,6 +26,7 @@ PARAM_RTOL = 5e-5
 
 def _full_params(trainer):
     """Every parameter at full (unsharded) size: tensor-parallel shards gathered over the TP group."""
+    from megatron_k3.annotations import meta
     from megatron_k3.parallel import state
 
     def gather(t, dim, group, size):
@@ -38,11 +38,11 @@ def _full_params(trainer):
     g, size = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_world_size()
     for n, p in trainer.model.named_parameters():
         t = p.detach().float()
-        d = getattr(p, "tp_split_dim", None)
-        if d is not None and size > 1:
-            t = gather(t, d, g, size)
-        if getattr(p, "ep_size", 1) > 1:  # this rank's experts -> all experts in global order
-            t = gather(t, 0, state.get_expert_model_parallel_group(), p.ep_size)
+        m = meta(p)
+        if m.tp_dim is not None and size > 1:
+            t = gather(t, m.tp_dim, g, size)
+        if m.ep_size > 1:  # this rank's experts -> all experts in global order
+            t = gather(t, 0, state.get_expert_model_parallel_group(), m.ep_size)
         out[n] = t.clone()
     return out
 
@@ -81,6 +81,7 @@ def _rel(a, b):
     (2, ["parallel.zero_stage=0"], "AdamW"),
     (1, ["train.micro_batch_size=2"], "DeepSpeedZeroOptimizer"),
 ], ids=["dp2-zero1", "dp2-zero2", "tp2xdp2-zero1", "tp2xdp2-zero2", "tp2-sp", "dp2-zero0", "one-process"])
+@pytest.mark.slow
 def test_layout_equals_single_process(reference, tmp_path, world, overrides, optimizer):
     ref_losses, ref_params, _, _ = reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
@@ -110,6 +111,7 @@ def reference_default(tmp_path_factory):
     (4, ["parallel.tp=2", "parallel.zero_stage=2"]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 ], ids=["dp2-zero1", "tp2xdp2-zero2", "tp2-sp"])
+@pytest.mark.slow
 def test_layout_equals_single_process_with_the_default_optimizer(reference_default, tmp_path, world, overrides):
     """What a user gets without optim=...: every parameter within 1e-5 relative (per tensor, in norm) after 5 steps
     (measured: dp2 ZeRO-1 2.0e-6, ZeRO-2 3.5e-6, tp2 x dp2 ZeRO-1 3.8e-6, ZeRO-2 3.3e-6, tp2+SP 2.4e-6).

@@ -4,9 +4,10 @@ bias that Quantile Balancing sets after each step is the same too. Tolerances as
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_engine import PARAM_RTOL, RTOL, _rel, _train
+
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 # 16 experts, top-4: capacity factor 4 gives every expert room for every token (C = N)
 STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]

@@ -10,12 +10,14 @@
 
 import json
 import os
-
-import pytest
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(Path(__file__).with_name("fault_entry.py"))

@@ -1,12 +1,14 @@
 """The hand-written autograd Functions of the MoE layer against autograd of the plain formulas: the GLU
-(situ.GLU), the fused gate/up GEMM + GLU of the routed experts (experts._GateUpGLU) and the down projection fused
-with the weighted combine (experts._DownCombine). float64 gradcheck, fp32 equality to rounding, bf16 dtypes."""
+(ops.glu.GLU), the fused gate/up GEMM + GLU of the routed experts (ops.grouped_gemm.GateUpGLU) and the down
+projection fused with the weighted combine (ops.grouped_gemm.DownCombine). float64 gradcheck, fp32 equality to
+rounding, bf16 dtypes."""
 
 import pytest
 import torch
 
-from megatron_k3.model.experts import GroupedExperts, _DownCombine, _GateUpGLU
-from megatron_k3.model.situ import glu_act, glu_reference
+from megatron_k3.model.experts import GroupedExperts
+from megatron_k3.ops.glu import glu_act, glu_reference
+from megatron_k3.ops.grouped_gemm import DownCombine, GateUpGLU
 
 ACTS = ["silu", "situ"]
 
@@ -67,7 +69,7 @@ def test_gate_up_glu_gradcheck_float64(act, batched):
     if batched:
         x, offs = x.view(3, 3, 4), None
     args = [t.requires_grad_() for t in (x, w1, w3)]
-    assert torch.autograd.gradcheck(lambda a, b, c: _GateUpGLU.apply(a, b, c, offs, act, 2.0, 3.0), args)
+    assert torch.autograd.gradcheck(lambda a, b, c: GateUpGLU.apply(a, b, c, offs, act, 2.0, 3.0), args)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
@@ -84,7 +86,7 @@ def test_down_combine_gradcheck_float64(batched):
     if batched:
         h = h.view(E, 3, 5)
     args = [t.requires_grad_() for t in (h, w2, w_M)]
-    assert torch.autograd.gradcheck(lambda a, b, c: _DownCombine.apply(a, b, offs, c, tok_M, 4), args)
+    assert torch.autograd.gradcheck(lambda a, b, c: DownCombine.apply(a, b, offs, c, tok_M, 4), args)
 
 
 @pytest.mark.parametrize("act", ACTS)

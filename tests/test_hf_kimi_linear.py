@@ -2,7 +2,8 @@
 initialised `transformers` `KimiLinearForCausalLM`, gives the same logits (fp32, 1e-4 relative).
 
 The reference runs in a subprocess (tests/hf_reference.py) in which `fla` cannot be imported, so transformers
-uses its own PyTorch ops on the CPU instead of fla's Triton kernels. The HF -> ours weight mapping is megatron_k3.interop.kimi_linear.
+uses its own PyTorch ops on the CPU instead of fla's Triton kernels. The HF -> ours weight mapping is
+megatron_k3.interop.kimi_linear.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from megatron_k3.config import load_model_config
 from megatron_k3.interop.kimi_linear import hf_config_from, map_hf_state_dict
 from megatron_k3.model import K3ForCausalLM
+
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 if importlib.util.find_spec("transformers.models.kimi_linear") is None:  # pragma: no cover
     pytest.skip("transformers lacks transformers.models.kimi_linear", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""Hugging Face interop: `K3ForCausalLM.from_hf` / `save_hf` in the Kimi Linear and Kimi K3 layouts.
+"""Hugging Face interop: `megatron_k3.interop.load_hf` / `save_hf` in the Kimi Linear and Kimi K3 layouts.
 
 Kimi Linear: transformers builds a model and writes its checkpoint directory (tests/hf_reference.py, one subprocess
 with fla blocked); we import it, compare logits, export it, and a second subprocess loads our export back into
@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import k3_reference as ref
 import pytest
 import torch
 
-import k3_reference as ref
 from megatron_k3.config import ConfigError, load_model_config
+from megatron_k3.interop import load_hf, save_hf
 from megatron_k3.interop.hf import ConfigMismatchError, config_differences, read_checkpoint
 from megatron_k3.interop.k3_layout import k3_config_to
 from megatron_k3.interop.kimi_linear import hf_config_from, hf_config_to
@@ -49,14 +50,15 @@ def kl(tmp_path_factory):
     ids = torch.randint(0, cfg.vocab_size, (2, 77), generator=torch.Generator().manual_seed(11))
     (d / "run1").mkdir()
     state, logits, info = run_reference(d / "run1", hf_config_from(cfg), 3, ids, save_pretrained=str(d / "hf"))
-    model = K3ForCausalLM.from_hf(d / "hf").eval()
-    model.save_hf(d / "ours", layout="kimi_linear")
+    model = load_hf(d / "hf").eval()
+    save_hf(model, d / "ours", layout="kimi_linear")
     (d / "run2").mkdir()
     state2, logits2, info2 = run_reference(d / "run2", {}, 0, ids, load_from=str(d / "ours"))
     return SimpleNamespace(d=d, cfg=cfg, ids=ids, state=state, logits=logits, info=info, model=model,
                            state2=state2, logits2=logits2, info2=info2)
 
 
+@pytest.mark.slow
 def test_kimi_linear_import_matches_transformers(kl, rel):
     assert config_differences(kl.cfg, kl.model.cfg) == {}
     with torch.no_grad():
@@ -73,6 +75,7 @@ def _dense_quirk(key: str, cfg) -> str:
     return key
 
 
+@pytest.mark.slow
 def test_kimi_linear_export_is_bit_identical(kl):
     theirs, ours = _files(kl.d / "hf"), _files(kl.d / "ours")
     renamed = {_dense_quirk(k, kl.cfg): v for k, v in theirs.items()}
@@ -85,6 +88,7 @@ def test_kimi_linear_export_is_bit_identical(kl):
     assert kl.info2["config"] == kl.info["config"]
 
 
+@pytest.mark.slow
 def test_transformers_loads_our_export(kl, rel):
     """transformers' from_pretrained on our directory: no missing/unexpected keys (checked in the subprocess), the
     same in-memory tensors as the model it started from, and the same logits."""
@@ -110,16 +114,16 @@ def k3(tmp_path_factory):
     tensors = ref.random_checkpoint(seed=0)
     ref.write_checkpoint(d / "ref", tensors)
     ids = torch.randint(0, ref.TEXT_CONFIG["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(5))
-    model = K3ForCausalLM.from_hf(d / "ref").eval()  # layout detected from config.json
-    model.save_hf(d / "export_a", layout="k3")
+    model = load_hf(d / "ref").eval()  # layout detected from config.json
+    save_hf(model, d / "export_a", layout="k3")
     return SimpleNamespace(d=d, tensors=tensors, ids=ids, logits=ref.forward(tensors, ids), model=model)
 
 
 def test_k3_import_reproduces_independent_logits(k3, rel):
-    assert dataclasses.asdict(k3.model.cfg) == dataclasses.asdict(K3ForCausalLM.from_hf(k3.d / "ref", "k3").cfg)
+    assert dataclasses.asdict(k3.model.cfg) == dataclasses.asdict(load_hf(k3.d / "ref", "k3").cfg)
     with torch.no_grad():
         err32 = rel(k3.model(k3.ids).logits, k3.logits)
-        model64 = K3ForCausalLM.from_hf(k3.d / "ref").double().eval()
+        model64 = load_hf(k3.d / "ref").double().eval()
         err64 = rel(model64(k3.ids).logits, k3.logits)
         # negative control: two routed experts of one layer swapped
         w1 = model64.model.layers[2].mlp.experts.w1
@@ -133,10 +137,10 @@ def test_k3_import_reproduces_independent_logits(k3, rel):
 
 def test_k3_export_reimports_bit_identically(k3):
     a, b = k3.d / "export_a", k3.d / "export_b"
-    again = K3ForCausalLM.from_hf(a)
+    again = load_hf(a)
     for k, v in k3.model.state_dict().items():  # every exported value was representable: nothing moved
         assert torch.equal(again.state_dict()[k], v), k
-    again.save_hf(b, layout="k3", max_shard_size=100_000)  # sharded, with an index
+    save_hf(again, b, layout="k3", max_shard_size=100_000)  # sharded, with an index
     assert (b / "model.safetensors.index.json").is_file() and len(list(b.glob("model-*.safetensors"))) > 1
     ta, tb = _files(a), _files(b)
     assert sorted(ta) == sorted(tb)
@@ -177,22 +181,22 @@ def test_k3_extension_keys_round_trip(tmp_path):
     travel under text_config["megatron_k3"], and export -> import -> export is bit-identical."""
     cfg = load_model_config("k3_tiny")
     torch.manual_seed(0)
-    K3ForCausalLM(cfg).save_hf(tmp_path / "a")
+    save_hf(K3ForCausalLM(cfg), tmp_path / "a")
     text = json.loads((tmp_path / "a" / "config.json").read_text())["text_config"]
     assert text["megatron_k3"] == {"mla_latent_norm_eps": cfg.mla_latent_norm_eps,
                                    "shared_intermediate_size": cfg.shared_ffn_size}
-    back = K3ForCausalLM.from_hf(tmp_path / "a", config=cfg)
-    back.save_hf(tmp_path / "b")
+    back = load_hf(tmp_path / "a", config=cfg)
+    save_hf(back, tmp_path / "b")
     ta, tb = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def test_config_mismatch_names_the_keys(k3):
     good = k3.model.cfg
-    K3ForCausalLM.from_hf(k3.d / "ref", config=dataclasses.replace(good, moe_overflow="drop"))  # not architectural
+    load_hf(k3.d / "ref", config=dataclasses.replace(good, moe_overflow="drop"))  # not architectural
     bad = dataclasses.replace(good, num_experts=16, top_k=4, name="mine")
     with pytest.raises(ConfigMismatchError) as e:
-        K3ForCausalLM.from_hf(k3.d / "ref", config=bad)
+        load_hf(k3.d / "ref", config=bad)
     assert e.value.differences == {"num_experts": (16, 8), "top_k": (4, 2)}
     assert "num_experts" in str(e.value) and "top_k" in str(e.value)
 
@@ -209,37 +213,44 @@ def test_k3_refusals(tmp_path):
     tensors["model.layers.0.self_attn.A_log"] = a_log
     ref.write_checkpoint(tmp_path / "bad", tensors)
     with pytest.raises(ValueError, match="A_log"):
-        K3ForCausalLM.from_hf(tmp_path / "bad")
+        load_hf(tmp_path / "bad")
     with pytest.raises(ConfigError, match="hidden_act"):
-        K3ForCausalLM(load_model_config("kimi_linear_tiny")).save_hf(tmp_path / "x", layout="k3")
+        save_hf(K3ForCausalLM(load_model_config("kimi_linear_tiny")), tmp_path / "x", layout="k3")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": text}))
-        K3ForCausalLM.from_hf(tmp_path / "empty")
+        load_hf(tmp_path / "empty")
 
 
 
-def test_convert_hf_cli(tmp_path, capsys):
-    """tools/convert_hf.py: our weights -> a K3 directory -> our weights again (the K3-exported values)."""
+def test_convert_checkpoint_hf_cli(tmp_path, capsys):
+    """tools/convert_checkpoint.py: our unsharded weights -> a K3 directory (sharded, with an index) -> a step-0
+    training checkpoint holding the K3-exported values and the model config; a weights file without a model name is
+    refused with one line."""
     import importlib.util as iu
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
-    spec = iu.spec_from_file_location("convert_hf", tool)
+    from megatron_k3.training import checkpoint as ckpt
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"
+    spec = iu.spec_from_file_location("convert_checkpoint", tool)
     cli = iu.module_from_spec(spec)
     spec.loader.exec_module(cli)
     cfg = load_model_config("k3_tiny", ["num_layers=4"])
     torch.manual_seed(0)
     save_file({k: v.contiguous() for k, v in K3ForCausalLM(cfg).state_dict().items()}, str(tmp_path / "ours.st"))
-    assert cli.main(["--to-hf", str(tmp_path / "ours.st"), str(tmp_path / "hf"), "model=k3_tiny",
+    assert cli.main([str(tmp_path / "ours.st"), str(tmp_path / "hf"), "--to-hf", "model=k3_tiny",
                      "model.num_layers=4", "--max-shard-size", "200000"]) == 0
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    assert cli.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    expected = K3ForCausalLM.from_hf(tmp_path / "hf").state_dict()
+    assert cli.main([str(tmp_path / "hf"), str(tmp_path / "back"), "--from-hf"]) == 0
+    step0 = ckpt.resolve_load_path("auto", tmp_path / "back")
+    back, _, _ = ckpt.read_shard(step0)
+    expected = load_hf(tmp_path / "hf").state_dict()
     assert sorted(back) == sorted(expected) and all(torch.equal(back[k], v) for k, v in expected.items())
-    saved_cfg = json.loads((tmp_path / "back" / "model_config.json").read_text())
+    saved_cfg = ckpt.read_meta(step0)["model"]
     assert saved_cfg["num_layers"] == 4 and saved_cfg["mla_latent_norm_eps"] == cfg.mla_latent_norm_eps
-    assert cli.main(["--to-hf", str(tmp_path / "ours.st")]) == 2
-    assert "convert_hf:" in capsys.readouterr().err
+    capsys.readouterr()
+    assert cli.main([str(tmp_path / "ours.st"), str(tmp_path / "hf2"), "--to-hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "model=NAME" in err[0]

@@ -9,12 +9,14 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_k3.annotations import annotate as set_meta
+from megatron_k3.annotations import meta
 from megatron_k3.config import ConfigError, OptimConfig, RunConfig, compose_run_config, load_model_config
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.model.mla import GatedMLA, document_causal_mask
 from megatron_k3.optim import build_optimizer
-from megatron_k3.optim.muon import NS_COEFFICIENTS, QKClip, muon_rule, newton_schulz, to_blocks
-from megatron_k3.parallel.layers import mark_batched_matrices, mark_expert_blocks, mark_head_blocks
+from megatron_k3.optim.grouping import muon_rule
+from megatron_k3.optim.muon import NS_COEFFICIENTS, QKClip, newton_schulz, to_blocks
 
 BAND = (0.6, 1.25)
 # NS5's scalar map p sends s in [SMALLEST, 1] into BAND, and nothing below SMALLEST (computed below).
@@ -56,8 +58,7 @@ def _muon_block_shapes(model_name, overrides=()):
         rule = muon_rule(p)
         if rule.startswith("muon/"):
             layout = {"muon/expert": "batched", "muon/matrix": "matrix"}.get(rule, "blocks")
-            x = to_blocks(torch.empty(p.shape, device="meta"), layout, getattr(p, "muon_blocks", 1),
-                          getattr(p, "muon_block_axis", 0))
+            x = to_blocks(torch.empty(p.shape, device="meta"), layout, meta(p).blocks, meta(p).block_axis)
             shapes.add(tuple(x.shape[-2:]))
     return shapes
 
@@ -129,7 +130,7 @@ def test_per_head_independence(H, K, D, axis, shrinks_below):
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
     G100 = G.clone()
     to_blocks(G100, "blocks", H, axis)[0] *= 100
-    annotate = lambda p: mark_head_blocks(p, H, axis)  # noqa: E731
+    annotate = lambda p: set_meta(p, blocks=H, block_axis=axis, block_kind="heads")  # noqa: E731
     for per_head in (True, False):
         before = _rms_per_block(_one_step_update(shape, G, per_head, annotate), H, axis)[1:]
         after = _rms_per_block(_one_step_update(shape, G100, per_head, annotate), H, axis)[1:]
@@ -147,9 +148,13 @@ def test_experts_are_independent():
     """Routed experts [E, A, B] and fused shared-expert blocks: one expert's gradient x100 leaves the others'
     updates unchanged (never orthogonalised across the expert axis)."""
     g = torch.Generator().manual_seed(5)
-    cases = [((4, 64, 32), mark_batched_matrices, lambda t: t),
-             ((2 * 48, 64), lambda p: mark_expert_blocks(p, 2, 0), lambda t: t.view(2, 48, 64)),
-             ((64, 2 * 48), lambda p: mark_expert_blocks(p, 2, 1), lambda t: t.view(64, 2, 48).transpose(0, 1))]
+
+    def experts(axis):
+        return lambda p: set_meta(p, blocks=2, block_axis=axis, block_kind="experts")
+
+    cases = [((4, 64, 32), lambda p: set_meta(p, batched=True), lambda t: t),
+             ((2 * 48, 64), experts(0), lambda t: t.view(2, 48, 64)),
+             ((64, 2 * 48), experts(1), lambda t: t.view(64, 2, 48).transpose(0, 1))]
     for shape, annotate, blocks in cases:
         G = torch.randn(*shape, generator=g)
         G100 = G.clone()
@@ -186,8 +191,8 @@ def test_grouping_rules_and_log(caplog):
         assert frags, f"no expectation for {name}"
         expected = EXPECTED_RULES[max(frags, key=len)]  # the most specific fragment
         assert muon_rule(p) == expected, (name, muon_rule(p), expected)
-    heads = {n: (p.muon_blocks, p.muon_block_axis) for n, p in model.named_parameters()
-             if getattr(p, "muon_block_kind", None) == "heads"}
+    heads = {n: (meta(p).blocks, meta(p).block_axis) for n, p in model.named_parameters()
+             if meta(p).block_kind == "heads"}
     assert heads["model.layers.0.self_attn.q_proj.weight"] == (cfg.kda_num_heads, 0)
     assert heads["model.layers.0.self_attn.o_proj.weight"] == (cfg.kda_num_heads, 1)
     assert heads["model.layers.3.self_attn.kv_b_proj.weight"] == (cfg.mla_num_heads, 0)
@@ -331,7 +336,7 @@ def test_momentum_and_update_match_plain_reference(nesterov, heads, axis):
     grads = [torch.randn(64, 96, generator=g) for _ in range(4)]
     p = nn.Parameter(W0.clone())
     if heads > 1:
-        mark_head_blocks(p, heads, axis)
+        set_meta(p, blocks=heads, block_axis=axis, block_kind="heads")
     opt = build_optimizer(_Holder(p), OptimConfig(name="muon", lr=0.01, weight_decay=0.1, momentum=0.9,
                                                   nesterov=nesterov, ns_dtype="fp32"))
     for G in grads:

@@ -31,7 +31,6 @@ sizes in tests/test_train.py).
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_engine import _full_params
 
@@ -47,7 +46,7 @@ RTOL = 1e-5
 
 def _train(rank, world, overrides, run_dir):
     from megatron_k3.config import compose_run_config
-    from megatron_k3.optim.muon import muon_rule
+    from megatron_k3.optim.grouping import muon_rule
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
@@ -87,6 +86,7 @@ def _max_rel(a, b):
     (2, ["parallel.ep=2"], "ZeroMuon", False),  # routed experts on their EP rank, dense ZeRO-1 over dp=2
     (1, ["parallel.zero_stage=0"], "Muon", False),  # plain Muon, DeepSpeed clipping p.grad
 ], ids=["dp2-zero1", "dp2-zero2", "tp2", "ep2", "one-process-zero0"])
+@pytest.mark.slow
 def test_muon_layout_equals_single_process(reference, tmp_path, world, overrides, optimizer, bitwise):
     ref_losses, ref_norms, ref_params, rules, ref_opt, ref_moved = reference
     assert ref_opt == "ZeroMuon"  # one process runs ZeRO-1 too (the default stage), over one partition
@@ -141,6 +141,7 @@ def _resume(rank, world, overrides, run_dir):
     return out, {n: float(m.abs().max()) for n, m in momenta.items()}
 
 
+@pytest.mark.slow
 def test_muon_resume_is_bitwise(tmp_path):
     """dp=2, ZeRO-1: N + M steps equal N steps, save, load, M steps, bit for bit: the fp32 masters, AdamW's
     moments and DeepSpeed's flat Muon momentum (stored per parameter at full size, as one process stores it)

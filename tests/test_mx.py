@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_k3.ops.mx import (FORMATS, dequantize_mx, elem_values, fake_quant_mx, mx_round_trip, pack_e2m1,
-                                quantize_mx, unpack_e2m1)
+from megatron_k3.ops.mx import (
+    FORMATS,
+    dequantize_mx,
+    elem_values,
+    fake_quant_mx,
+    mx_round_trip,
+    pack_e2m1,
+    quantize_mx,
+    unpack_e2m1,
+)
 
 FMTS = ("e2m1", "e4m3", "e5m2")
 MODES = ("floor", "rceil")

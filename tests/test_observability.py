@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from conftest import OBS_FAST as FAST
 
 from megatron_k3.config import load_model_config
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.planning.activations import attn_res_sources
 from megatron_k3.planning.flops import model_flops
-from conftest import OBS_FAST as FAST
 from megatron_k3.training.metrics import ModelStats, attn_res_matrix, throughput, wandb_scalars
+
 
 @pytest.fixture(scope="module")
 def run_dir(short_run_dir):
@@ -28,6 +29,7 @@ def _cfg():
     return load_model_config("k3_tiny", [o for o in FAST if o.startswith("model.")])
 
 
+@pytest.mark.slow
 def test_records_hold_flops_mfu_and_memory(rows):
     cfg = _cfg()
     per_token = model_flops(cfg, 64, "causal").train_per_token
@@ -37,6 +39,7 @@ def test_records_hold_flops_mfu_and_memory(rows):
         assert r["memory"]["kind"] == "cpu_peak_rss" and r["memory"]["peak_gb"] > 0
 
 
+@pytest.mark.slow
 def test_records_hold_router_and_depth_mix_statistics(rows):
     cfg = _cfg()
     moe = [i for i, t in enumerate(cfg.ffn_types()) if t == "moe"]
@@ -60,6 +63,7 @@ def test_records_hold_router_and_depth_mix_statistics(rows):
     assert m.shape == (len(labels), out_src) and labels[-1] == "output"
 
 
+@pytest.mark.slow
 def test_per_expert_load_on_the_media_cadence(rows):
     cfg = _cfg()
     detail = {r["step"]: r["expert_load_per_expert"] for r in rows if "expert_load_per_expert" in r}

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_k3.ops.attn_res import attn_res, attn_res_block_stats, attn_res_merge
+from megatron_k3.ops.glu import glu_act, situ
 from megatron_k3.ops.short_conv import causal_conv1d, causal_conv1d_reference
-from megatron_k3.model.situ import glu_act, situ
 
 
 def _load_fla_naive_attnres():

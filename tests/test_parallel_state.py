@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import DistributedError, run_distributed
+
 from megatron_k3.config import ConfigError, ModelConfig, RunConfig
+from megatron_k3.errors import ParallelConfigError
+from megatron_k3.layout import GROUPS, RankGrid, check_divisibility
 from megatron_k3.parallel import state as ps
-from megatron_k3.parallel.state import GROUPS, MPU, ParallelConfigError, RankGrid, check_divisibility
+from megatron_k3.parallel.mpu import MPU, get_mpu
 
 DENSE = ["tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp-cp"]
 # our expert group name -> megatron-core's token on its expert RankGenerator
@@ -192,7 +194,7 @@ def test_single_process_without_torch_distributed(caplog):
     assert ps.get_tensor_model_parallel_group() is None and ps.get_expert_model_parallel_group() is None
     assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
     assert ps.describe()["world_size"] == 1
-    mpu = ps.get_mpu()
+    mpu = get_mpu()
     assert mpu.get_data_parallel_world_size() == 1 and mpu.get_model_parallel_rank() == 0
     assert mpu.get_data_parallel_group_ranks() == [0]
 
@@ -259,6 +261,7 @@ def _check_layout(results, world, sizes):
         assert shared == (grid.cp == 1)  # identical member lists share one communicator
 
 
+@pytest.mark.slow
 def test_world4_tp2_groups_and_collectives():
     results = run_distributed(_layout_worker, 4, dict(tp=2))
     _check_layout(results, 4, dict(tp=2))
@@ -269,6 +272,7 @@ def test_world4_tp2_groups_and_collectives():
     assert [r[1]["tp"] for r in results] == [3, 3, 12, 12] and [r[1]["dp"] for r in results] == [5, 10, 5, 10]
 
 
+@pytest.mark.slow
 def test_world4_ep2_expert_groups():
     results = run_distributed(_layout_worker, 4, dict(ep=2))
     _check_layout(results, 4, dict(ep=2))
@@ -277,6 +281,7 @@ def test_world4_ep2_expert_groups():
     assert all(r[0]["dp"][0] == [0, 1, 2, 3] for r in results)  # dense DP folds over EP
 
 
+@pytest.mark.slow
 def test_world8_all_axes():
     sizes = dict(tp=2, ep=2, pp=2, cp=1, etp=1)
     _check_layout(run_distributed(_layout_worker, 8, sizes), 8, sizes)
@@ -288,6 +293,7 @@ def _bad_layout_worker(rank, world):
     ps.initialize_model_parallel(tp=4)  # world 2: tp*cp*pp = 4 does not divide it
 
 
+@pytest.mark.slow
 def test_bad_layout_fails_on_every_rank_without_hanging():
     with pytest.raises(DistributedError) as info:
         run_distributed(_bad_layout_worker, 2, timeout=60)
@@ -304,6 +310,7 @@ def _one_rank_raises_worker(rank, world):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_helper_reports_a_failed_rank_and_stops_the_rest():
     with pytest.raises(DistributedError) as info:
         run_distributed(_one_rank_raises_worker, 2, timeout=60)
@@ -316,6 +323,7 @@ def _sleepy_worker(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_helper_kills_workers_at_the_timeout():
     with pytest.raises(DistributedError, match=r"timed out after 3 s; ranks \[0\]"):
         run_distributed(_sleepy_worker, 2, timeout=3)
@@ -355,7 +363,7 @@ def _deepspeed_worker(rank, world):
     # The shared-memory comm op is a C++ JIT build (half a minute on a cold cache) unrelated to the mpu.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ps.initialize_model_parallel(tp=2, cp=2)  # world 4: dp = 1, dp x cp = 2
-    mpu = ps.get_mpu()
+    mpu = get_mpu()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     before = model.weight.detach().clone()
@@ -382,6 +390,7 @@ def _deepspeed_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_deepspeed_initialize_with_our_mpu():
     pytest.importorskip("deepspeed")
     results = run_distributed(_deepspeed_worker, 4, timeout=120)

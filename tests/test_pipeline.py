@@ -9,7 +9,6 @@ Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
 
@@ -39,7 +38,7 @@ def test_schedule_1f1b_order():
 
 def test_stage_split_and_config_errors():
     from megatron_k3.config import ConfigError, compose_run_config
-    from megatron_k3.parallel.pipeline import stage_ranges
+    from megatron_k3.layout import stage_layers as stage_ranges
 
     run, _, _ = compose_run_config(["model.num_layers=10", "model.attn_res_block_size=3"], world_size=1)
     # blocks [0,3) [3,6) [6,9) [9,10): cuts only at block boundaries, balanced by layer count
@@ -57,10 +56,10 @@ def test_stage_split_and_config_errors():
 def test_stage_holds_only_its_layers():
     from megatron_k3.config import compose_run_config
     from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.parallel.pipeline import cut_stage
 
     run, _, _ = compose_run_config(FAST, world_size=1)
-    names = [{n for n, _ in K3ForCausalLM(run.model, stage=st).named_parameters()}
-             for st in ((0, 2, True, False), (2, 4, False, True))]
+    names = [{n for n, _ in cut_stage(K3ForCausalLM(run.model), 2, stage).named_parameters()} for stage in (0, 1)]
     full = {n for n, _ in K3ForCausalLM(run.model).named_parameters()}
     assert names[0] | names[1] == full and not names[0] & names[1]  # global names, each parameter once
     assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
@@ -94,6 +93,7 @@ def reference(tmp_path_factory):
     (2, ["parallel.pp=2"]),
     (4, ["parallel.pp=2", "parallel.tp=2"]),
 ], ids=["pp2", "pp2xtp2"])
+@pytest.mark.slow
 def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
     ref_losses, ref_params, ref_logged = reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
@@ -150,6 +150,7 @@ def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):
     (["parallel.pp=2"], ["parallel.pp=2"]),
     (["parallel.pp=2"], []),
 ], ids=["pp2-pp2", "pp2-to-dp2"])
+@pytest.mark.slow
 def test_checkpoint_across_pipeline_layouts(tmp_path, save, load):
     """Each stage writes its own parameters under their global names (files `_ppXX`); a checkpoint loads under
     any pipeline split. Same layout: bit for bit; across layouts (pp=2 vs dp=2, both 2 processes): the

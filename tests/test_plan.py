@@ -214,7 +214,7 @@ def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
     # the default optim=muon: ZeRO-1's fp32 partition (4 B), Muon's momentum for the matrices it updates (4 B),
     # AdamW's two moments for the rest (8 B); the real run's states: tests/test_plan_cpu_check.py
     from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.optim.muon import muon_rule
+    from megatron_k3.optim.grouping import muon_rule
 
     model = K3ForCausalLM(load_model_config("k3_tiny"), init=False)
     m = sum(p.numel() for p in model.parameters() if muon_rule(p).startswith("muon/"))

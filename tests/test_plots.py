@@ -41,6 +41,7 @@ def _png_ok(path: Path):
         assert colors is None or len(colors) > 50  # heatmaps and curves, not a flat figure
 
 
+@pytest.mark.slow
 def test_plot_training_writes_the_pngs(run_dir, tool, capsys):
     out = run_dir / "pngs"
     assert tool.main([str(run_dir / "metrics.jsonl"), "--out", str(out)]) == 0

@@ -8,14 +8,23 @@ import pytest
 import torch
 
 from megatron_k3.config import ConfigError, PrecisionConfig, RunConfig, compose_run_config, load_model_config
-from megatron_k3.interop.k3_experts import (dequantize_k3_weight, export_model_experts, import_model_experts,
-                                            quantize_k3_weight)
+from megatron_k3.interop.k3_experts import (
+    dequantize_k3_weight,
+    export_model_experts,
+    import_model_experts,
+    quantize_k3_weight,
+)
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.model.experts import GroupedExperts
-from megatron_k3.model.situ import glu_act
+from megatron_k3.ops.glu import glu_act
 from megatron_k3.ops.mx import fake_quant_mx
-from megatron_k3.precision import (ExpertQAT, autocast_dtype, enable_expert_qat, forward_context,
-                                   prepare_model_for_precision)
+from megatron_k3.precision import (
+    ExpertQAT,
+    autocast_dtype,
+    enable_expert_qat,
+    forward_context,
+    prepare_model_for_precision,
+)
 
 MX_QAT = PrecisionConfig(name="mx_qat", dtype="bf16")
 

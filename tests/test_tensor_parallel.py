@@ -3,10 +3,13 @@ parameter, and losses and parameters after SGD steps (gloo workers)."""
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
+from megatron_k3.annotations import meta
 from megatron_k3.config import load_model_config
 from megatron_k3.model import K3ForCausalLM
+
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 OVERRIDES = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "attn_res_block_size=2"]
 RTOL = 1e-5  # fp32: partial sums of sharded matmuls are added in a different order
@@ -49,7 +52,7 @@ def _full(model, tensors, group, size):
     out = {}
     for n, p in model.named_parameters():
         t = tensors[n]
-        d = getattr(p, "tp_split_dim", None)
+        d = meta(p).tp_dim
         if d is not None and size > 1:
             parts = [torch.empty_like(t) for _ in range(size)]
             torch.distributed.all_gather(parts, t.contiguous(), group=group)
@@ -59,14 +62,12 @@ def _full(model, tensors, group, size):
 
 
 def _worker(rank, world, tp, sp, steps):
-    from megatron_k3.parallel import state
-    from megatron_k3.parallel.layers import set_sequence_parallel
+    from megatron_k3.parallel import ParallelGroups, parallelize, state
 
-    state.initialize_model_parallel(tp=tp)
-    set_sequence_parallel(sp)
+    ps = state.initialize_model_parallel(tp=tp)
     try:
         torch.manual_seed(0)
-        model = K3ForCausalLM(load_model_config("k3_tiny", OVERRIDES))
+        model = parallelize(K3ForCausalLM(load_model_config("k3_tiny", OVERRIDES)), ParallelGroups.from_state(ps, sp))
         dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
         losses, grads = _train(model, steps, state.get_data_parallel_group(), dp_rank, dp)
         g = state.get_tensor_model_parallel_group()
@@ -74,7 +75,6 @@ def _worker(rank, world, tp, sp, steps):
         params = _full(model, {n: p.detach() for n, p in model.named_parameters()}, g, tp)
         return losses, grads, params
     finally:
-        set_sequence_parallel(False)
         state.destroy_model_parallel()
 
 

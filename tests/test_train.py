@@ -12,6 +12,8 @@ import pytest
 from megatron_k3.train import main
 from megatron_k3.training.wandb_files import find_run_files, history
 
+pytestmark = pytest.mark.slow  # multi-process worlds or training runs
+
 ROOT = Path(__file__).resolve().parent.parent
 # Small and fast: a 4-layer K3 (KDA, KDA, KDA, MLA; MoE; AttnRes) on 64-token sequences.
 FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",

@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""Convert megatron-k3 training checkpoints: re-shard for another tensor-parallel size, or to / from the Hugging Face
-layouts (offline, no processes).
+"""Convert megatron-k3 checkpoints: re-shard a training checkpoint for another tensor-parallel size, or convert to /
+from the Hugging Face layouts (offline, no processes). The one converter of the project.
 
     python tools/convert_checkpoint.py SRC DST [--tp N]
     python tools/convert_checkpoint.py SRC OUT_DIR --to-hf [--layout k3|kimi_linear] [--dtype bfloat16|float32]
+                                       [--max-shard-size BYTES] [model=NAME model.KEY=VALUE ...]
     python tools/convert_checkpoint.py HF_DIR DST --from-hf [--layout auto|k3|kimi_linear]
 
---to-hf: the checkpoint's fp32 master weights (any TP/EP/PP layout, merged) as a Hugging Face directory
-(config.json + safetensors; megatron_k3.interop.hf). --from-hf: a checkpoint at step 0 holding the Hugging Face
-model's weights and no optimizer states, which `checkpoint.load=DST` starts a run from (fine-tuning).
+--to-hf: SRC is a training checkpoint (its fp32 master weights, any TP/EP/PP layout, merged; the model config comes
+from its meta.json), or our unsharded weights as one safetensors file (or a directory holding `model.safetensors`)
+with the model named by `model=NAME` and overrides; OUT_DIR gets config.json and the tensors, sharded with an index
+above --max-shard-size (megatron_k3.interop.hf). --from-hf: DST gets a checkpoint at step 0 holding the Hugging
+Face model's weights (fp32) and its model config, and no optimizer states, which `checkpoint.load=DST` starts a run
+from (fine-tuning).
 
 SRC: a checkpoint (`.../checkpoints/step_00000100`) or a checkpoint directory (its newest complete checkpoint).
 DST: the checkpoint directory to write into; the result is DST/step_<same step>, committed atomically with
@@ -29,6 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import dataclasses  # noqa: E402
+
+import torch  # noqa: E402
+
+from megatron_k3.config import ConfigError, ModelConfig, load_model_config  # noqa: E402
+from megatron_k3.interop import load_hf, save_hf  # noqa: E402
+from megatron_k3.model import K3ForCausalLM  # noqa: E402
 from megatron_k3.training import checkpoint as ckpt  # noqa: E402
 
 
@@ -56,40 +67,42 @@ def convert(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
     return ckpt.commit(tmp, final, out)
 
 
-def _model_config(meta: dict):
-    from megatron_k3.config import ModelConfig
-
-    return ModelConfig(**meta["model"])
-
-
-def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None) -> Path:
-    """The newest (or given) checkpoint's master weights, whatever layout saved them, as a Hugging Face directory."""
-    import torch
-
-    from megatron_k3.model import K3ForCausalLM
-
-    path = ckpt.resolve_load_path(str(src), Path(src))
+def _weights(src: Path, overrides: list):
+    """(model config, tensors) of SRC: a training checkpoint (config from meta.json), or an unsharded weights file
+    (config from model=NAME and model.KEY=VALUE overrides)."""
+    if src.is_file() or (src / "model.safetensors").is_file() and not (src / "meta.json").is_file():
+        name = next((a.split("=", 1)[1] for a in overrides if a.startswith("model=")), None)
+        if name is None:
+            raise ValueError(f"{src} is a weights file, not a training checkpoint: name its model with model=NAME")
+        cfg = load_model_config(name, [a for a in overrides if not a.startswith("model=")])
+        return cfg, ckpt.load_tensors(src if src.is_file() else src / "model.safetensors")
+    if overrides:
+        raise ValueError(f"{src} is a training checkpoint, whose meta.json names its model: drop {overrides}")
+    path = ckpt.resolve_load_path(str(src), src)
     meta = ckpt.read_meta(path)
-    tensors, _, _ = ckpt.read_full(path, meta)
-    model = K3ForCausalLM(_model_config(meta), init=False)
+    return ModelConfig(**meta["model"]), ckpt.read_full(path, meta)[0]
+
+
+def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None,
+          max_shard_size: int | None = None, overrides: list = ()) -> Path:
+    """SRC's weights (a training checkpoint in any layout, or an unsharded weights file) as a Hugging Face
+    directory."""
+    cfg, tensors = _weights(Path(src), list(overrides))
+    model = K3ForCausalLM(cfg, init=False)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k in dict(model.named_parameters())]
     if missing or unexpected:
-        raise ckpt.CheckpointError(f"{path}: does not match its own model config (missing {missing[:5]}, "
+        raise ckpt.CheckpointError(f"{src}: does not match its model config (missing {missing[:5]}, "
                                    f"unexpected {unexpected[:5]})")
     kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
-    return Path(model.save_hf(out, layout=layout, **kwargs))
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    return Path(save_hf(model, out, layout=layout, **kwargs))
 
 
 def from_hf(hf_dir: str | Path, dst: str | Path, layout: str = "auto") -> Path:
     """A Hugging Face directory as a step-0 training checkpoint (weights, no optimizer states)."""
-    import dataclasses
-
-    import torch
-
-    from megatron_k3.model import K3ForCausalLM
-
-    model = K3ForCausalLM.from_hf(hf_dir, layout=layout)
+    model = load_hf(hf_dir, layout=layout)
     named = dict(model.named_parameters())
     tensors = {k: v.detach().to(torch.float32 if k in named else v.dtype).contiguous()
                for k, v in model.state_dict().items()}
@@ -107,17 +120,21 @@ def main(argv=None) -> int:
     ap.add_argument("--from-hf", action="store_true", help="read SRC as a Hugging Face directory")
     ap.add_argument("--layout", default=None, help="k3 | kimi_linear (--to-hf, default k3); auto (--from-hf)")
     ap.add_argument("--dtype", default=None, help="--to-hf: bfloat16 | float32 for the non-expert tensors")
-    a = ap.parse_args(argv)
+    ap.add_argument("--max-shard-size", type=int, default=None, help="--to-hf: bytes per safetensors shard")
+    a, overrides = ap.parse_known_args(argv)
     try:
         if a.to_hf and a.from_hf:
             raise ValueError("--to-hf and --from-hf exclude each other")
+        bad = [o for o in overrides if "=" not in o or not o.startswith("model")]
+        if bad or (overrides and not a.to_hf):
+            raise ValueError(f"unexpected arguments {bad or overrides}; model=NAME and model.KEY=VALUE go with --to-hf")
         if a.to_hf:
-            out = to_hf(a.src, a.dst, a.layout or "k3", a.dtype)
+            out = to_hf(a.src, a.dst, a.layout or "k3", a.dtype, a.max_shard_size, overrides)
         elif a.from_hf:
             out = from_hf(a.src, a.dst, a.layout or "auto")
         else:
             out = convert(a.src, a.dst, a.tp)
-    except (ckpt.CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ckpt.CheckpointError, ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -32,6 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_k3.config import CONF_DIR, ConfigError, compose_config  # noqa: E402
+from megatron_k3.model.params import count_parameters  # noqa: E402
+from megatron_k3.planning import report  # noqa: E402
+from megatron_k3.planning.layout import Layout  # noqa: E402
+from megatron_k3.planning.memory import Workload  # noqa: E402
+from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
 
 FLAGS_WITH_VALUE = {"--mode", "--batch", "--context", "--optimizer", "--recompute", "--zero", "--kernels",
                     "--grad-dtype", "--top"}
@@ -73,7 +78,8 @@ def compose(overrides, flags):
     optimizer = flags.get("--optimizer")
     keep = []
     for o in overrides:
-        if o.split("=", 1)[0] == "optim" and o.split("=", 1)[1] == "muon" and not (CONF_DIR / "optim" / "muon.yaml").is_file():
+        if (o.split("=", 1)[0] == "optim" and o.split("=", 1)[1] == "muon"
+                and not (CONF_DIR / "optim" / "muon.yaml").is_file()):
             optimizer = optimizer or "muon"
             continue
         keep.append(o)
@@ -90,13 +96,6 @@ def compose(overrides, flags):
 
 
 def main(argv):
-    from megatron_k3.model.params import count_parameters
-    from megatron_k3.planning import report
-    from megatron_k3.planning.layout import Layout
-    from megatron_k3.planning.memory import Workload
-    from megatron_k3.planning.planner import (plan_inference, plan_training, search_inference,
-                                              search_training)
-
     try:
         overrides, flags = parse(argv)
         if flags.get("help"):

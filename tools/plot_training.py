@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_k3.training.metrics import attn_res_matrix  # noqa: E402
+
 
 def load(path: Path) -> list:
     f = path / "metrics.jsonl" if path.is_dir() else path
@@ -113,8 +115,6 @@ def plot_expert_load(rows: list, out: Path):
 
 def plot_attn_res(rows: list, out: Path):
     import numpy as np
-
-    from megatron_k3.training.metrics import attn_res_matrix
 
     recs = [r for r in rows if r.get("attn_res_weights")]
     if not recs:

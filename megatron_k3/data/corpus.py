@@ -18,10 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .dataset import ArrayDocuments
 from .tokenizer import eod_id, load_tokenizer, train_bpe
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# <repo>/.cache in a source checkout, else the user's cache directory (an installed package)
+DEFAULT_CACHE = (REPO_ROOT / ".cache" if (REPO_ROOT / "pyproject.toml").is_file()
+                 else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_k3")
 
 
 def stdlib_files() -> list:
@@ -50,7 +54,7 @@ def build_embedded_corpus(cache_dir: str | Path | None, vocab_size: int, progres
     doc_offsets.npy and meta.json. Safe against concurrent builders: everything is written to a temporary
     directory and renamed into place."""
     files = stdlib_files()
-    base = Path(cache_dir) if cache_dir else REPO_ROOT / ".cache" / "embedded"
+    base = Path(cache_dir) if cache_dir else DEFAULT_CACHE / "embedded"
     out = base / _key(files, vocab_size)
     if (out / "meta.json").is_file():
         return out
@@ -93,8 +97,6 @@ class EmbeddedCorpus:
     """The cached corpus as documents (each file's tokens followed by the end-of-document token)."""
 
     def __init__(self, cache_dir, vocab_size: int, progress: bool = True):
-        from .dataset import ArrayDocuments
-
         self.dir = build_embedded_corpus(cache_dir, vocab_size, progress)
         self.meta = json.loads((self.dir / "meta.json").read_text())
         self.documents = ArrayDocuments(np.load(self.dir / "tokens.npy", mmap_mode="r"),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import parse_split
+
 
 class ArrayDocuments:
     """Documents stored back to back in one token array, delimited by offsets [N+1]."""
@@ -162,8 +164,6 @@ class BlendedDataset:
 
 def split_documents(num_docs: int, split: str) -> dict:
     """Megatron-style 'train,valid,test' proportions over contiguous document ranges."""
-    from ..config import parse_split
-
     parts = parse_split(split)
     bounds = np.round(np.cumsum([0.0] + parts) * num_docs).astype(np.int64)
     return {k: np.arange(bounds[i], bounds[i + 1]) for i, k in enumerate(("train", "valid", "test"))}

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
+from ..annotations import meta
+from ..config import RUNTIME_MODEL_KEYS
+from ..model import K3ForCausalLM
+from ..model.experts import GroupedExperts
 from . import k3_layout, kimi_linear
+from .k3_experts import export_scale_mode
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +31,6 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes, transformers' historical default ("5GB")
-# ModelConfig keys that do not change the checkpoint's tensors or the forward pass's math
-NON_ARCHITECTURAL = ("name", "initializer_range", "kda_a_log_init", "kda_chunk_size", "moe_overflow",
-                     "moe_capacity_factor", "router_force_balanced")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -47,7 +49,7 @@ class ConfigMismatchError(ValueError):
 def _architecture(cfg) -> dict:
     """The keys of a ModelConfig that define the tensors and the math, in one canonical spelling each."""
     d = dataclasses.asdict(cfg)
-    for k in NON_ARCHITECTURAL + ("mla_layers", "mla_every", "mla_at_last", "shared_intermediate_size",
+    for k in RUNTIME_MODEL_KEYS + ("mla_layers", "mla_every", "mla_at_last", "shared_intermediate_size",
                                   "kda_decay_rank"):
         d.pop(k)
     d["mla_layers"] = [i + 1 for i, t in enumerate(cfg.layer_types()) if t == "mla"]
@@ -176,8 +178,6 @@ def load_hf(path, layout: str = "auto", config=None):
     """A K3ForCausalLM with the weights of a Hugging Face directory. `config`: the ModelConfig the caller expects
     (its non-architectural knobs, e.g. moe_overflow, are kept); it must agree with config.json, or
     ConfigMismatchError names every differing key. Without it the model is built from config.json."""
-    from ..model import K3ForCausalLM
-
     hf_config, tensors = read_checkpoint(path)
     if layout == "auto":
         layout = detect_layout(hf_config)
@@ -192,7 +192,7 @@ def load_hf(path, layout: str = "auto", config=None):
     else:
         sd = kimi_linear.from_hf_state_dict(tensors, cfg)
     model = K3ForCausalLM(cfg, init=False)
-    model.load_full_state_dict(sd, strict=True)
+    model.load_state_dict(sd, strict=True)
     log.info("loaded %s (%s layout, %d tensors)", path, layout, len(tensors))
     return model
 
@@ -219,13 +219,10 @@ def save_hf(model, path, layout: str = "k3", dtype=None, max_shard_size: int = D
     `scale_mode` (default: the model's QAT weight mode, else floor).
     layout "kimi_linear": every tensor in `dtype` (default: as the model holds it), the same fp32 ones kept fp32.
     Returns the directory."""
-    from ..model.experts import GroupedExperts
-    from .k3_experts import export_scale_mode
-
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    if model.tp.size > 1 or any(m.num_local != m.num_experts for m in experts):
+    if any(meta(p).tp_dim is not None or meta(p).expert_parallel for p in model.parameters()):
         raise ValueError("save_hf needs an unsharded model (tensor and expert parallel size 1); gather the "
                          "shards into one process first")
     cfg = model.cfg

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.experts import GroupedExperts
 from ..ops.mx import dequantize_mx, pack_e2m1, quantize_mx, unpack_e2m1
 
 MATRICES = ("w1", "w2", "w3")
@@ -128,8 +129,6 @@ def import_experts(experts, tensors: dict, prefix: str, expert_offset: int = 0) 
 
 
 def _expert_modules(model):
-    from ..model.experts import GroupedExperts
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 

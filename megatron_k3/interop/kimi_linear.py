@@ -90,7 +90,8 @@ def map_hf_state_dict(hf: dict, cfg) -> dict:
                 take(f"{a}{n}.weight")
             conv = hf.pop(a + "conv1d.weight")  # [3*H*K, 1, W]: q, k, v channels in that order
             if conv.shape != (3 * HK, 1, cfg.kda_conv_size):
-                raise ValueError(f"{a}conv1d.weight: shape {tuple(conv.shape)}, expected {(3 * HK, 1, cfg.kda_conv_size)}")
+                raise ValueError(f"{a}conv1d.weight: shape {tuple(conv.shape)}, "
+                                 f"expected {(3 * HK, 1, cfg.kda_conv_size)}")
             for j, n in enumerate(("q_conv1d", "k_conv1d", "v_conv1d")):
                 out[a + n] = conv[j * HK:(j + 1) * HK].clone()
             for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias"):

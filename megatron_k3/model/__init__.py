@@ -1,4 +1,4 @@
-"""The K3 model family as single-device PyTorch modules."""
+"""The K3 model family as single-device PyTorch modules (megatron_k3.parallel parallelises them from outside)."""
 
 from .k3 import CausalLMOutput, K3ForCausalLM, K3Model
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..annotations import annotate
 from ..ops.attn_res import attn_res
-from ..parallel.layers import current_tp, mark_adamw_only, mark_partial_grad
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
+from .mlp import GatedMLP
 from .moe import StableLatentMoE
 from .norm import RMSNorm
-from .situ import GatedMLP
 
 
 @dataclass
@@ -41,8 +41,10 @@ class DepthMix(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
+        # nn.Linear's default init draws from the random stream before the model's init zeroes the query; kept so
+        # that a seed gives the initial weights it always gave
         self.proj = nn.Linear(dim, 1, bias=False)
-        mark_adamw_only(self.proj.weight, "attn_res_query")
+        annotate(self.proj.weight, adamw_reason="attn_res_query")
         self.norm = RMSNorm(dim, eps)
         self.last_weights_N: torch.Tensor | None = None
 
@@ -72,18 +74,11 @@ class DecoderLayer(nn.Module):
             # names follow the K3 checkpoint: self_attention_res_{proj,norm}, mlp_res_{proj,norm}
             self.self_attention_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
-        tp = current_tp()
-        if tp.size > 1 and tp.sequence_parallel:  # norms and depth mixes see this rank's sequence shard only
-            for m in [self.input_layernorm, self.post_attention_layernorm] + (
-                    [self.self_attention_res, self.mlp_res] if self.attn_res else []):
-                for p in m.parameters():
-                    mark_partial_grad(p)
 
-    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None, context=None) -> ResidualState:
-        """context: this rank's SequenceShard under context parallelism (only the mixer needs it)."""
+    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None) -> ResidualState:
         if not self.attn_res:
             h = st.hidden
-            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state, context=context)
+            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state)
             h = h + self.mlp(self.post_attention_layernorm(h))
             return ResidualState(hidden=h)
         blocks, p = list(st.blocks), st.partial
@@ -91,7 +86,7 @@ class DecoderLayer(nn.Module):
         if self.layer_idx % self.block_size == 0:  # the finished block (or the embedding) is frozen
             blocks.append(p)
             p = None
-        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state, context=context)
+        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state)
         p = a if p is None else p + a
         x_mlp = self.mlp_res(blocks + [p])
         p = p + self.mlp(self.post_attention_layernorm(x_mlp))

@@ -4,6 +4,9 @@ Legend: B batch, T query tokens, S key tokens, D hidden, H heads, N qk_nope dim,
 head-shared key part, V value dim, L kv_lora_rank.
 Prefill/training uses the expanded ("MHA") form; decode uses the absorbed form over the cached
 576-wide latents [c_kv ; k_r], which with NoPE is exactly MQA with key dim L+R and value dim L.
+The steps that see the whole sequence (which positions the keys come from, the causal attention itself, and
+QK-Clip's max-logit statistic) run through `self.kernels`, so that a layout which splits the sequence can
+substitute kernels that gather it.
 QK-Clip support (MODEL.md 6.2): with `track_max_logit` on, a training forward records each head's max
 logit; `rescale_qk_` shrinks a head's logits by gamma via its query/key weights.
 """
@@ -14,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..annotations import annotate
+from ..ops.numerics import compute_dtype
 from .cache import MLAState
-from ..parallel.context import SequenceShard, attention_context_parallel, local_key_mask
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, current_tp, mark_head_blocks
-from .norm import RMSNorm, compute_dtype
+from .layers import Linear
+from .norm import RMSNorm
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -45,43 +49,76 @@ def max_logit_per_head(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, scale: float,
     return out
 
 
+class AttentionKernels:
+    """The sequence-wide steps of a Gated MLA layer over the whole sequence on one device."""
+
+    def key_positions(self, c_BTL: torch.Tensor, k_r_BTR: torch.Tensor):
+        """The normalised latent and head-shared key part of every position the local queries attend to: here the
+        queries' own."""
+        return c_BTL, k_r_BTR
+
+    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale: float) -> torch.Tensor:
+        """Causal attention (document-local with packed rows) -> [B, H, T, V]."""
+        if cu_seqlens is None:
+            return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
+        mask = document_causal_mask(cu_seqlens, q_BHTK.shape[2])
+        return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask, scale=scale)
+
+    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale: float) -> torch.Tensor:
+        """[H]: the largest logit of each head over the keys its queries may see."""
+        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, q_BHTK.shape[2])
+        return max_logit_per_head(q_BHTK, k_BHSK, scale, mask)
+
+
+class HeadBroadcast(nn.Module):
+    """The head-shared key part [B, S, R], broadcast to every head: [B, S, H, R]."""
+
+    def forward(self, k_r_BSR: torch.Tensor, heads: int) -> torch.Tensor:
+        B, S, R = k_r_BSR.shape
+        return k_r_BSR[:, :, None, :].expand(B, S, heads, R)
+
+
 class GatedMLA(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        self.tp = tp = current_tp()
-        D, Hf = cfg.hidden_size, cfg.mla_num_heads
-        H = tp.divide(Hf, "model.mla_num_heads")  # this rank's heads
-        self.layer_idx, self.H = layer_idx, H
+        D, H = cfg.hidden_size, cfg.mla_num_heads
+        self.layer_idx = layer_idx
         self.N, self.R, self.V, self.L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qk = self.N + self.R
         self.q_lora_rank = cfg.q_lora_rank
-        if self.q_lora_rank:  # the compressions stay whole on every rank (column-parallel, gathered)
-            self.q_a_proj = ColumnParallelLinear(D, self.q_lora_rank, gather_output=True, tp=tp)
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(D, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.mla_latent_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, Hf * qk, tp=tp)
+            self.q_b_proj = Linear(self.q_lora_rank, H * qk, bias=False)
         else:
-            self.q_proj = ColumnParallelLinear(D, Hf * qk, tp=tp)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(D, self.L + self.R, gather_output=True, tp=tp)
+            self.q_proj = Linear(D, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, self.L + self.R, bias=False)
         self.kv_a_layernorm = RMSNorm(self.L, cfg.mla_latent_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(self.L, Hf * (self.N + self.V), tp=tp)
+        self.kv_b_proj = Linear(self.L, H * (self.N + self.V), bias=False)
         self.gated = cfg.mla_output_gate
         if self.gated:
-            self.g_proj = ColumnParallelLinear(D, Hf * self.V, tp=tp)
-        self.o_proj = RowParallelLinear(Hf * self.V, D, tp=tp)
+            self.g_proj = Linear(D, H * self.V, bias=False)
+        self.o_proj = Linear(H * self.V, D, bias=False)
+        self.k_rope_broadcast = HeadBroadcast()
         self.scale = qk ** -0.5
         # Per-Head Muon: the per-head projections' head blocks (q_a / kv_a compressions stay whole)
         for proj in (self.q_b_proj if self.q_lora_rank else self.q_proj, self.kv_b_proj) + (
                 (self.g_proj,) if self.gated else ()):
-            mark_head_blocks(proj.weight, Hf, axis=0)
-        mark_head_blocks(self.o_proj.weight, Hf, axis=1)
+            annotate(proj.weight, blocks=H, block_axis=0, block_kind="heads")
+        annotate(self.o_proj.weight, blocks=H, block_axis=1, block_kind="heads")
+        self.kernels = AttentionKernels()
         self.track_max_logit = False  # QK-Clip: record max_logit_H [H] (running max until the optimizer reads it)
         self.max_logit_H = None
 
+    @property
+    def H(self) -> int:
+        """The heads this module computes (all of them; a tensor-parallel rank's share once parallelised)."""
+        return self.kv_b_proj.weight.shape[0] // (self.N + self.V)
+
     def _queries(self, x):
         B, T, _ = x.shape
-        q = (self.q_b_proj(self.tp.copy(self.q_a_layernorm(self.q_a_proj(x)))) if self.q_lora_rank
-             else self.q_proj(x))
-        return q.view(B, T, self.H, self.N + self.R)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        return q.view(B, T, -1, self.N + self.R)
 
     def _latents(self, x):
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)
@@ -90,48 +127,29 @@ class GatedMLA(nn.Module):
     def _output(self, o_BTHV, x):
         wide = compute_dtype(x)
         B, T = x.shape[:2]
-        o = o_BTHV.reshape(B, T, self.H * self.V)
+        o = o_BTHV.reshape(B, T, -1)
         if self.gated:
             o = (o.to(wide) * torch.sigmoid(self.g_proj(x).to(wide))).to(x.dtype)
         return self.o_proj(o)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: MLAState | None = None, context: SequenceShard | None = None) -> torch.Tensor:
-        """context: this rank's share of a context-parallel sequence: the compressed latent [c ; k_r] (L + R
-        per token) is all-gathered over the CP group, keys and values are expanded from it locally, and the
-        local queries attend to the keys their positions allow (parallel/context.py)."""
-        x_BTD = self.tp.enter(x_BTD)  # whole sequence on every TP rank; this rank's heads below
+                state: MLAState | None = None) -> torch.Tensor:
         if state is not None and state.length > 0:
             return self.forward_absorbed(x_BTD, state)
-        if context is not None and state is not None:
-            raise ValueError("context parallelism is for training and prefill without a decode cache")
         B, T, _ = x_BTD.shape
         q = self._queries(x_BTD)
         c, k_r = self._latents(x_BTD)
         if state is not None:
             state.latent, state.k_rope = c.detach(), k_r.detach()
-        if context is not None:  # the latent of the whole sequence, not its expanded keys and values
-            c, k_r = context.gather(torch.cat([c, k_r], dim=-1)).split([self.L, self.R], dim=-1)
-        S = c.shape[1]  # key tokens: T, or the whole sequence under context parallelism
-        kv = self.kv_b_proj(self.tp.copy(c)).view(B, S, self.H, self.N + self.V)
-        k_r = self.tp.copy(k_r)  # complete on every rank; used by this rank's heads
+        c, k_r = self.kernels.key_positions(c, k_r)
+        S = c.shape[1]  # key tokens
+        kv = self.kv_b_proj(c).view(B, S, -1, self.N + self.V)
         k_nope, v = kv.split([self.N, self.V], dim=-1)
-        k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, S, self.H, self.R)], dim=-1)
+        k = torch.cat([k_nope, self.k_rope_broadcast(k_r, kv.shape[2])], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
-        if context is not None:
-            o = attention_context_parallel(q, k, v, context, self.scale)
-            if self.track_max_logit and self.training:
-                m = max_logit_per_head(q.detach(), k.detach(), self.scale, local_key_mask(context, q.device))
-                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=context.cp.group)
-                self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
-            return self._output(o.transpose(1, 2), x_BTD)
-        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, T)
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = self.kernels.attend(q, k, v, cu_seqlens, self.scale)
         if self.track_max_logit and self.training:
-            m = max_logit_per_head(q, k, self.scale, mask)
+            m = self.kernels.max_logit(q, k, cu_seqlens, self.scale)
             self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
         return self._output(o.transpose(1, 2), x_BTD)
 
@@ -142,11 +160,11 @@ class GatedMLA(nn.Module):
         parameters."""
         wq = (self.q_b_proj if self.q_lora_rank else self.q_proj).weight
         g = gamma_H.to(wq.dtype)[:, None, None]
-        q_HQI = wq.view(self.H, self.N + self.R, wq.shape[-1])
+        q_HQI = wq.view(-1, self.N + self.R, wq.shape[-1])
         q_HQI[:, : self.N] *= g.sqrt()
         q_HQI[:, self.N:] *= g
         wkv = self.kv_b_proj.weight
-        wkv.view(self.H, self.N + self.V, self.L)[:, : self.N] *= g.sqrt().to(wkv.dtype)
+        wkv.view(-1, self.N + self.V, self.L)[:, : self.N] *= g.sqrt().to(wkv.dtype)
         return [wq, wkv]
 
     def forward_absorbed(self, x_BTD: torch.Tensor, state: MLAState) -> torch.Tensor:
@@ -160,7 +178,7 @@ class GatedMLA(nn.Module):
         P = state.length
         state.latent = torch.cat([state.latent, c_new.detach()], dim=1)
         state.k_rope = torch.cat([state.k_rope, kr_new.detach()], dim=1)
-        w = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.L)
+        w = self.kv_b_proj.weight.view(-1, self.N + self.V, self.L)
         w_uk, w_uv = w[:, : self.N], w[:, self.N:]  # [H, N, L], [H, V, L]
         q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_uk)
         scores = (torch.einsum("bthl,bsl->bhts", q_lat, state.latent)

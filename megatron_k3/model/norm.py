@@ -5,15 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32, or unchanged if it is already fp64 (reference tests run in fp64)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype for numerically sensitive math: fp32, or fp64 when the input is fp64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from ..ops.numerics import atleast_fp32
 
 
 class RMSNorm(nn.Module):

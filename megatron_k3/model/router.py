@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import compute_dtype
+from ..ops.numerics import compute_dtype
 
 
 @dataclass

@@ -13,10 +13,7 @@ from typing import Sequence
 
 import torch
 
-
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (fp64 stays fp64 so that reference tests can run the whole model in fp64)."""
-    return x if x.dtype == torch.float64 else x.float()
+from .numerics import atleast_fp32 as _f32  # fp64 stays fp64 so that reference tests can run the model in fp64
 
 
 def _inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:

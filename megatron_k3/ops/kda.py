@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .numerics import compute_dtype
+
 __all__ = ["chunk_kda", "recurrent_kda"]
 
 _BACKENDS = ("auto", "torch", "fla")
@@ -72,11 +74,6 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=None):
     return B, T, H, K, HV, V, N, cu_list
 
 
-def _compute_dtype(*xs):
-    """fp32 math; fp64 when an input is fp64 (so the reference can be run in double precision)."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
-
-
 # --------------------------------------------------------------------------------------------------------------
 # reference: one step at a time
 
@@ -100,7 +97,7 @@ def recurrent_kda(
     """
     B, T, H, K, HV, V, N, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = K**-0.5 if scale is None else scale
-    dt = _compute_dtype(q, k, v, g, beta, initial_state)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
     q_BTHK, k_BTHK = (x.to(dt).repeat_interleave(HV // H, dim=2) for x in (q, k))
     v_BTHV, g_BTHK, beta_BTH = v.to(dt), g.to(dt), beta.to(dt)
     segments = [(0, T, slice(None))] if cu_list is None else [(a, b, slice(n, n + 1)) for n, (a, b) in
@@ -193,7 +190,7 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
-    dt = _compute_dtype(q, k, v, g, beta, initial_state)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
 
     # ---- lay the tokens out as chunks [N, B, HV, C, .] (chunk-major so the sequential loop slices contiguously)
     if cu_list is None:

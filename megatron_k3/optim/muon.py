@@ -6,11 +6,11 @@ For a matrix W with gradient G (one step, MODEL.md 6.1):
     M <- mu M + G;   U = G + mu M (Nesterov) or M;   O = NS5(U)
     W <- W - lr (scale * sqrt(max(A, B)) * O + wd W)          scale = 0.2: AdamW's lr and decay carry over
 Per-head (MODEL.md 6.3): a projection partitioned by attention heads runs NS5 and the scale on each head's
-block separately; so does each expert: routed experts ([E, A, B], `p.muon_batched`) and the fused shared
+block separately; so does each expert: routed experts ([E, A, B], annotated `batched`) and the fused shared
 experts (blocks of the shared MLP), never orthogonalised across the expert axis; any other matrix whole.
-Blocks are declared on the parameters (`muon_blocks`, `muon_block_axis`, `muon_block_kind`; see
-parallel/layers.py). The embedding, LM head, AttnRes pseudo-queries, conv filters and 1-D parameters (norms,
-biases, gate scalars) use AdamW. `muon_rule` states the rules; the optimizer logs what each rule took.
+Blocks are declared on the parameters (their `ParamMeta`: blocks, block_axis, block_kind; megatron_k3.annotations).
+The embedding, LM head, AttnRes pseudo-queries, conv filters and 1-D parameters (norms, biases, gate scalars) use
+AdamW. optim/grouping.py states the rules (`muon_rule`) and groups the parameters by them.
 
 Tensor parallelism: a rank holds whole heads (and whole shared experts when tp divides their number), so
 block work is local. Otherwise (a whole-matrix update of a TP-sharded matrix) the momentum is gathered over
@@ -25,6 +25,9 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from ..annotations import meta
+from ..parallel.mappings import Group
 
 log = logging.getLogger("megatron_k3.optim")
 
@@ -90,87 +93,6 @@ def ns_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-# ---------------------------------------------------------------------------------------------- grouping
-def muon_rule(p: torch.nn.Parameter, per_head: bool = True) -> str:
-    """Which update a parameter gets, from its annotations and shape (first match wins):
-    adamw/<reason> for `p.muon_exclude` (embedding, lm_head, attn_res_query); adamw/vector for 1-D;
-    muon/expert for `p.muon_batched` (routed experts [E, A, B], one matrix each); adamw/not_matrix for any
-    other non-matrix (depthwise conv filters [C, 1, W]); muon/shared_expert for fused shared-expert blocks;
-    muon/per_head for head blocks when per_head; muon/matrix for every other matrix (whole)."""
-    reason = getattr(p, "muon_exclude", None)
-    if reason:
-        return f"adamw/{reason}"
-    if p.ndim < 2:
-        return "adamw/vector"
-    if getattr(p, "muon_batched", False):
-        return "muon/expert"
-    if p.ndim != 2:
-        return "adamw/not_matrix"
-    kind = getattr(p, "muon_block_kind", None)
-    if kind == "experts":
-        return "muon/shared_expert"
-    if kind == "heads" and per_head:
-        return "muon/per_head"
-    return "muon/matrix"
-
-
-_LAYOUT = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expert": "batched",
-           "muon/matrix": "matrix"}
-_NO_DECAY = ("adamw/embedding", "adamw/vector")  # as optim=adamw: decay every matrix but the embedding
-
-
-# The parameter attributes the grouping and the update read (parallel/layers.py sets them): a copy of a
-# parameter (the expert optimizer's fp32 masters) carries them over to be grouped and stepped the same way.
-MUON_ANNOTATIONS = ("muon_exclude", "muon_batched", "muon_blocks", "muon_block_axis", "muon_block_kind",
-                    "tp_split_dim")
-
-
-def muon_param_groups(model: torch.nn.Module | None, cfg, params=None) -> list:
-    """One param group per rule (see `muon_rule`), in a fixed order, empty rules left out. Muon groups carry
-    layout, momentum, nesterov, ns_steps, scale and ns_dtype; AdamW groups betas and eps. Every parameter
-    is tagged `use_muon` (the attribute DeepSpeed's ZeRO code reads). `params`: (name, parameter) pairs to
-    group instead of all of `model`'s."""
-    by_rule: dict = {}
-    named = model.named_parameters() if params is None else params
-    for _, p in named:  # named_parameters skips a tied weight's second name
-        if p.requires_grad:
-            by_rule.setdefault(muon_rule(p, cfg.per_head), []).append(p)
-    groups = []
-    for rule in sorted(by_rule, key=lambda r: (not r.startswith("muon"), r)):
-        params = by_rule[rule]
-        use_muon = rule.startswith("muon/")
-        for p in params:
-            p.use_muon = use_muon
-        g = {"params": params, "rule": rule, "use_muon": use_muon, "lr": cfg.lr,
-             "weight_decay": 0.0 if rule in _NO_DECAY else cfg.weight_decay}
-        if use_muon:
-            g.update(layout=_LAYOUT[rule], momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-                     scale=cfg.muon_scale, ns_dtype=cfg.ns_dtype)
-        else:
-            g.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        groups.append(g)
-    return groups
-
-
-def grouping_table(groups: list) -> str:
-    """The grouping as an aligned text table: rule, tensors, parameters, weight decay."""
-    rows = [(g.get("rule", f"group {i}"), len(g["params"]), sum(p.numel() for p in g["params"]),
-             g.get("weight_decay", 0.0)) for i, g in enumerate(groups)]
-    total = sum(r[2] for r in rows) or 1
-    lines = [f"  {'rule':<24}{'tensors':>8}{'parameters':>14}{'share':>8}{'decay':>8}"]
-    lines += [f"  {r:<24}{n:>8}{k:>14,}{k / total:>8.1%}{wd:>8g}" for r, n, k, wd in rows]
-    return "\n".join(lines)
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def log_grouping(name: str, groups: list):
-    if _is_rank0():
-        log.info("optimizer %s: parameter grouping\n%s", name, grouping_table(groups))
-
-
 # ---------------------------------------------------------------------------------------------- QK-Clip
 class QKClip:
     """QK-Clip for Gated MLA (MODEL.md 6.2): modules with `rescale_qk_` track their per-head max logit in
@@ -218,15 +140,13 @@ def _gather_tp(t: torch.Tensor, dim: int, tp) -> torch.Tensor:
 class Muon(torch.optim.Optimizer):
     """Per-Head Muon for param groups with `use_muon`, AdamW (torch's formula) for the others.
 
-    Build it with `megatron_k3.optim.build_optimizer`; `tp` is the tensor-parallel context the model was
-    built with, `qk_clip` an optional QKClip run after every step."""
+    Build it with `megatron_k3.optim.build_optimizer`; `tp` is the tensor-parallel group the model was
+    parallelised over, `qk_clip` an optional QKClip run after every step."""
 
-    def __init__(self, param_groups: list, tp=None, qk_clip: QKClip | None = None):
-        from ..parallel.layers import TPContext
-
+    def __init__(self, param_groups: list, tp: Group | None = None, qk_clip: QKClip | None = None):
         # Called explicitly: ZeroMuon also derives from DeepSpeed's Muon class, whose __init__ is not wanted.
         torch.optim.Optimizer.__init__(self, param_groups, {})
-        self.tp = tp or TPContext()
+        self.tp = tp or Group()
         self.qk_clip = qk_clip
 
     @torch.no_grad()
@@ -263,8 +183,8 @@ class Muon(torch.optim.Optimizer):
         mu = group["momentum"]
         momentum.mul_(mu).add_(grad)
         u = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
-        layout, n, axis = group["layout"], getattr(p, "muon_blocks", 1), getattr(p, "muon_block_axis", 0)
-        dim = getattr(p, "tp_split_dim", None)
+        m = meta(p)
+        layout, n, axis, dim = group["layout"], m.blocks, m.block_axis, m.tp_dim
         gather = self.tp.size > 1 and dim is not None and layout != "batched"
         if gather and layout == "blocks" and dim == axis and n % self.tp.size == 0:
             gather, n = False, n // self.tp.size  # this rank holds whole blocks: local work

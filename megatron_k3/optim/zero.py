@@ -44,9 +44,9 @@ from __future__ import annotations
 import contextlib
 import math
 
+import deepspeed.runtime.zero.muon.original_muon as ds_muon
 import torch
 import torch.distributed as dist
-import deepspeed.runtime.zero.muon.original_muon as ds_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
 from .muon import Muon

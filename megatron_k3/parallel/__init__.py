@@ -1,56 +1,8 @@
-"""Who talks to whom: the rank grid, the process groups built from it, and DeepSpeed's mpu view of them."""
+"""Who talks to whom, and how the model is cut: the process groups of this rank (`state`, from the rank grid in
+megatron_k3.layout), DeepSpeed's view of them (`mpu`), autograd-aware collectives (`mappings`), and the plans that
+apply tensor/sequence (`tensor`), expert (`experts`), context (`context`) and pipeline (`pipeline`) parallelism to a
+built single-device model from outside (`plan.parallelize`)."""
 
-from .state import (
-    DEFAULT_ORDER,
-    GROUPS,
-    MPU,
-    ParallelConfigError,
-    ParallelState,
-    RankGrid,
-    check_divisibility,
-    describe,
-    destroy_model_parallel,
-    get_context_parallel_group,
-    get_context_parallel_rank,
-    get_context_parallel_world_size,
-    get_data_parallel_group,
-    get_data_parallel_rank,
-    get_data_parallel_world_size,
-    get_expert_data_parallel_group,
-    get_expert_data_parallel_rank,
-    get_expert_data_parallel_world_size,
-    get_expert_model_parallel_group,
-    get_expert_model_parallel_rank,
-    get_expert_model_parallel_world_size,
-    get_expert_tensor_and_model_parallel_group,
-    get_expert_tensor_and_model_parallel_rank,
-    get_expert_tensor_and_model_parallel_world_size,
-    get_expert_tensor_parallel_group,
-    get_expert_tensor_parallel_rank,
-    get_expert_tensor_parallel_world_size,
-    get_group,
-    get_group_ranks,
-    get_model_parallel_group,
-    get_model_parallel_rank,
-    get_model_parallel_world_size,
-    get_mpu,
-    get_parallel_state,
-    get_pipeline_model_parallel_first_rank,
-    get_pipeline_model_parallel_group,
-    get_pipeline_model_parallel_last_rank,
-    get_pipeline_model_parallel_next_rank,
-    get_pipeline_model_parallel_prev_rank,
-    get_pipeline_model_parallel_rank,
-    get_pipeline_model_parallel_world_size,
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_src_rank,
-    get_tensor_model_parallel_world_size,
-    initialize_from_config,
-    initialize_model_parallel,
-    is_pipeline_first_stage,
-    is_pipeline_last_stage,
-    model_parallel_is_initialized,
-)
+from .plan import ParallelGroups, parallelize
 
-__all__ = [name for name in dir() if not name.startswith("_") and name != "state"]
+__all__ = ["ParallelGroups", "parallelize"]

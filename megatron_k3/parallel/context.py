@@ -1,5 +1,8 @@
 """Context parallelism: every sequence split over the ``cp`` ranks, with the exact state of KDA, the short
-convolutions' halos and Gated MLA's causal attention carried across the split.
+convolutions' halos and Gated MLA's causal attention carried across the split. `apply_context_parallel(model, cp)`
+attaches it to a built model from outside: the model's inputs (and labels) are cut to this rank's tokens by a
+forward pre-hook, its KDA and MLA layers get the context-parallel kernels below in place of their single-device
+ones, and its loss becomes this rank's share of the whole sequence's mean.
 
 Legend: B batch, T tokens of the whole sequence, t = T / cp tokens on this rank, c = T / (2 cp) tokens per chunk,
 H heads, K key dim, V value dim, C channels, W conv width, L + R the MLA latent width.
@@ -45,37 +48,24 @@ blocks with an explicit causal/document mask. The latent's gradient is reduce-sc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from ..model.k3 import K3ForCausalLM
+from ..model.kda import KDAKernels, KimiDeltaAttention
+from ..model.mla import AttentionKernels, GatedMLA, max_logit_per_head
+from ..ops.kda import chunk_kda
+from ..ops.short_conv import causal_conv1d
 from . import mappings as M
+from .mappings import Group
+from .tensor import call_arguments
 
-__all__ = ["CPContext", "current_cp", "SequenceShard", "kda_context_parallel", "conv_context_parallel",
-           "attention_context_parallel"]
+__all__ = ["SequenceShard", "kda_context_parallel", "conv_context_parallel", "attention_context_parallel",
+           "apply_context_parallel", "ContextParallelKDA", "ContextParallelAttention"]
 
 ATTN_QUERY_BLOCK = 2048  # queries per attention call: bounds the [block, keys] mask (and math-path probabilities)
-
-
-@dataclass(frozen=True)
-class CPContext:
-    group: object = None
-    size: int = 1
-    rank: int = 0
-
-
-def current_cp() -> CPContext:
-    """This process's context-parallel group, from parallel.state (size 1 when not initialised)."""
-    if not dist.is_initialized():
-        return CPContext()
-    from . import state
-
-    if not state.model_parallel_is_initialized() or state.get_context_parallel_world_size() == 1:
-        return CPContext()
-    return CPContext(state.get_context_parallel_group(), state.get_context_parallel_world_size(),
-                     state.get_context_parallel_rank())
 
 
 def zigzag_chunks(rank: int, size: int) -> tuple:
@@ -88,7 +78,7 @@ class SequenceShard:
     context parallelism, and what the mixers need to reassemble it: gather order, chunk carries, document
     boundaries. Built once per forward by the model; host-side bookkeeping only."""
 
-    def __init__(self, cp: CPContext, T: int, cu_seqlens: torch.Tensor | None = None, device=None):
+    def __init__(self, cp: Group, T: int, cu_seqlens: torch.Tensor | None = None, device=None):
         n = 2 * cp.size
         if T % n:
             raise ValueError(f"context parallelism over {cp.size} ranks splits the sequence into {n} chunks: "
@@ -281,3 +271,94 @@ def local_key_mask(shard: SequenceShard, device=None) -> torch.Tensor:
         doc = shard.doc_T.to(device)
         mask = mask & (doc[None, :] == doc[qpos][:, None])
     return mask
+
+
+# ==================================================================== the plan
+
+
+class SequenceContext:
+    """The current forward's SequenceShard, shared by one model's context-parallel kernels and loss."""
+
+    def __init__(self, cp: Group):
+        self.cp, self.shard = cp, None
+
+
+class ContextParallelKDA(KDAKernels):
+    """KDA's sequence-mixing steps on this rank's two chunks: conv halos and the scan of chunk transitions."""
+
+    def __init__(self, seq: SequenceContext):
+        self.seq = seq
+
+    def conv(self, x_BTC, weight_CW, cache, cu_seqlens, keep):
+        if keep:
+            raise ValueError("context parallelism is for training and prefill without a decode cache")
+        return conv_context_parallel(causal_conv1d, x_BTC, weight_CW, self.seq.shard, activation="silu"), None
+
+    def delta_rule(self, q, k, v, g, beta, initial_state, keep, cu_seqlens, chunk_size, lower_bound):
+        o = kda_context_parallel(chunk_kda, q, k, v, g, beta, self.seq.shard, chunk_size=chunk_size,
+                                 lower_bound=lower_bound)
+        return o, None
+
+
+class ContextParallelAttention(AttentionKernels):
+    """Gated MLA's sequence-wide steps on this rank's queries: the latent of every position is all-gathered (not the
+    expanded keys and values), the local queries attend to the keys their positions allow."""
+
+    def __init__(self, seq: SequenceContext):
+        self.seq = seq
+
+    def key_positions(self, c_BTL, k_r_BTR):
+        L = c_BTL.shape[-1]
+        return self.seq.shard.gather(torch.cat([c_BTL, k_r_BTR], dim=-1)).split([L, k_r_BTR.shape[-1]], dim=-1)
+
+    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale):
+        return attention_context_parallel(q_BHTK, k_BHSK, v_BHSV, self.seq.shard, scale)
+
+    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale):
+        shard = self.seq.shard
+        m = max_logit_per_head(q_BHTK.detach(), k_BHSK.detach(), scale, local_key_mask(shard, q_BHTK.device))
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.cp.group)
+        return m
+
+
+class ContextParallelLoss(nn.Module):
+    """The loss of this rank's tokens as the whole sequence's mean (value) and this rank's share of it (gradient)."""
+
+    def __init__(self, inner: nn.Module, seq: SequenceContext):
+        super().__init__()
+        self.inner, self.seq = inner, seq
+        self.ignore_index = inner.ignore_index
+
+    def forward(self, logits_NV, labels_N):
+        loss = self.inner(logits_NV, labels_N)
+        return self.seq.shard.global_mean(loss, (labels_N != self.ignore_index).sum())
+
+
+def apply_context_parallel(model: K3ForCausalLM, cp: Group) -> K3ForCausalLM:
+    """Split every sequence of `model`'s inputs over the CP group (zigzag), in place; returns the model. Callers keep
+    passing the whole sequence (and its global cu_seqlens) on every CP rank; the logits returned are those of this
+    rank's tokens, in its local order."""
+    if cp.size == 1:
+        return model
+    seq = SequenceContext(cp)
+    for mod in model.modules():
+        if isinstance(mod, KimiDeltaAttention):
+            mod.kernels = ContextParallelKDA(seq)
+        elif isinstance(mod, GatedMLA):
+            mod.kernels = ContextParallelAttention(seq)
+    model.loss_fn = ContextParallelLoss(model.loss_fn, seq)
+
+    def shard_inputs(module, args, kwargs):
+        call = call_arguments(module, args, kwargs)
+        a = call.arguments
+        if a["cache"] is not None:
+            raise ValueError("context parallelism is for training and prefill; decode with parallel.cp=1")
+        ids = a["input_ids"]
+        seq.shard = SequenceShard(cp, ids.shape[1], a["cu_seqlens"], ids.device)
+        a["input_ids"], a["cu_seqlens"] = seq.shard.take(ids), None
+        if a["labels"] is not None:
+            a["labels"] = seq.shard.take(a["labels"])
+        return call.args[1:], call.kwargs
+
+    model.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+    return model

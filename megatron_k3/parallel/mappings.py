@@ -16,8 +16,25 @@ identity, so the model is exactly the single-device model when nothing is parall
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as the parallel layers use it: the group, its size and this rank's index in it. The default
+    (no group, size 1) is the single-device case; a group of size > 1 without a process group describes one rank
+    of a layout for bookkeeping (the planner shards modules on the meta device that way)."""
+    group: object = None
+    size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def of(cls, group) -> "Group":
+        """The Group of a torch.distributed process group (None: size 1)."""
+        return cls(group, _size(group), _rank(group))
 
 
 def _size(group) -> int:
@@ -45,21 +62,24 @@ def _all_gather(x, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-def _split(x, dim, group):
+def _parts(x, dim, group, what: str) -> int:
+    """The group size n (1: nothing to do), after checking that dim of x splits into n equal parts."""
     n = _size(group)
-    if n == 1:
+    if n > 1 and x.shape[dim] % n:
+        raise ValueError(f"cannot {what} dim {dim} of size {x.shape[dim]} over {n} ranks")
+    return n
+
+
+def _split(x, dim, group):
+    if _parts(x, dim, group, "split") == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} tensor-parallel ranks")
-    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+    return x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
 
 
 def _reduce_scatter(x, dim, group):
-    n = _size(group)
+    n = _parts(x, dim, group, "reduce-scatter")
     if n == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} ranks")
     parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
     out = torch.empty_like(parts[0])
     full = torch.stack(parts)  # [n, ...]: every rank sums every chunk, then keeps its own
@@ -209,8 +229,8 @@ def all_to_all_overlapped(x, group, side):
 
 
 def all_reduce_grad_hook(group):
-    """A parameter hook that sums the gradient over `group`: for replicated parameters that see only this
-    rank's sequence shard under sequence parallelism."""
+    """A parameter hook that sums the gradient over `group`: for replicated parameters whose gradient on each rank
+    is a partial sum (they see only this rank's heads, tokens or sequence shard)."""
     def hook(g):
         return _all_reduce(g.clone(), group)
     return hook

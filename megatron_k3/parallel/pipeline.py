@@ -1,5 +1,7 @@
-"""Pipeline parallelism: the stage split at AttnRes block boundaries, the 1F1B order, and the point-to-point link
-that carries a stage's ResidualState forward and its gradient back (docs/parallelism.md, "Pipeline parallelism").
+"""Pipeline parallelism: the stage cut (`cut_stage`: a built model keeps one stage's layers, at AttnRes block
+boundaries from megatron_k3.layout.stage_layers), the 1F1B order and its executor (`run_1f1b`), and the
+point-to-point link that carries a stage's ResidualState forward and its gradient back (docs/parallelism.md,
+"Pipeline parallelism").
 
 Legend: N sources (completed blocks + the partial sum), B batch, T tokens, D hidden.
 
@@ -15,25 +17,49 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ..layout import stage_layers
 from ..model.decoder import ResidualState
+from ..model.k3 import K3ForCausalLM
+
+__all__ = ["cut_stage", "StageLayers", "schedule_1f1b", "run_1f1b", "pack", "unpack", "StageLink"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _META_LEN = 8  # [dtype code, ndim, dims...]
 
 
-def stage_ranges(cfg, pp: int) -> list:
-    """[(start, end)] decoder layers of each of the pp stages: whole AttnRes blocks, balanced by layer count
-    (planning.layout.stage_layers). ValueError when the model has fewer blocks (or layers) than stages."""
-    from ..planning.layout import stage_layers
+class StageLayers(nn.ModuleDict):
+    """One pipeline stage's decoder layers under their global indices (`layers.{i}` in the state dict), iterated in
+    order like the nn.ModuleList they replace; `stage[i]` is global layer i."""
 
-    return stage_layers(cfg, pp)
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
 
 
-def stage_spec(cfg, pp: int, stage: int) -> tuple:
-    """(start, end, first, last) of one stage, as K3ForCausalLM(stage=...) takes it."""
-    start, end = stage_ranges(cfg, pp)[stage]
-    return start, end, stage == 0, stage == pp - 1
+def cut_stage(model: K3ForCausalLM, pp: int, stage: int) -> K3ForCausalLM:
+    """Keep stage `stage` of `pp` of a built model, in place: its layers (whole AttnRes blocks) under their global
+    names, the embedding only on the first stage, the output mix, final norm and LM head only on the last. Cut an
+    initialised model: every stage then starts from exactly the single-process weights."""
+    if pp == 1:
+        return model
+    start, end = stage_layers(model.cfg, pp)[stage]
+    first, last = stage == 0, stage == pp - 1
+    if model.cfg.tie_word_embeddings:
+        raise ValueError("tied embeddings need the embedding and the LM head on one stage")
+    core = model.model
+    core.layers = StageLayers({str(i): core.layers[i] for i in range(start, end)})
+    if not first:
+        core.embed_tokens = None
+    if not last:
+        core.norm = None
+        if model.cfg.attn_res:
+            core.output_attn_res = None
+        model.lm_head = None
+    return model
 
 
 def schedule_1f1b(num_micro: int, pp: int, stage: int) -> list:
@@ -46,6 +72,32 @@ def schedule_1f1b(num_micro: int, pp: int, stage: int) -> list:
         ops += [("F", warmup + i), ("B", i)]
     ops += [("B", i) for i in range(num_micro - warmup, num_micro)]
     return ops
+
+
+def run_1f1b(link: "StageLink", num_micro: int, device, forward, backward, after_backward) -> None:
+    """One training step's micro-batches through this stage in the 1F1B order.
+
+    forward(micro, x) -> y: x is the activation received from the previous stage (requiring grad; None on the
+    first stage), y the loss on the last stage, else the packed activation sent on. backward(micro, y, g):
+    back-propagate y, g being the gradient received for it (None on the last stage). The gradient of x then goes
+    back to the previous stage, before after_backward(micro) (the caller's optimizer boundary, whose collectives
+    the previous stage joins only after receiving it)."""
+    first, last = link.prev is None, link.next is None
+    held = {}
+    for kind, micro in schedule_1f1b(num_micro, link.size, link.stage):
+        if kind == "F":
+            x = None if first else link.recv_forward(device).requires_grad_()
+            y = forward(micro, x)
+            if not last:
+                link.send_forward(y)
+            held[micro] = (x, y)
+        else:
+            x, y = held.pop(micro)
+            backward(micro, y, None if last else link.recv_backward(y))
+            if not first:
+                link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x))
+            after_backward(micro)
+    link.wait()
 
 
 def pack(st: ResidualState) -> torch.Tensor:

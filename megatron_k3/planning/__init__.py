@@ -5,8 +5,15 @@ for a model, a cluster and a parallel layout (`planner`), and the layouts that f
 from .flops import model_flops
 from .layout import Layout
 from .memory import Workload
-from .planner import (InferPlan, SearchResult, TrainPlan, plan_inference, plan_training, search_inference,
-                      search_training)
+from .planner import (
+                      InferPlan,
+                      SearchResult,
+                      TrainPlan,
+                      plan_inference,
+                      plan_training,
+                      search_inference,
+                      search_training,
+)
 
 __all__ = ["model_flops", "Layout", "Workload", "TrainPlan", "InferPlan", "SearchResult", "plan_training",
            "plan_inference", "search_training", "search_inference"]

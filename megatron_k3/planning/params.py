@@ -1,15 +1,24 @@
 """Parameters per layer and per tensor-parallel rank, read off the model's own modules on the meta device.
 
-One decoder layer of each (mixer, FFN) kind is built under `use_tp(TPContext(size=tp))`, so the sharding is
-exactly what the model would allocate on one TP rank (a TP size that does not divide a dimension raises
-ValueError there, as it would at start-up). Each parameter is classified: routed expert or not, and which
-optimizer updates it (Muon for matrices, AdamW for embeddings, the LM head, norms, vectors and conv filters).
+The model is built on the meta device and tensor-parallelised for one rank by the same code a run uses, so the
+sharding is exactly what the model would allocate on one TP rank (a TP size that does not divide a dimension
+raises ValueError there, as it would at start-up). Each parameter is classified: routed expert or not, and which
+optimizer updates it (the optimizer's own rule: Muon for matrices, AdamW for embeddings, the LM head, norms,
+vectors and conv filters).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
+
 import torch
+
+from ..annotations import full_shape, meta
+from ..model.k3 import K3ForCausalLM
+from ..optim.grouping import muon_rule
+from ..parallel.tensor import TensorParallel, apply_tensor_parallel
 
 __all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops"]
 
@@ -34,20 +43,6 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
     return steps * (4.0 * a * a * b + 2.0 * a ** 3)
 
 
-def _head_blocks(cfg, mixer: str) -> dict:
-    """Per-Head Muon (MODEL.md 6.3): projections whose rows (dim 0) or columns (dim 1) are head-partitioned are
-    orthogonalised per head block. Parameter name suffix -> (dim, block size)."""
-    if mixer == "kda":
-        K = cfg.kda_head_dim
-        out = {f"self_attn.{n}.weight": (0, K) for n in ("q_proj", "k_proj", "v_proj", "g_proj", "g_b_proj")}
-        out["self_attn.o_proj.weight"] = (1, K)
-        return out
-    qk, V = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    return {"self_attn.q_b_proj.weight": (0, qk), "self_attn.q_proj.weight": (0, qk),
-            "self_attn.kv_b_proj.weight": (0, cfg.qk_nope_head_dim + V), "self_attn.g_proj.weight": (0, V),
-            "self_attn.o_proj.weight": (1, V)}
-
-
 @dataclass(frozen=True)
 class LayerKindParams:
     dense: ParamGroup  # everything but the routed experts, on one TP rank
@@ -68,27 +63,24 @@ class ModelParams:
         return sum(lp.experts.total for lp in self.layers)
 
 
-def _muon_eligible(name: str, p: torch.Tensor) -> bool:
-    """Per-Head Muon updates matrices; embeddings, the LM head, norms, vectors, conv filters and the AttnRes
-    pseudo-queries ([1, D] weights, vectors in effect) use AdamW."""
-    if p.ndim < 2 or "embed_tokens" in name or name.startswith("lm_head") or name.endswith("conv1d"):
-        return False
-    return not ("_res.proj" in name or "output_attn_res" in name)
-
-
-def _group(module, prefix: str = "", head_blocks: dict | None = None) -> tuple:
+def _group(module, prefix: str = "") -> tuple:
+    """(dense, routed experts) ParamGroups of a module on one TP rank: which parameters Muon updates is the
+    optimizer's rule (optim.grouping.muon_rule), and each Muon update runs per block where the annotation says so
+    (attention heads, fused shared experts) and per expert for routed experts, as the optimizer does."""
     dense, experts = ParamGroup(), ParamGroup()
     for name, p in module.named_parameters(prefix=prefix):
-        muon = _muon_eligible(name, p)
-        per_matrix = p[0].numel() if (".experts." in name and p.ndim == 3) else p.numel()
+        rule = muon_rule(p)
+        muon = rule.startswith("muon/")
+        m = meta(p)
+        per_matrix = p[0].numel() if m.batched else p.numel()
         ns = 0.0
         if muon:
             rows, cols = p.shape[-2], p.shape[-1]
-            count = p.shape[0] if p.ndim == 3 else 1  # one matrix per expert
-            block = next((v for k, v in (head_blocks or {}).items() if name.endswith(k)), None)
-            if block is not None and p.shape[block[0]] % block[1] == 0:
-                count = p.shape[block[0]] // block[1]
-                rows, cols = (block[1], cols) if block[0] == 0 else (rows, block[1])
+            count = p.shape[0] if m.batched else 1  # one matrix per expert
+            if rule in ("muon/per_head", "muon/shared_expert"):
+                block = full_shape(p)[m.block_axis] // m.blocks
+                count = p.shape[m.block_axis] // block  # the blocks this rank holds
+                rows, cols = (block, cols) if m.block_axis == 0 else (rows, block)
             ns = count * newton_schulz_flops(rows, cols)
         g = ParamGroup(p.numel(), p.numel() if muon else 0, per_matrix if muon else 0, ns)
         if ".experts." in name or name.startswith("experts."):
@@ -98,25 +90,11 @@ def _group(module, prefix: str = "", head_blocks: dict | None = None) -> tuple:
     return dense, experts
 
 
-def _kind_params(cfg, mixer: str, ffn: str, tp: int) -> LayerKindParams:
-    from ..model.decoder import DecoderLayer
-    from ..parallel.layers import TPContext, use_tp
-
-    idx = next(i for i, (m, f) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())) if m == mixer and f == ffn)
-    with torch.device("meta"), use_tp(TPContext(size=tp)):
-        layer = DecoderLayer(cfg, idx)
-    dense, experts = _group(layer, f"model.layers.{idx}", _head_blocks(cfg, mixer))
-    return LayerKindParams(dense, experts)
-
-
 _KEYS: dict = {}
 
 
 def cfg_key(cfg) -> tuple:
     """A hashable identity of a model config's values (memoised per live config object)."""
-    import dataclasses
-    import weakref
-
     hit = _KEYS.get(id(cfg))
     if hit is not None and hit[0]() is cfg:
         return hit[1]
@@ -126,31 +104,21 @@ def cfg_key(cfg) -> tuple:
 
 
 def _model_params(cfg, tp: int) -> ModelParams:
-    from ..model.decoder import DepthMix
-    from ..model.norm import RMSNorm
-    from ..parallel.layers import ColumnParallelLinear, TPContext, VocabParallelEmbedding, use_tp
-
-    kinds = {}
-    layers = []
-    for m, f in zip(cfg.layer_types(), cfg.ffn_types()):
-        if (m, f) not in kinds:
-            kinds[(m, f)] = _kind_params(cfg, m, f, tp)
-        layers.append(kinds[(m, f)])
-    with torch.device("meta"), use_tp(TPContext(size=tp)):
-        emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=TPContext(size=tp))
-        head = torch.nn.ModuleDict({"lm_head": ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size,
-                                                                     tp=TPContext(size=tp)),
-                                    "norm": RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)})
-        if cfg.attn_res:
-            head["output_attn_res"] = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
-    emb_g, _ = _group(emb, "model.embed_tokens")
-    head_g = ParamGroup()
-    for name, mod in head.items():
-        g, _ = _group(mod, name if name == "lm_head" else f"model.{name}")
-        head_g = head_g + g
+    """The model built on the meta device and tensor-parallelised for one rank of `tp`, exactly as a run builds it
+    (megatron_k3.parallel.tensor), then counted per layer, embedding and head."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, init=False)
+    apply_tensor_parallel(model, TensorParallel(size=tp))
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{i}")) for i, layer in enumerate(model.model.layers))
+    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens")
+    head = ParamGroup()
+    for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
+                      ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
+        if mod is not None:
+            head = head + _group(mod, name)[0]
     if cfg.tie_word_embeddings:
-        head_g = ParamGroup(head_g.total - emb_g.total, head_g.muon, head_g.largest_matrix, head_g.ns_flops)
-    return ModelParams(tp, tuple(layers), emb_g, head_g)
+        head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops)
+    return ModelParams(tp, layers, emb, head)
 
 
 _CACHE: dict = {}

@@ -15,13 +15,24 @@ Time model (training), for the slowest pipeline stage:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 
+from ..layout import rules
+from ..model.params import count_parameters
 from .comm import training_comm
 from .flops import decode_flops_per_token, layer_flop_terms, model_flops
 from .layout import Layout, layout_problems, stage_layers
-from .memory import (GB, InferenceMemory, Workload, inference_memory, kda_state_bytes_per_sequence,
-                     mla_cache_bytes_per_token, training_memory)
+from .memory import (
+    GB,
+    MXFP4_BYTES_PER_PARAM,
+    InferenceMemory,
+    Workload,
+    inference_memory,
+    kda_state_bytes_per_sequence,
+    mla_cache_bytes_per_token,
+    training_memory,
+)
 from .params import cfg_key, model_params
 
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
@@ -154,8 +165,6 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     if problems:
         raise ValueError("; ".join(problems))
     if counts is None:
-        from ..model.params import count_parameters
-
         counts = count_parameters(cfg)
     stages = stage_layers(cfg, lay.pp)
     mem = training_memory(cfg, cluster, lay, w)
@@ -264,15 +273,14 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
 
 
 def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) -> SearchResult:
-    from ..model.params import count_parameters
-
     counts = count_parameters(cfg)
     fits, over, invalid, n = [], [], {}, 0
     for lay in candidate_layouts(cfg, cluster, w):
         probs = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
         if probs:
             key = probs[0]
-            for word in ("does not divide", "cross", "spans", "exceeds", "not a multiple"):
+            for word in ("does not divide", "must divide", "cross", "spans", "exceeds", "not a multiple",
+                         "must be a multiple", "must be divisible"):
                 if word in key:
                     key = _reason_class(key)
                     break
@@ -290,18 +298,17 @@ def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) 
 
 
 def _reason_class(reason: str) -> str:
-    """Group similar rejections ("tp*pp*cp=24 does not divide ..." -> "tp*pp*cp does not divide the world")."""
-    import re
-
-    return re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", re.sub(r"=\S+", "", reason))).strip()
+    """Group similar rejections by the reason's first clause without its numbers ("parallel.ep=24: ep*etp*pp =
+    24*1*1 = 24 must divide the world size 64; ..." -> "parallel.ep: ep*etp*pp must divide the world size")."""
+    head = re.sub(r"\[[^\]]*\]", "", reason.split(";")[0])
+    head = re.sub(r"=\s*[\d*]+", "", head)
+    return re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", head)).replace(" :", ":").strip()
 
 
 def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256):
     """Smallest number of whole supernodes (same accelerators and links) on which some layout fits: a scan
     upward from the model-state floor (fitting is not monotone in the count: divisibility matters), checking
     the memory-lightest recomputation first; returns (accelerators, the best plan there) or (None, None)."""
-    from ..model.params import count_parameters
-
     counts = counts or count_parameters(cfg)
     sn = cluster.supernode_size
     usable = (cluster.device_memory_gb - cluster.reserved_memory_gb) * GB
@@ -370,24 +377,10 @@ class InferPlan:
 
 def plan_inference(cfg, cluster, tp: int, ep: int, pp: int, batch: int, context: int, counts=None) -> InferPlan:
     """Serving plan: routed experts MXFP4, the rest bf16, `batch` sequences at `context` tokens."""
-    from ..model.params import count_parameters
-    from .memory import MXFP4_BYTES_PER_PARAM
-
-    world, sn = cluster.world_size, cluster.supernode_size
-    problems = []
-    if world % (tp * pp) or world % (ep * pp):
-        problems.append(f"tp*pp={tp * pp} and ep*pp={ep * pp} must divide the {world} accelerators")
-    if ep > sn or sn % ep or tp > sn or sn % tp:
-        problems.append(f"TP {tp} and EP {ep} groups must stay inside a supernode of {sn}")
-    if "moe" in cfg.ffn_types() and cfg.num_experts % ep:
-        problems.append(f"ep={ep} does not divide num_experts={cfg.num_experts}")
-    try:
-        stage_layers(cfg, pp)
-        model_params(cfg, tp)
-    except ValueError as e:
-        problems.append(str(e))
+    world = cluster.world_size
+    problems = rules.layout_problems(cfg, world, tp=tp, ep=ep, pp=pp, supernode_size=cluster.supernode_size)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError("; ".join(f"{p.key}={p.value}: {p.reason}" for p in problems))
     counts = counts or count_parameters(cfg)
     mem = inference_memory(cfg, cluster, tp, ep, pp, batch, context)
     mp = model_params(cfg, 1)
@@ -420,8 +413,6 @@ def plan_inference(cfg, cluster, tp: int, ep: int, pp: int, batch: int, context:
 
 
 def search_inference(cfg, cluster, batch: int, context: int, top: int = 10) -> SearchResult:
-    from ..model.params import count_parameters
-
     counts = count_parameters(cfg)
     sn = cluster.supernode_size
     tps = _pow2_upto(min(sn, max(cluster.devices_per_node, 1)))

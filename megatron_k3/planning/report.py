@@ -150,7 +150,7 @@ def _why_best(res: SearchResult) -> list:
     best = res.fits[0]
     t = best.time_breakdown
     parts = sorted(((k, v) for k, v in t.items() if v > 0), key=lambda kv: -kv[1])
-    out = [f"why: fastest estimated step among the fits; its time goes to "
+    out = ["why: fastest estimated step among the fits; its time goes to "
            + ", ".join(f"{k} {v / best.step_time:.0%}" for k, v in parts[:4])]
     if len(res.fits) > 1:
         nxt = res.fits[1]

@@ -19,8 +19,9 @@ import logging
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .qat import ExpertQAT, enable_expert_qat, expert_qat_from_config
+from .te import check_available, swap_linears, te_autocast
 
 log = logging.getLogger("megatron_k3.precision")
 
@@ -50,8 +51,6 @@ def prepare_model_for_precision(model, precision_cfg, device=None):
                  "scales)", n, qat.weight_format, qat.act_format, qat.block_size, qat.weight_scale_mode,
                  qat.act_scale_mode)
     elif name in TE_PRECISIONS:
-        from .te import check_available, swap_linears
-
         if device is None:
             device = next(model.parameters()).device
         check_available(name, device)
@@ -73,8 +72,6 @@ class forward_context:
         if self.dtype is not None:
             stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
         if self.name in TE_PRECISIONS:
-            from .te import te_autocast
-
             stack.enter_context(te_autocast(self.name))
         self._stack = stack
         return self

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model.experts import GroupedExperts
 from ..ops.mx import fake_quant_mx
 
 
@@ -46,8 +47,6 @@ def expert_qat_from_config(precision_cfg) -> ExpertQAT:
 
 def grouped_experts(model):
     """(name, GroupedExperts) for every routed-expert module of the model."""
-    from ..model.experts import GroupedExperts
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 

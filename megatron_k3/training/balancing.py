@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 
 log = logging.getLogger("megatron_k3.balancing")
 

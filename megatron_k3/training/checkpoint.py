@@ -103,7 +103,8 @@ def load_pickle_safely(path: Path):
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
-        detail = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first else "")
+        detail = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line),
+                      first[0] if first else "")
         raise CheckpointError(f"{path}: refused to unpickle: it contains objects other than tensors and plain data, "
                               f"which could run code when loaded (crafted or foreign file?): {detail}") from None
     except (RuntimeError, EOFError, OSError) as e:
@@ -272,7 +273,8 @@ def list_checkpoints(ckpt_dir: str | Path, warn: bool = False) -> list:
         for p in incomplete_checkpoints(ckpt_dir):
             log.warning("ignoring incomplete checkpoint %s (a save that was interrupted); the newest complete "
                         "checkpoint is used instead", p)
-    out = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+    out = [p for p in ckpt_dir.iterdir()
+           if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
            and _complete(p)]
     return sorted(out, key=lambda p: int(p.name[len(_PREFIX):]))
 

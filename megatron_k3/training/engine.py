@@ -1,12 +1,12 @@
-"""The DeepSpeed engine: its config generated from the run config, `deepspeed.initialize` with our parallel state
-as the mpu, and per-parameter (layout-independent) views of the master weights and optimizer states that
-ZeRO keeps partitioned over the data-parallel group (what our checkpoints store).
+"""The DeepSpeed engine: its config generated from the run config, the optimizers it wraps, and
+`deepspeed.initialize` with our parallel state as the mpu. (Per-parameter views of the states ZeRO partitions:
+zero_views.py; the routed experts' optimizer under expert parallelism: expert_optimizer.py.)
 
 What DeepSpeed does here: gradient accumulation over `num_micro` micro-batches, the data-parallel gradient
 reduction (ZeRO-1: all-reduce, then each rank updates its 1/dp partition of the fp32 master weights and
 optimizer states; ZeRO-2: reduce-scatter, so gradients are partitioned too), gradient clipping by the global
 norm (sharded parameters counted on every tensor-parallel rank, replicated ones once: DeepSpeed reads
-`tensor_model_parallel`, set by `parallel.layers.mark_sharded`), and bf16 master weights when
+`tensor_model_parallel`, which annotations.annotate derives from a parameter's split), and bf16 master weights when
 `precision.param_dtype=bf16`. What stays ours: tensor-parallel collectives inside the model, the LR schedule
 (set on the optimizer's groups every step), the data order, metrics and the checkpoint format; with optim=muon
 under ZeRO-1/2 also the Muon update and the clipping of the raw gradients before it (optim/zero.py, attached
@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 
+import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import groups as ds_groups
 
+from ..annotations import meta
 from ..config import ConfigError, RunConfig
+from ..optim import Muon, build_optimizer
+from ..optim.zero import ZeroMuon, attach
 from ..parallel import state
+from ..parallel.mappings import Group
+from ..parallel.mpu import get_mpu
+from .expert_optimizer import ExpertOptimizer
+from .zero_views import base_optimizer, zero_optimizer
 
 log = logging.getLogger("megatron_k3.engine")
 
@@ -48,15 +58,9 @@ def ensure_distributed(backend: str = "gloo") -> None:
 def shutdown() -> None:
     """Forget the parallel state and DeepSpeed's cached groups, so a later run in the same process (tests, notebooks)
     starts clean. The process group itself is left to whoever created it."""
-    from ..parallel.layers import set_sequence_parallel
-
-    set_sequence_parallel(False)
     if state.model_parallel_is_initialized():
         state.destroy_model_parallel()
-    try:
-        from deepspeed.utils import groups
-    except ImportError:
-        return
+    groups = ds_groups
     for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
                  "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
                  "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
@@ -119,7 +123,7 @@ def grad_norm_without_zero(model) -> float:
     for p in model.parameters():
         if p.grad is not None:
             sq = p.grad.double().pow(2).sum().cpu()
-            if getattr(p, "tp_split_dim", None) is not None:
+            if meta(p).tp_dim is not None:
                 sharded += sq
             else:
                 replicated += sq
@@ -129,92 +133,7 @@ def grad_norm_without_zero(model) -> float:
 
 
 def is_expert_parallel(p) -> bool:
-    return getattr(p, "expert_parallel", False)
-
-
-class ExpertOptimizer:
-    """The routed experts under expert parallelism (ep > 1), outside DeepSpeed.
-
-    DeepSpeed's ZeRO flattens and reduces every parameter it manages over the dense data-parallel group, which
-    would add expert e of one EP rank to expert e + E/ep of another. So the local experts get their own
-    optimizer of the same kind (fp32 master copies, which carry the parameters' Muon annotations: with
-    optim=muon each local expert is its own matrix, as in one process): their gradients are summed over the
-    expert-data-parallel group (ranks holding the same experts) and divided by the dense DP size -- each
-    expert has received the tokens of every DP replica in its EP group, so the sum over EDP covers the global
-    batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`),
-    with the same coefficient (`optim.zero.clip_coefficient`), before the optimizer's momentum sees them."""
-
-    def __init__(self, named_params, make_optimizer):
-        from ..optim import MUON_ANNOTATIONS
-
-        self.params = [p for _, p in named_params]
-        self.names = [n for n, _ in named_params]
-        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        for p, m in zip(self.params, self.masters):
-            for k in MUON_ANNOTATIONS:
-                if hasattr(p, k):
-                    setattr(m, k, getattr(p, k))
-        self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
-        self.edp_group = state.get_expert_data_parallel_group()
-        self.ep_group = state.get_expert_model_parallel_group()
-        self.dp = state.get_data_parallel_world_size()
-        self.sq_norm = torch.zeros((), dtype=torch.float64)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @torch.no_grad()
-    def reduce_gradients(self):
-        """After the last micro-batch's backward: gradients of the global batch into the fp32 masters, and
-        their squared norm over every expert (summed over the EP group: each rank holds different experts)."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for p, m in zip(self.params, self.masters):
-            g = torch.zeros_like(m) if p.grad is None else p.grad.float()
-            if dist.get_world_size(self.edp_group) > 1:
-                dist.all_reduce(g, group=self.edp_group)
-            m.grad = g.div_(self.dp)
-            sq += m.grad.double().pow(2).sum().cpu()
-            p.grad = None
-        if dist.get_world_size(self.ep_group) > 1:
-            dist.all_reduce(sq, group=self.ep_group)
-        if state.get_pipeline_model_parallel_world_size() > 1:  # every stage's experts
-            dist.all_reduce(sq, group=state.get_pipeline_model_parallel_group())
-        self.sq_norm = sq
-
-    def skip(self):
-        """A step skipped for non-finite gradients: drop them."""
-        for m in self.masters:
-            m.grad = None
-
-    @torch.no_grad()
-    def step(self, total_norm: float, clip: float):
-        from ..optim.zero import clip_coefficient
-
-        coef = clip_coefficient(total_norm, clip)  # the coefficient the dense parameters got
-        if coef != 1.0:
-            for m in self.masters:
-                m.grad.mul_(coef)
-        self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
-            m.grad = None
-            p.copy_(m.to(p.dtype))
-
-
-def install_norm(engine, experts: ExpertOptimizer) -> None:
-    """Make DeepSpeed's global gradient norm (which it clips with) include the experts outside it."""
-    zero = _zero_optimizer(engine)
-    inner = zero.scaled_global_norm
-
-    def scaled_global_norm(norm_type=2):
-        dense = inner(norm_type)
-        return (dense.double() ** 2 + experts.sq_norm.to(dense.device)).sqrt().to(dense.dtype)
-
-    zero.scaled_global_norm = scaled_global_norm
-    from ..optim.zero import ZeroMuon
-
-    if isinstance(zero.optimizer, ZeroMuon):  # its step takes the norm itself (optim/zero.py)
-        zero.optimizer.extra_sq_norm = lambda: experts.sq_norm.to(zero.bit16_groups[0][0].device)
+    return meta(p).expert_parallel
 
 
 def optimizer_params(optimizer) -> list:
@@ -225,14 +144,15 @@ def build_optimizers(model, run: RunConfig) -> tuple:
     """(the optimizer DeepSpeed wraps, ExpertOptimizer or None): `run.optim` over the dense parameters (with
     optim=muon under ZeRO-1/2 the ZeroMuon that `initialize` attaches), and under expert parallelism the same
     kind over this rank's routed experts."""
-    from ..optim import build_optimizer
-
     o, p = run.optim, run.parallel  # optim=muon with ZeRO-0 and bf16 parameters: refused by RunConfig.validate
+    ps = state.get_parallel_state()
+    tp = Group(ps.group("tp"), ps.size("tp"), ps.rank_in("tp"))
     named = list(model.named_parameters())
     dense = [(n, q) for n, q in named if not is_expert_parallel(q)]
     expert = [(n, q) for n, q in named if is_expert_parallel(q)]
-    optimizer = build_optimizer(model, o, zero=p.zero_stage > 0, params=dense)
-    experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)"))
+    optimizer = build_optimizer(model, o, params=dense, tp=tp, dp_group=ps.group("dp"),
+                                muon_class=ZeroMuon if p.zero_stage > 0 else Muon)
+    experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)", tp=tp))
                if expert else None)
     return optimizer, experts
 
@@ -240,8 +160,6 @@ def build_optimizers(model, run: RunConfig) -> tuple:
 def initialize(model, optimizer, run: RunConfig):
     """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32, and
     expert-parallel weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
-    import deepspeed
-
     # The CPU accelerator would otherwise JIT-compile a shared-memory collective (tens of seconds) that gloo
     # does not need.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -249,7 +167,7 @@ def initialize(model, optimizer, run: RunConfig):
     cfg = deepspeed_config(run, state.get_data_parallel_world_size(),
                            sum(p.numel() for p in optimizer_params(optimizer)))
     local_experts = {n: p.detach().clone() for n, p in model.named_parameters() if is_expert_parallel(p)}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=state.get_mpu(),
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=get_mpu(),
                                            dist_init_required=False)
     with torch.no_grad():
         for n, p in engine.module.named_parameters():
@@ -258,244 +176,45 @@ def initialize(model, optimizer, run: RunConfig):
     for name, buf in engine.module.named_buffers():
         if name.rsplit(".", 1)[-1] in FP32_BUFFERS and buf.dtype != torch.float32:
             buf.data = buf.data.float()
-    from ..optim.zero import ZeroMuon, attach
-
-    if _zero_optimizer(engine) is not None and isinstance(_base_optimizer(engine), ZeroMuon):
+    if zero_optimizer(engine) is not None and isinstance(base_optimizer(engine), ZeroMuon):
         attach(engine)  # our Muon update and clipping of the raw gradients inside ZeRO (optim/zero.py)
     return engine
 
 
-# ---------------------------------------------------------------------- per-parameter optimizer views
+class _no_optimizer_step:
+    """Within: `optimizer.step()` does nothing (DeepSpeed still counts the step and zeroes the gradients)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        self.optimizer.step = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        del self.optimizer.step
 
 
-def _zero_optimizer(engine):
-    opt = engine.optimizer
-    return opt if hasattr(opt, "_lazy_init_hp_params_optimizer_state") or hasattr(opt, "fp32_groups_flat_partition") \
-        else None
-
-
-def _base_optimizer(engine):
-    opt = engine.optimizer
-    return getattr(opt, "optimizer", opt) if _zero_optimizer(engine) is not None else opt
-
-
-def _relink(zero) -> None:
-    """Point every parameter's fragment mapping at the optimizer's current state tensors (DeepSpeed links them
-    once, possibly before the first step has created them)."""
-    zero._hp_optimizer_states_linked = False
-    zero._lazy_init_hp_params_optimizer_state()
-
-
-def _state_keys(base_opt) -> tuple:
-    """(per-element state keys, scalar state keys) of the wrapped torch optimizer, from the states it holds."""
-    elem, scalar = set(), set()
-    for st in base_opt.state.values():
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                elem.add(k)
-            else:
-                scalar.add(k)
-    return tuple(sorted(elem)), tuple(sorted(scalar))
-
-
-def _scalar(v):
-    return float(v.item()) if torch.is_tensor(v) else v
-
-
-def _group_key(group: dict, gi: int, prefix: str) -> str:
-    """A group's name in the checkpoint: its rule where it has one (the same under every layout, also when the
-    experts leave the dense optimizer under ep > 1), else its index."""
-    return f"{prefix}.{group['rule']}" if "rule" in group else f"{prefix}.{gi}"
-
-
-def _group_scalars(opt, scalar_keys, prefix) -> dict:
-    out = {}
-    for gi, group in enumerate(opt.param_groups):
-        for q in group["params"]:
-            st = opt.state.get(q)
-            if st:
-                out[_group_key(group, gi, prefix)] = {k: _scalar(st[k]) for k in scalar_keys if k in st}
-                break
-    return out
-
-
-def _ensure_states(opt, keys_of: dict, scalars: dict, prefix: str) -> None:
-    """Optimizer states are created lazily at the first step; build them now, shaped like the tensors they track,
-    so saved values have somewhere to go: `keys_of` {id(tensor): state keys} for the tensors the checkpoint
-    holds states of, which also get their group's scalars (a step count)."""
-    for gi, group in enumerate(opt.param_groups):
-        sc = scalars.get(_group_key(group, gi, prefix), scalars.get(f"{prefix}.{gi}", {}))
-        for q in group["params"]:
-            keys = keys_of.get(id(q))
-            if not keys:
-                continue
-            st = opt.state[q]
-            for k in keys:
-                if k not in st:
-                    st[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
-            for k, v in sc.items():
-                st[k] = torch.tensor(float(v), dtype=torch.float32) if isinstance(v, float) else v
-
-
-def _gather_experts(t: torch.Tensor) -> torch.Tensor:
-    group = state.get_expert_model_parallel_group()
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, 0)
-
-
-def _local_experts(t: torch.Tensor) -> torch.Tensor:
-    return t.chunk(state.get_expert_model_parallel_world_size(), 0)[state.get_expert_model_parallel_rank()]
-
-
-MOMENTUM = "momentum_buffer"  # Muon's state key, per matrix in one process, per partition in DeepSpeed's ZeRO
-
-
-class _ZeroLayout:
-    """Where ZeRO-1/2 keeps each parameter: its group, the group's flat fp32 partition (the key of the torch
-    optimizer's state), and for Muon groups DeepSpeed's flat momentum of whole matrices (optim/zero.py)."""
-
-    def __init__(self, zero, base):
-        self.zero, self.base = zero, base
-        self.group_of = {id(q): gi for gi, g in enumerate(zero.bit16_groups) for q in g}
-        self.flat = [g["params"][0] for g in base.param_groups]
-        from ..optim.zero import ZeroMuon
-
-        self.muon = {gi for gi, g in enumerate(base.param_groups)
-                     if isinstance(base, ZeroMuon) and g.get("use_muon")}
-        self._offsets = {}
-
-    def elem_keys(self, gi: int) -> list:
-        """The per-element states of group gi that DeepSpeed's fragments map (Muon's momentum is not one)."""
-        st = self.base.state.get(self.flat[gi], {})
-        return sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
-                      and not (gi in self.muon and k == MOMENTUM))
-
-    def offsets(self, gi: int) -> dict:
-        if gi not in self._offsets:
-            from ..optim.zero import momentum_offsets
-
-            self._offsets[gi] = momentum_offsets(self.zero, gi)
-        return self._offsets[gi]
-
-    def full_momentum(self, gi: int, p) -> torch.Tensor:
-        """p's whole Muon momentum, on every rank: the lowest DP rank whose partition touches p sends it
-        (every such rank holds the same one); zeros before the first step."""
-        group = self.zero.real_dp_process_group[gi]
-        src = min(self.zero.param_to_partition_ids[gi][self.zero.get_param_id(p)])
-        t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if dist.get_rank(group) == src:
-            buf = self.base.state.get(self.flat[gi], {}).get(MOMENTUM)
-            if buf is not None:
-                t.copy_(buf.narrow(0, self.offsets(gi)[id(p)], p.numel()).view(p.shape))
-        if dist.get_world_size(group) > 1:
-            dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
-        return t
-
-    def load_momentum(self, gi: int, states: dict, name_of: dict) -> None:
-        """This rank's flat momentum of group gi from the per-parameter ones (absent ones: zeros)."""
-        params = self.zero.params_in_partition[gi]
-        if not params:
-            return
-        flat = self.flat[gi]
-        parts = []
-        for q in params:
-            v = states.get(name_of[id(q)], {}).get(MOMENTUM)
-            parts.append(torch.zeros(q.numel()) if v is None else v.float().flatten())
-        old = self.base.state[flat].get(MOMENTUM)
-        dtype = old.dtype if old is not None else torch.float32
-        self.base.state[flat][MOMENTUM] = torch.cat(parts).to(device=flat.device, dtype=dtype)
-
-
-def full_states(engine, named_params, experts: "ExpertOptimizer | None" = None) -> tuple:
-    """({name: fp32 master weight}, {name: {state key: full tensor}}, {'dense.<rule>'|'experts.<rule>': {scalar
-    key: value}}), at full size for this tensor-parallel shard: ZeRO's partitions gathered over data parallel
-    (Muon's momentum, which DeepSpeed keeps per whole matrix, sent by a rank that holds it), expert-parallel
-    weights gathered over the EP group (global expert order).
-
-    Every rank must call this, in the same order everywhere (it is made of collectives)."""
-    zero = _zero_optimizer(engine)
-    base = _base_optimizer(engine)
-    elem, scalar_keys = _state_keys(base)
-    expert_names = set(experts.names) if experts is not None else set()
-    weights, states = {}, {}
-    if zero is not None:
-        _relink(zero)
-        layout = _ZeroLayout(zero, base) if hasattr(zero, "params_in_partition") else None
-    for name, p in named_params:
-        if name in expert_names:
-            continue
-        if zero is not None:
-            weights[name] = p.get_full_hp_param().detach().cpu()
-            if layout is None:
-                states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in elem}
-                continue
-            gi = layout.group_of[id(p)]
-            states[name] = {k: p.get_full_hp_param(k).detach().cpu() for k in layout.elem_keys(gi)}
-            if gi in layout.muon:
-                states[name][MOMENTUM] = layout.full_momentum(gi, p).cpu()
-        else:
-            weights[name] = p.detach().float().cpu()
-            st = base.state.get(p, {})
-            states[name] = {k: st[k].detach().cpu() for k in elem if k in st}
-    scalars = _group_scalars(base, scalar_keys, "dense")
+def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, last: bool):
+    """DeepSpeed's step after a micro-batch's backward: a no-op except after the last micro-batch of the step, where
+    the experts' gradients are reduced first. Returns (applied, ZeRO-0 gradient norm or None) after the last one:
+    ZeRO skips a step whose global norm (experts included) is not finite; without ZeRO DeepSpeed would apply it, so
+    its update is suppressed here. The experts step (or drop their gradients) likewise."""
+    if not last:
+        engine.step()
+        return None, None
+    zero0 = run.parallel.zero_stage == 0
     if experts is not None:
-        e_elem, e_scalar = _state_keys(experts.optimizer)
-        for name, m in zip(experts.names, experts.masters):
-            weights[name] = _gather_experts(m.detach()).cpu()
-            st = experts.optimizer.state.get(m, {})
-            states[name] = {k: _gather_experts(st[k].detach()).cpu() for k in e_elem if k in st}
-        scalars.update(_group_scalars(experts.optimizer, e_scalar, "experts"))
-    return weights, states, scalars
-
-
-@torch.no_grad()
-def load_full_states(engine, named_params, weights: dict, states: dict, scalars: dict,
-                     experts: "ExpertOptimizer | None" = None) -> None:
-    """Inverse of `full_states`: every rank keeps its own partition of each master weight and optimizer state
-    (and its own experts), and the module's (possibly bf16) parameters are refreshed from the fp32 masters."""
-    zero = _zero_optimizer(engine)
-    base = _base_optimizer(engine)
-    expert_names = set(experts.names) if experts is not None else set()
-    named_params = [(n, p) for n, p in named_params if n not in expert_names]
-    layout = _ZeroLayout(zero, base) if zero is not None and hasattr(zero, "params_in_partition") else None
-    keys_of = {}
-    if zero is None:
-        for name, p in named_params:
-            keys_of[id(p)] = sorted(states.get(name, {}))
-    elif layout is None:  # a ZeRO optimizer without per-group bookkeeping (DeepSpeed's bf16 one): one set of keys
-        keys = sorted({k for name, _ in named_params for k in states.get(name, {})})
-        keys_of = {id(q): keys for g in base.param_groups for q in g["params"]}
+        experts.reduce_gradients()
+    norm0 = grad_norm_without_zero(engine.module) if zero0 else None
+    if zero0 and not math.isfinite(norm0):
+        with _no_optimizer_step(engine.optimizer):
+            engine.step()
     else:
-        for name, p in named_params:
-            gi = layout.group_of[id(p)]
-            keys = [k for k in states.get(name, {}) if not (gi in layout.muon and k == MOMENTUM)]
-            flat = id(layout.flat[gi])
-            keys_of[flat] = sorted(set(keys_of.get(flat, [])) | set(keys))
-    _ensure_states(base, keys_of, scalars, "dense")
-    if zero is not None:
-        _relink(zero)
-    for name, p in named_params:
-        w = weights[name].to(p.device)
-        if zero is not None:
-            p.set_full_hp_param(w)
-            gi = layout.group_of[id(p)] if layout is not None else None
-            for k, v in states.get(name, {}).items():
-                if not (layout is not None and gi in layout.muon and k == MOMENTUM):
-                    p.set_full_hp_param(v.to(p.device), k)
+        engine.step()
+    applied = math.isfinite(norm0) if zero0 else bool(engine.was_step_applied())
+    if experts is not None:  # (ep > 1 implies ZeRO >= 1)
+        if applied:
+            experts.step(float(engine.get_global_grad_norm()), run.train.grad_clip)
         else:
-            for k, v in states.get(name, {}).items():
-                base.state[p][k].copy_(v.to(p.device))
-        p.data.copy_(w.to(p.dtype))
-    if layout is not None:
-        name_of = {id(p): n for n, p in named_params}
-        for gi in sorted(layout.muon):
-            layout.load_momentum(gi, states, name_of)
-    if experts is not None:
-        e_keys = {id(m): sorted(states.get(n, {})) for n, m in zip(experts.names, experts.masters)}
-        _ensure_states(experts.optimizer, e_keys, scalars, "experts")
-        for name, p, m in zip(experts.names, experts.params, experts.masters):
-            m.copy_(_local_experts(weights[name]).to(m.device))
-            for k, v in states.get(name, {}).items():
-                experts.optimizer.state[m][k].copy_(_local_experts(v).to(m.device))
-            p.data.copy_(m.to(p.dtype))
+            experts.skip()
+    return applied, norm0

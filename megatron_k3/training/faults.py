@@ -24,6 +24,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..layout.grid import GROUPS
+from ..parallel import state
+
 log = logging.getLogger("megatron_k3.faults")
 
 
@@ -97,9 +100,6 @@ _PEER_MARKS = ("connection closed by peer", "connection reset", "pair closure", 
 
 def describe_group(group) -> str:
     """'the tp group (ranks [0, 1]; the same communicator serves tp-cp)' for a process group."""
-    from ..parallel import state
-    from ..parallel.state import GROUPS
-
     if not dist.is_initialized():
         return "no process group"
     if group is None or group is dist.group.WORLD:
@@ -215,3 +215,41 @@ def diagnose_nonfinite(model, forward) -> str:
             return f"the gradient of parameter {bad} is non-finite (the forward was finite)"
         return "nothing non-finite on a re-run of the last batch (a transient fault, or one on another rank)"
     return "the loss is non-finite but no module output was (the loss computation itself)"
+
+
+class SkipCounter:
+    """Steps skipped for non-finite values: in total, and in a row (train.max_consecutive_skips stops the run)."""
+
+    def __init__(self):
+        self.total, self.in_a_row = 0, 0
+
+    def count(self, applied: bool, step: int, loss, grad_norm, log_it: bool) -> bool:
+        """Record whether step `step` was applied; returns `applied`."""
+        if applied:
+            self.in_a_row = 0
+            return True
+        self.total += 1
+        self.in_a_row += 1
+        if log_it:
+            log.warning("step %d: non-finite loss or gradient (loss %s, grad_norm %s): step skipped (%d in a row, "
+                        "%d in total)", step, float(loss), float(grad_norm) if grad_norm is not None else None,
+                        self.in_a_row, self.total)
+        return False
+
+
+def stop_nonfinite(model, rerun, pipeline: bool, step: int, in_a_row: int, ckpt_dir) -> None:
+    """Too many skipped steps in a row: find where the non-finite values start (every rank re-runs the last bad
+    batch with `rerun`, None when there is none), then raise NonFiniteError naming the first place over all ranks.
+    Nothing is saved: the newest checkpoint is the last good state."""
+    where = "no batch to re-run"
+    if pipeline:
+        where = "not diagnosed under pipeline parallelism (a stage cannot re-run the forward alone)"
+    elif rerun is not None:
+        where = diagnose_nonfinite(model, rerun)
+    places = [None] * dist.get_world_size()
+    dist.all_gather_object(places, where)
+    first = next(((r, w) for r, w in enumerate(places) if not w.startswith("nothing")), (0, places[0]))
+    raise NonFiniteError(
+        f"steps {step - in_a_row + 1}..{step} had non-finite loss or gradients ({in_a_row} in a row = "
+        f"train.max_consecutive_skips): {first[1]} (rank {first[0]}); stopping. The newest checkpoint in "
+        f"{ckpt_dir} holds the last good state.")

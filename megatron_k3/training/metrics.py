@@ -18,6 +18,10 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from ..model.decoder import DepthMix
+from ..planning.flops import model_flops
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,6 @@ def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = No
 
 def train_flops_per_token(model_cfg, seq_length: int) -> float:
     """Model FLOPs of one training token (forward + backward, causal attention, no recomputation)."""
-    from ..planning.flops import model_flops
-
     return model_flops(model_cfg, seq_length, "causal").train_per_token
 
 
@@ -78,6 +80,37 @@ def memory_stats(device: torch.device) -> dict:
     return {"kind": "cpu_peak_rss", "peak_gb": rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
 
 
+class RoutingStats:
+    """Per-step routing counts of this rank's MoE layers, in the rows of the model's MoE layers (all stages')."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self.moe = model.moe_layers()
+        self.layer_ids = [i for i, ty in enumerate(cfg.ffn_types()) if ty == "moe"]
+        self.rows = [self.layer_ids.index(layer.layer_idx) for layer in model.model.layers if layer.ffn_type == "moe"]
+        self.num_experts = cfg.num_experts
+
+    def add(self, loads_LE: torch.Tensor) -> torch.Tensor:
+        """Add the last forward's token counts to their rows of loads_LE; returns the dropped assignments."""
+        dropped = torch.zeros((), dtype=torch.float64)
+        for row, m in zip(self.rows, self.moe):
+            loads_LE[row] += m.tokens_per_expert_E.double().cpu()
+            dropped += m.dropped_assignments.double().cpu()
+        return dropped
+
+    def bias(self, pp_group=None, device=None) -> torch.Tensor:
+        """[MoE layers, experts]: every router's selection bias (summed over the pipeline stages, which each fill
+        their own rows)."""
+        bias_LE = torch.zeros(len(self.layer_ids), self.num_experts)
+        for row, m in zip(self.rows, self.moe):
+            bias_LE[row] = m.gate.e_score_correction_bias.detach().float().cpu()
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            bias_LE = bias_LE.to(device)
+            dist.all_reduce(bias_LE, group=pp_group)
+            bias_LE = bias_LE.cpu()
+        return bias_LE
+
+
 class ModelStats:
     """Per-step statistics read off the model: router entropy per MoE layer and AttnRes depth weights per mix
     (averaged over the step's micro-batches; `accumulate` after each), and the routers' selection-bias
@@ -85,11 +118,8 @@ class ModelStats:
     Quantile Balancing moved it). Values stay on the device until `collect`."""
 
     def __init__(self, model):
-        from ..model.decoder import DepthMix
-
         self.routers = [m.gate for m in model.moe_layers()]
-        numbered = (model.model.numbered_layers() if hasattr(model.model, "numbered_layers")
-                    else list(enumerate(getattr(model.model, "layers", []))))
+        numbered = [(layer.layer_idx, layer) for layer in model.model.layers]
         self.moe_layer_ids = [i for i, layer in numbered if getattr(layer, "ffn_type", None) == "moe"]
         self.mixes = []  # (layer index or -1 for the output mix, "pre_mixer" | "pre_ffn" | "output", module)
         for i, layer in numbered:
@@ -128,7 +158,8 @@ class ModelStats:
                 per["entropy"] = self._entropy.cpu() / n
             out["router_per_layer"] = {k: (v if k == "layers" else [round(float(x), 6) for x in v])
                                        for k, v in per.items()}
-            out["router"] = {"bias_absmax": float(bias.abs().max()), "bias_std": float(bias.std(-1, unbiased=False).mean()),
+            out["router"] = {"bias_absmax": float(bias.abs().max()),
+                             "bias_std": float(bias.std(-1, unbiased=False).mean()),
                              "bias_drift": float(drift.pow(2).mean().sqrt())}
             if self._entropy is not None:
                 e = self._entropy.cpu() / n

@@ -1,0 +1,161 @@
+"""Composition: `conf/` (Hydra groups) onto the typed schema, command-line overrides, one-line errors.
+
+`load_model_config(name, overrides)` composes one model YAML (no run); `compose_run_config(overrides, world)`
+composes the whole run and validates it for a world of `world` ranks; `compose_config(overrides)` composes without
+the run's validation (for tools such as the planner that check a layout themselves). Every mistake Hydra or
+OmegaConf reports is reduced to one `ConfigError` line naming the key the user typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterable
+
+from omegaconf import OmegaConf
+
+from ..errors import ConfigError
+from .schema import ModelConfig, RunConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # megatron_k3/conf (the repository's conf/ links to it)
+
+
+def _apply_overrides(cfg, overrides: Iterable[str], prefix: str):
+    dotlist = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(ov, None, "an override must look like key=value")
+        k, v = ov.split("=", 1)
+        k = k.lstrip("+")
+        if k.startswith(prefix + "."):
+            k = k[len(prefix) + 1:]
+        dotlist.append(f"{k}={v}")
+    if dotlist:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+        except Exception as e:  # omegaconf raises several types; give one clear line
+            raise ConfigError(_omegaconf_key(e, prefix), _omegaconf_value(e), _first_line(e)) from None
+    return cfg
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _omegaconf_key(e, prefix):
+    k = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+    return f"{prefix}.{k}" if prefix and not str(k).startswith(prefix) else str(k)
+
+
+def _omegaconf_value(e):
+    return getattr(e, "value", None)
+
+
+def available_models() -> list:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def model_config_from_dict(d: dict, prefix: str = "model") -> ModelConfig:
+    """Build and validate a ModelConfig from a plain mapping (e.g. a Hydra-composed `cfg.model`)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}", d[unknown[0]], "unknown key for the model config")
+    cfg = ModelConfig(**{k: (list(v) if k == "mla_layers" else v) for k, v in d.items()})
+    return cfg.validate(prefix)
+
+
+def load_model_config(name: str, overrides: Iterable[str] = ()) -> ModelConfig:
+    """Compose `conf/model/<name>.yaml` onto the ModelConfig schema, apply `key=value` overrides
+    (with or without a leading `model.`), validate, and return the dataclass. Starts no run."""
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("model", name, f"no file {path}; available: {', '.join(available_models())}")
+    schema = OmegaConf.structured(ModelConfig)
+    try:
+        cfg = OmegaConf.merge(schema, OmegaConf.load(path))
+    except Exception as e:
+        raise ConfigError(_omegaconf_key(e, "model"), _omegaconf_value(e), f"{_first_line(e)} (in {path})") from None
+    cfg = _apply_overrides(cfg, overrides, "model")
+    return model_config_from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _register_schema():
+    from hydra.core.config_store import ConfigStore  # hydra is imported by the composing tools only
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1):
+    """Compose conf/config.yaml with Hydra (schema-checked), apply command-line overrides, validate.
+    Returns (RunConfig, the composed DictConfig without `hydra`, the hydra node). Raises ConfigError
+    with a one-line message on any mistake."""
+    run, cfg, hydra_node = compose_config(overrides)
+    run.validate(world_size)
+    return run, cfg, hydra_node
+
+
+def compose_config(overrides: Iterable[str] = ()):
+    """`compose_run_config` without the run's validation (the layout is not known yet): for tools such as
+    the planner that check a layout themselves. Key names and types are still checked by the schema."""
+    from hydra import compose, initialize_config_dir  # hydra is imported by the composing tools only
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="megatron_k3"):
+            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        hydra_node = cfg.hydra
+        with open_dict(cfg):
+            del cfg["hydra"]
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # Hydra / OmegaConf errors are multi-line; reduce them to one line
+        raise _one_line_error(e, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return run, cfg, hydra_node
+
+
+def _one_line_error(e: Exception, overrides) -> ConfigError:
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        if isinstance(x, OmegaConfBaseException) and getattr(x, "full_key", None):
+            msg = str(x).strip().splitlines()[0]
+            key = x.full_key
+            for o in overrides:  # report the override the user typed when it names this key or a child
+                k = o.lstrip("+").split("=", 1)[0]
+                if k == key or k.startswith(key + "."):
+                    key = k
+            given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key), None)
+            if "not in" in msg or "Key '" in msg:
+                return ConfigError(key, given, f"unknown key ({msg})")
+            return ConfigError(key, given if given is not None else getattr(x, "value", None), msg)
+    text = " ".join(str(e).split())
+    options = getattr(e, "options", None)
+    missing = getattr(e, "missing_cfg_file", None)
+    if missing and "/" in str(missing):
+        group, name = str(missing).split("/", 1)
+        avail = ", ".join(options) if options else "see conf/" + group
+        return ConfigError(group, name, f"no such option; available: {avail}")
+    for o in overrides:
+        k = o.lstrip("+").split("=", 1)[0]
+        if k and f"'{k}'" in text or f"'{o}'" in text:
+            return ConfigError(k, o.split("=", 1)[1] if "=" in o else None, text[:300])
+    return ConfigError("config", None, text[:300])
+
+
+def replace(cfg: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(cfg, **changes).validate()
+
+
+__all__ = ["CONF_DIR", "available_models", "model_config_from_dict", "load_model_config", "compose_config",
+           "compose_run_config", "replace"]

@@ -1,0 +1,522 @@
+"""Typed configuration schemas, one dataclass per Hydra group, each with its own `validate`.
+
+The dataclasses hold every key, its type, its default and its check; `conf/<group>/<option>.yaml` only sets the
+values an option changes (a test fails when a YAML restates a default). A mistake raises `ConfigError`, one
+line naming the key, the value and what would be valid. `RunConfig.validate(world_size)` runs every group's
+check, then the cross-group rules: the parallel layout (the one check in `megatron_k3.layout`), and the pairings
+of ZeRO stage, optimizer and precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+from ..errors import ConfigError
+from ..layout import has_moe, layout_problems
+
+# Marks a ModelConfig field that changes no tensor and no tensor's meaning: it may differ between a checkpoint and
+# the run that loads it, and between a Hugging Face config.json and the model config it is loaded for.
+RUNTIME = {"runtime": True}
+
+
+def _key(prefix: str, k: str) -> str:
+    return f"{prefix}.{k}" if prefix else k
+
+
+def _require_ints(obj, prefix: str, keys, minimum: int) -> None:
+    for k in keys:
+        v = getattr(obj, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise ConfigError(_key(prefix, k), v, "must be a positive integer" if minimum > 0 else
+                              "must be an integer >= 0")
+
+
+def _require_choice(obj, prefix: str, k: str, choices) -> None:
+    v = getattr(obj, k)
+    if v not in choices:
+        raise ConfigError(_key(prefix, k), v, "valid: " + ", ".join(map(str, choices)))
+
+
+@dataclass
+class ModelConfig:
+    """Every architectural knob of the K3 / Kimi Linear family; the defaults are K3's (conf/model/k3.yaml).
+
+    The same code expresses K3 (AttnRes, SiTU, latent MoE, lower-bound KDA gate, full-rank output gate,
+    gated MLA) and Kimi Linear (ordinary residuals, SwiGLU, no latent projection, softplus gate, low-rank
+    output gate, ungated MLA) through these switches.
+    """
+
+    name: str = field(default="custom", metadata=RUNTIME)
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_layers: int = 93
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = field(default=0.02, metadata=RUNTIME)
+    tie_word_embeddings: bool = False
+
+    # ---- layer schedule: which layers are Gated MLA (1-based, as in checkpoints' `full_attn_layers`)
+    # If `mla_layers` is empty, MLA sits at every `mla_every`-th layer and, if `mla_at_last`, at the last.
+    mla_layers: list = field(default_factory=list)
+    mla_every: int = 4
+    mla_at_last: bool = True
+    first_k_dense: int = 1  # layers [0, first_k_dense) use the dense FFN, the rest MoE
+
+    # ---- Kimi Delta Attention
+    kda_num_heads: int = 96
+    kda_head_dim: int = 128
+    kda_conv_size: int = 4
+    kda_gate: str = "lowerbound"  # "lowerbound" (K3: lb * sigmoid(e^A (z + dt))) or "softplus" (Kimi Linear)
+    kda_gate_lower_bound: float = -5.0
+    kda_decay_rank: int = 0  # rank of the low-rank decay projection; 0 = kda_head_dim
+    kda_output_gate: str = "full"  # "full" (K3) or "lowrank" (Kimi Linear)
+    kda_output_gate_bias: bool = False  # bias on the low-rank gate's up projection
+    kda_chunk_size: int = field(default=64, metadata=RUNTIME)
+    # "zero" (from-scratch K3 recommendation) or "uniform_1_16" (fla / Kimi Linear)
+    kda_a_log_init: str = field(default="zero", metadata=RUNTIME)
+
+    # ---- Gated MLA (NoPE)
+    mla_num_heads: int = 96
+    q_lora_rank: int = 1536  # 0: a direct q projection (Kimi Linear)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64  # the unrotated, head-shared key part
+    v_head_dim: int = 128
+    mla_output_gate: bool = True
+    mla_latent_norm_eps: float = 1e-5  # eps of q_a / kv_a layernorms (HF Kimi Linear uses 1e-6)
+
+    # ---- FFN activation
+    hidden_act: str = "situ"  # "situ" (K3) or "silu" (SwiGLU)
+    situ_beta_gate: float = 4.0
+    situ_beta_up: float = 25.0
+    dense_intermediate_size: int = 33792
+
+    # ---- Stable LatentMoE
+    num_experts: int = 896
+    top_k: int = 16
+    moe_intermediate_size: int = 3072
+    moe_latent_size: int = 3584  # 0: experts run at full width (no latent projection)
+    moe_latent_norm: bool = True  # RMSNorm on the combined latent before the up projection
+    num_shared_experts: int = 2
+    shared_intermediate_size: int = 0  # 0: moe_intermediate_size * num_shared_experts
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    router_num_groups: int = 1
+    router_topk_groups: int = 1
+    # debug knob: round-robin routing, for throughput ceilings
+    router_force_balanced: bool = field(default=False, metadata=RUNTIME)
+    # drop: static-shape dispatch with fixed capacity; dropless: every assignment (split sizes on the host under
+    # ep > 1); auto: drop under ep > 1, else dropless
+    moe_overflow: str = field(default="auto", metadata=RUNTIME)
+    # drop: slots per expert = ceil(factor * tokens * top_k / num_experts)
+    moe_capacity_factor: float = field(default=1.25, metadata=RUNTIME)
+
+    # ---- Block Attention Residuals
+    attn_res: bool = True
+    attn_res_block_size: int = 12  # decoder layers per block
+
+    # ------------------------------------------------------------------ derived
+    def mla_layer_set(self) -> set:
+        """0-based indices of the Gated MLA layers."""
+        if self.mla_layers:
+            return {int(i) - 1 for i in self.mla_layers}
+        out = {i - 1 for i in range(self.mla_every, self.num_layers + 1, self.mla_every)} if self.mla_every else set()
+        if self.mla_at_last:
+            out.add(self.num_layers - 1)
+        return out
+
+    def layer_types(self) -> list:
+        mla = self.mla_layer_set()
+        return ["mla" if i in mla else "kda" for i in range(self.num_layers)]
+
+    def ffn_types(self) -> list:
+        return ["dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers)]
+
+    @property
+    def shared_ffn_size(self) -> int:
+        return self.shared_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def decay_rank(self) -> int:
+        return self.kda_decay_rank or self.kda_head_dim
+
+    @property
+    def expert_width(self) -> int:
+        """Width at which routed experts run: the latent size, or the hidden size without latent MoE."""
+        return self.moe_latent_size or self.hidden_size
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        return -(-self.num_layers // self.attn_res_block_size)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, prefix: str = "model") -> "ModelConfig":
+        _require_ints(self, prefix, ("vocab_size", "hidden_size", "num_layers", "kda_num_heads", "kda_head_dim",
+                                     "kda_conv_size", "kda_chunk_size", "mla_num_heads", "kv_lora_rank",
+                                     "qk_nope_head_dim", "v_head_dim", "dense_intermediate_size",
+                                     "attn_res_block_size", "router_num_groups", "router_topk_groups"), 1)
+        _require_ints(self, prefix, ("q_lora_rank", "qk_rope_head_dim", "kda_decay_rank", "moe_latent_size",
+                                     "num_shared_experts", "shared_intermediate_size", "first_k_dense",
+                                     "mla_every"), 0)
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(_key(prefix, "rms_norm_eps"), self.rms_norm_eps, "must be > 0")
+        _require_choice(self, prefix, "kda_gate", ("lowerbound", "softplus"))
+        if self.kda_gate == "lowerbound" and not (-5.0 <= self.kda_gate_lower_bound < 0):
+            raise ConfigError(_key(prefix, "kda_gate_lower_bound"), self.kda_gate_lower_bound, "must lie in [-5, 0)")
+        _require_choice(self, prefix, "kda_output_gate", ("full", "lowrank"))
+        _require_choice(self, prefix, "kda_a_log_init", ("zero", "uniform_1_16"))
+        _require_choice(self, prefix, "hidden_act", ("situ", "silu"))
+        bad = [i for i in self.mla_layers if not (1 <= int(i) <= self.num_layers)]
+        if bad:
+            raise ConfigError(_key(prefix, "mla_layers"), list(self.mla_layers),
+                              f"1-based layer numbers in [1, {self.num_layers}]")
+        if self.first_k_dense > self.num_layers:
+            raise ConfigError(_key(prefix, "first_k_dense"), self.first_k_dense,
+                              f"must be <= num_layers={self.num_layers}")
+        if has_moe(self):
+            self._validate_moe(prefix)
+        return self
+
+    def _validate_moe(self, prefix: str) -> None:
+        if self.num_experts <= 0:
+            raise ConfigError(_key(prefix, "num_experts"), self.num_experts, "must be a positive integer")
+        if not (1 <= self.top_k <= self.num_experts):
+            raise ConfigError(_key(prefix, "top_k"), self.top_k, f"must be in [1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size <= 0:
+            raise ConfigError(_key(prefix, "moe_intermediate_size"), self.moe_intermediate_size, "must be > 0")
+        if self.num_experts % self.router_num_groups:
+            raise ConfigError(_key(prefix, "router_num_groups"), self.router_num_groups,
+                              f"must divide num_experts={self.num_experts}")
+        if self.router_topk_groups > self.router_num_groups:
+            raise ConfigError(_key(prefix, "router_topk_groups"), self.router_topk_groups,
+                              f"must be <= router_num_groups={self.router_num_groups}")
+        _require_choice(self, prefix, "moe_overflow", ("auto", "drop", "dropless"))
+        if not self.moe_capacity_factor > 0:
+            raise ConfigError(_key(prefix, "moe_capacity_factor"), self.moe_capacity_factor, "must be > 0")
+        per_group = self.num_experts // self.router_num_groups
+        if self.router_num_groups > 1 and self.top_k > self.router_topk_groups * per_group:
+            raise ConfigError(_key(prefix, "top_k"), self.top_k, f"must be <= router_topk_groups * experts per "
+                              f"group = {self.router_topk_groups * per_group}")
+
+
+RUNTIME_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("runtime"))
+
+
+@dataclass
+class ClusterConfig:
+    """The hardware: sizes, peak rates and link bandwidths (used by the planner and for MFU); the defaults describe
+    this CPU machine (conf/cluster/cpu.yaml)."""
+    name: str = "cpu"
+    num_nodes: int = 1
+    devices_per_node: int = 1
+    supernode_size: int = 64  # accelerators in one high-bandwidth domain; EP groups never cross it
+    device_kind: str = "cpu"  # cpu or gpu: which kernels the planner assumes (eager torch paths or fused ones)
+    device_memory_gb: float = 24.0
+    peak_tflops_bf16: float = 0.2  # dense peak per accelerator; the MFU denominator
+    peak_tflops_fp8: float = 0.0  # 0: no fp8 tensor cores (the planner then uses the bf16 peak)
+    gemm_efficiency: float = 0.6  # fraction of the peak that large GEMMs sustain (planner's compute time)
+    hbm_gbps: float = 50.0  # device memory bandwidth, GB/s (planner's decode estimate)
+    reserved_memory_gb: float = 0.0  # per device, kept free by the planner: runtime context, comm buffers, slack
+    intra_supernode_gbps: float = 10.0  # per-device bandwidth inside a supernode, GB/s
+    inter_supernode_gbps: float = 10.0  # per-device bandwidth across supernodes, GB/s
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def validate(self, prefix: str = "cluster") -> "ClusterConfig":
+        _require_choice(self, prefix, "device_kind", ("cpu", "gpu"))
+        _require_ints(self, prefix, ("num_nodes", "devices_per_node", "supernode_size"), 1)
+        for k in ("device_memory_gb", "peak_tflops_bf16", "hbm_gbps", "intra_supernode_gbps", "inter_supernode_gbps"):
+            if not getattr(self, k) > 0:
+                raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must be > 0")
+        if self.reserved_memory_gb < 0 or self.reserved_memory_gb >= self.device_memory_gb:
+            raise ConfigError(f"{prefix}.reserved_memory_gb", self.reserved_memory_gb,
+                              f"must lie in [0, device_memory_gb={self.device_memory_gb})")
+        if self.peak_tflops_fp8 < 0:
+            raise ConfigError(f"{prefix}.peak_tflops_fp8", self.peak_tflops_fp8, "must be >= 0 (0 = none)")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ConfigError(f"{prefix}.gemm_efficiency", self.gemm_efficiency, "must lie in (0, 1]")
+        return self
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes; data parallelism is whatever of the world is left."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+    sequence_parallel: bool = False
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, else gloo), nccl, gloo
+    zero_stage: int = 1  # DeepSpeed ZeRO over the data-parallel group: 0 (plain all-reduce), 1 (optimizer states
+    #                      partitioned), 2 (gradients too)
+    deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed config
+    timeout_minutes: float = 30.0  # how long a collective waits for its peers before failing (naming its group)
+
+    def validate(self, prefix: str = "parallel") -> "ParallelConfig":
+        _require_ints(self, prefix, ("tp", "pp", "ep", "cp"), 1)
+        if sorted(self.order.split("-")) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+            raise ConfigError(f"{prefix}.order", self.order, "a permutation of tp-cp-ep-dp-pp")
+        if not self.timeout_minutes > 0:
+            raise ConfigError(f"{prefix}.timeout_minutes", self.timeout_minutes, "must be > 0")
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"{prefix}.zero_stage", self.zero_stage, "valid: 0, 1, 2 (ZeRO-3 would partition "
+                              "parameters that tensor/expert parallelism already shards)")
+        _require_choice(self, prefix, "backend", ("auto", "nccl", "gloo"))
+        return self
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # total optimizer steps of the run; a resumed run continues toward the same total
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    seq_length: int = 256
+    log_interval: int = 1
+    save_interval: int = 100  # 0: only at the end (and on exit_interval / exit_duration_mins)
+    eval_interval: int = 50  # 0: never
+    eval_iters: int = 4
+    exit_interval: int = 0
+    exit_duration_mins: float = 0.0
+    grad_clip: float = 1.0
+    device: str = "auto"  # auto (cuda if available), cpu, cuda
+    max_consecutive_skips: int = 3  # steps with a non-finite loss/gradient are skipped; this many in a row stop the run
+
+    def validate(self, prefix: str = "train") -> "TrainConfig":
+        _require_ints(self, prefix, ("steps", "micro_batch_size", "global_batch_size", "seq_length",
+                                     "log_interval", "eval_iters"), 1)
+        for k in ("save_interval", "eval_interval", "exit_interval"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must be >= 0 (0 = off)")
+        for k in ("exit_duration_mins", "grad_clip"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must be >= 0 (0 = off)")
+        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
+            raise ConfigError(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips,
+                              "must be an integer >= 1")
+        _require_choice(self, prefix, "device", ("auto", "cpu", "cuda"))
+        return self
+
+
+@dataclass
+class DataConfig:
+    name: str = "embedded"  # embedded (the Python standard library, no download) or indexed
+    paths: list = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]
+    split: str = "98,2,0"  # train,valid,test proportions over contiguous document ranges (Megatron style)
+    tokenizer: str = ""  # indexed: the tokenizer.json the data was made with (checks model.vocab_size)
+    cache_dir: str = ""  # embedded: where the tokenizer and token cache live ('' = <repo>/.cache)
+    tokenizer_vocab_size: int = 8192  # embedded: BPE vocabulary trained on the corpus
+    reset_at_document_boundaries: bool = True  # KDA state, conv and MLA attention restart per document
+
+    def validate(self, prefix: str = "data") -> "DataConfig":
+        if self.name not in ("embedded", "indexed"):
+            raise ConfigError(prefix, self.name, "valid: embedded, indexed")
+        if self.name == "indexed" and not self.paths:
+            raise ConfigError(f"{prefix}.paths", list(self.paths),
+                              "data=indexed needs Megatron .bin/.idx prefixes: [prefix, ...] or [weight, prefix, ...]")
+        try:
+            parse_split(self.split)
+        except ValueError as e:
+            raise ConfigError(f"{prefix}.split", self.split, str(e)) from None
+        return self
+
+
+def parse_split(split) -> list:
+    """'98,2,0' -> three non-negative proportions (train, valid, test), normalised to sum to 1."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError("expected comma-separated proportions like '98,2,0'") from None
+    parts += [0.0] * (3 - len(parts))
+    if len(parts) != 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError("expected three non-negative proportions like '98,2,0'")
+    return [p / sum(parts) for p in parts]
+
+
+@dataclass
+class OptimConfig:
+    """optim=adamw, or optim=muon: Per-Head Muon for matrices + AdamW (beta1, beta2, eps) for the rest, one lr
+    schedule and one weight decay for both (megatron_k3.optim.muon; MODEL.md section 6)."""
+    name: str = "muon"  # muon or adamw
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine or constant (after warmup)
+    # ---- muon
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # quintic Newton-Schulz iterations
+    ns_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16
+    muon_scale: float = 0.2  # update = muon_scale * sqrt(max(rows, cols)) * NS(momentum): AdamW's RMS
+    per_head: bool = True  # orthogonalise each attention head's block of a head-partitioned projection on its own
+    qk_clip: float = 0.0  # QK-Clip threshold tau on Gated MLA's per-head max logit (K2 used 100); 0 = off
+
+    def validate(self, prefix: str = "optim") -> "OptimConfig":
+        if self.lr <= 0:
+            raise ConfigError(f"{prefix}.lr", self.lr, "must be > 0")
+        if not (0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"{prefix}.min_lr", self.min_lr, f"must lie in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{prefix}.warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.name not in ("adamw", "muon"):
+            raise ConfigError(prefix, self.name, "valid: adamw, muon")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{prefix}.weight_decay", self.weight_decay, "must be >= 0")
+        for k in ("beta1", "beta2", "momentum"):
+            if not (0 <= getattr(self, k) < 1):
+                raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must lie in [0, 1)")
+        if self.eps <= 0:
+            raise ConfigError(f"{prefix}.eps", self.eps, "must be > 0")
+        _require_ints(self, prefix, ("ns_steps",), 1)
+        _require_choice(self, prefix, "ns_dtype", ("auto", "fp32", "bf16"))
+        if self.muon_scale <= 0:
+            raise ConfigError(f"{prefix}.muon_scale", self.muon_scale, "must be > 0 (0.2 matches AdamW's update RMS)")
+        if self.qk_clip < 0:
+            raise ConfigError(f"{prefix}.qk_clip", self.qk_clip, "must be >= 0 (0 = off; K2 used 100)")
+        if self.qk_clip > 0 and self.name != "muon":
+            raise ConfigError(f"{prefix}.qk_clip", self.qk_clip, "QK-Clip is part of optim=muon (MuonClip); use 0 "
+                              "with adamw")
+        _require_choice(self, prefix, "decay", ("cosine", "constant"))
+        return self
+
+
+@dataclass
+class MoEConfig:
+    """How the routers' selection bias is balanced (megatron_k3.training.balancing)."""
+    balancing: str = "quantile"  # quantile (K3's Quantile Balancing), sign (DeepSeek-V3's +-rate), none
+    quantile_estimator: str = "auto"  # exact (gather every margin), histogram (pooled counts), auto (by size)
+    exact_max_margins: int = 4_000_000  # auto: exact while tokens x experts per layer and step stay below this
+    histogram_bins: int = 4096  # histogram: error of the quantile <= one bin width = range / bins
+    sign_rate: float = 1e-3  # sign: bias step per optimizer step
+    rescore: bool = False  # quantile: estimate from this step's tokens re-scored by the updated router
+    rescore_max_tokens: int = 8192  # rescore: router inputs kept per micro-batch and rank (a strided subset)
+
+    def validate(self, prefix: str = "moe") -> "MoEConfig":
+        _require_choice(self, prefix, "balancing", ("quantile", "sign", "none"))
+        _require_choice(self, prefix, "quantile_estimator", ("auto", "exact", "histogram"))
+        if self.histogram_bins < 2:
+            raise ConfigError(f"{prefix}.histogram_bins", self.histogram_bins, "must be >= 2")
+        return self
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8 (megatron_k3.precision)
+    dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32); mx_qat and te_* need bf16
+    param_dtype: str = "fp32"  # bf16: DeepSpeed's bf16 mode (module weights and gradients bf16; fp32 master
+    #                            weights, fp32 gradient accumulation and optimizer states in ZeRO's partitions)
+    # mx_qat: routed experts' weights and input activations fake-quantised to MX, blocks along the reduction dim
+    mx_weight_format: str = "e2m1"  # MXFP4
+    mx_act_format: str = "e4m3"  # MXFP8
+    mx_block_size: int = 32
+    mx_weight_scale_mode: str = "floor"  # floor (OCP spec) or rceil (Blackwell hardware)
+    mx_act_scale_mode: str = "floor"
+
+    def validate(self, prefix: str = "precision") -> "PrecisionConfig":
+        _require_choice(self, prefix, "dtype", ("fp32", "bf16"))
+        _require_choice(self, prefix, "param_dtype", ("fp32", "bf16"))
+        if self.name not in ("fp32", "bf16", "mx_qat", "te_fp8", "te_mxfp8"):
+            raise ConfigError(prefix, self.name, "valid: fp32, bf16, mx_qat, te_fp8, te_mxfp8")
+        if self.name in ("mx_qat", "te_fp8", "te_mxfp8") and self.dtype != "bf16":
+            raise ConfigError(f"{prefix}.dtype", self.dtype, f"precision={self.name} runs the rest of the model in "
+                              "bf16")
+        if self.name == "mx_qat":
+            for k in ("mx_weight_format", "mx_act_format"):
+                _require_choice(self, prefix, k, ("e2m1", "e4m3", "e5m2"))
+            for k in ("mx_weight_scale_mode", "mx_act_scale_mode"):
+                _require_choice(self, prefix, k, ("floor", "rceil"))
+            _require_ints(self, prefix, ("mx_block_size",), 1)
+        return self
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline, online, disabled
+    project: str = "megatron-k3"
+    entity: str = ""
+    name: str = ""
+    media_interval: int = 25  # steps between expert-load heatmaps/histograms
+    top_experts: int = 4  # how many most/least loaded experts to log as series
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "logging") -> "LoggingConfig":
+        _require_choice(self.wandb, f"{prefix}.wandb", "mode", ("offline", "online", "disabled"))
+        return self
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # '' = <run dir>/checkpoints
+    load: str = ""  # '' = start fresh; auto = newest complete checkpoint in dir; or a checkpoint path
+    keep_last: int = 3
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int = 1) -> "RunConfig":
+        """Every group's own check, then the layout on `world_size` ranks, then the cross-group pairings."""
+        self.model.validate("model")
+        self.train.validate("train")
+        self.parallel.validate("parallel")
+        self.optim.validate("optim")
+        self.precision.validate("precision")
+        self.moe.validate("moe")
+        self.cluster.validate("cluster")
+        self.logging.validate("logging")
+        self.data.validate("data")
+        m, t, p = self.model, self.train, self.parallel
+        problems = layout_problems(m, world_size, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, order=p.order,
+                                   supernode_size=self.cluster.supernode_size,
+                                   sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
+                                   global_batch_size=t.global_batch_size, seq_length=t.seq_length)
+        if problems:
+            raise ConfigError(*problems[0])
+        self._validate_pairings()
+        return self
+
+    def _validate_pairings(self) -> None:
+        m, p, o, pr = self.model, self.parallel, self.optim, self.precision
+        if p.pp > 1 and p.zero_stage == 0:
+            raise ConfigError("parallel.zero_stage", 0, f"with parallel.pp={p.pp} use ZeRO 1 or 2: DeepSpeed's "
+                              "ZeRO-0 clipping counts replicated parameters on model-parallel rank 0 only, "
+                              "i.e. on the first stage")
+        if has_moe(m) and p.ep > 1 and p.zero_stage == 0:
+            raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
+        if o.name == "muon" and p.zero_stage == 0 and pr.param_dtype == "bf16":
+            raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
+                              "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")
+        if pr.name == "mx_qat" and has_moe(m):
+            for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
+                         ("moe_intermediate_size", m.moe_intermediate_size)):
+                if v % pr.mx_block_size:
+                    raise ConfigError(f"model.{k}", v, f"precision=mx_qat needs a multiple of "
+                                      f"precision.mx_block_size={pr.mx_block_size}")
+
+
+__all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
+           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "RUNTIME_MODEL_KEYS",
+           "parse_split"]

@@ -1,0 +1,75 @@
+"""The datasets of a run from its config: data=embedded (the standard library corpus) or data=indexed (Megatron
+.bin/.idx prefixes, blended by weight), split into train and valid document ranges and packed into samples."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from .corpus import EmbeddedCorpus
+from .dataset import BlendedDataset, IndexedDocuments, PackedDataset, split_documents
+from .indexed import IndexedDataset, IndexedDatasetError
+from .tokenizer import load_tokenizer
+
+__all__ = ["build_data"]
+
+
+def _parse_paths(paths) -> list:
+    """[prefix, ...] (equal weights) or [weight, prefix, weight, prefix, ...] -> [(weight, prefix)]."""
+    items = [str(p) for p in paths]
+    try:
+        float(items[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return [(1.0, p) for p in items]
+    if len(items) % 2:
+        raise ConfigError("data.paths", items, "weighted form needs pairs: [weight, prefix, weight, prefix, ...]")
+    try:
+        return [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)]
+    except ValueError:
+        raise ConfigError("data.paths", items, "weighted form needs pairs: [weight, prefix, ...]") from None
+
+
+def build_data(run: RunConfig, rank: int):
+    """(train dataset, valid dataset, eod id or None) for data=embedded or data=indexed."""
+    d, T, seed = run.data, run.train.seq_length, run.train.seed
+    if d.name == "embedded":
+        if rank == 0:
+            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, progress=False)
+        vocab, sources = corpus.vocab_size, [(1.0, corpus.documents)]
+    else:
+        sources = []
+        for w, prefix in _parse_paths(d.paths):
+            try:
+                sources.append((w, IndexedDocuments(IndexedDataset(prefix), name=prefix)))
+            except (IndexedDatasetError, FileNotFoundError, OSError) as e:
+                raise ConfigError("data.paths", prefix, str(e)) from None
+        vocab = 0
+        if d.tokenizer:
+            try:
+                vocab = load_tokenizer(d.tokenizer).get_vocab_size()
+            except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
+                raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
+    if vocab > run.model.vocab_size:
+        raise ConfigError("model.vocab_size", run.model.vocab_size, f"must be >= the tokenizer's vocabulary ({vocab})")
+    splits = {"train": [], "valid": []}
+    for w, docs in sources:
+        ids = split_documents(len(docs), d.split)
+        for name in splits:
+            try:
+                splits[name].append((w, PackedDataset(docs, ids[name], T, seed, f"{docs.name} ({name} split)")))
+            except ValueError as e:
+                raise ConfigError("train.seq_length", T, str(e)) from None
+    out = []
+    for name in ("train", "valid"):
+        parts = splits[name]
+        out.append(parts[0][1] if len(parts) == 1 else
+                   BlendedDataset([p for _, p in parts], [w for w, _ in parts], name=f"{name} blend"))
+    return out[0], out[1]

@@ -1,0 +1,10 @@
+"""Parallel layouts as pure arithmetic (no torch): the rank grid, the pipeline partition and the one set of
+rules every layout is checked against."""
+
+from .grid import AXES, DEFAULT_ORDER, GROUPS, RankGrid
+from .rules import Problem, check_layout, layout_problems
+from .sharding import check_divisibility, divisors, has_moe, sharding_problems
+from .stages import stage_layers
+
+__all__ = ["AXES", "DEFAULT_ORDER", "GROUPS", "RankGrid", "Problem", "check_layout", "layout_problems",
+           "check_divisibility", "divisors", "has_moe", "sharding_problems", "stage_layers"]

@@ -1,0 +1,110 @@
+"""The one layout check: whether a parallel layout can run a model on a world of ranks with a given batch.
+
+Config validation (`RunConfig.validate`), the parallel state (`parallel.state.initialize_model_parallel`, through
+the rank grid and `check_divisibility`) and the planner (`planning.layout.layout_problems`, which adds its own
+search preferences on top) all ask this module, so a layout is refused for the same reason everywhere. Each
+problem names the config key to change, its value and what would be valid.
+
+Rules, in the order they are reported:
+0. TP and EP groups no larger than a supernode;
+1. the rank grid: sizes divide the world, the order string, equal pipeline groups in both grids, TP/EP groups
+   inside one supernode (`grid.RankGrid`);
+2. sharding: every dimension TP splits divides by tp, experts by ep (`sharding`);
+3. pipeline: stages hold whole AttnRes blocks (`stages`), tied embeddings need one stage;
+4. context parallelism: 2 cp equal zigzag chunks per sequence, each at least the short convolution's halo;
+5. tokens: under tensor parallelism each rank routes (or, with sequence parallelism, holds) 1/tp of them;
+6. batch: the global batch is whole micro-batches on every data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..errors import ParallelConfigError
+from .grid import DEFAULT_ORDER, RankGrid
+from .sharding import has_moe, sharding_problems
+from .stages import stage_layers
+
+__all__ = ["Problem", "layout_problems", "check_layout"]
+
+
+class Problem(NamedTuple):
+    key: str
+    value: object
+    reason: str
+
+    def error(self) -> ParallelConfigError:
+        return ParallelConfigError(self.key, self.value, self.reason)
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp: int = 1,
+                    order: str = DEFAULT_ORDER, supernode_size: int | None = None, sequence_parallel: bool = False,
+                    micro_batch_size: int | None = None, global_batch_size: int | None = None,
+                    seq_length: int | None = None) -> list:
+    """Every Problem of this layout (empty: it runs). Batch rules apply when the batch sizes are given."""
+    out = []
+    for key, size, what in (("parallel.tp", tp, "TP"), ("parallel.ep", ep, "EP")):
+        if supernode_size and isinstance(size, int) and size > supernode_size:
+            out.append(Problem(key, size, f"{what} groups stay inside one supernode: must be <= "
+                                          f"cluster.supernode_size={supernode_size}"))
+    try:
+        grid = RankGrid(world, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp, order=order, supernode_size=supernode_size)
+    except ParallelConfigError as e:  # the sizes do not form a grid: nothing below is defined
+        return out + [Problem(e.key, e.value, e.valid)]
+    out += [Problem(*p) for p in sharding_problems(model, tp, ep, etp)]
+    if pp > 1:
+        try:
+            stage_layers(model, pp)
+        except ValueError as e:
+            out.append(Problem("parallel.pp", pp, f"{e} (model.num_layers={model.num_layers}, "
+                                                  f"model.attn_res_block_size={model.attn_res_block_size})"))
+        if model.tie_word_embeddings:
+            out.append(Problem("parallel.pp", pp, "model.tie_word_embeddings=true needs the embedding and the LM "
+                                                  "head on one stage: use parallel.pp=1 or untied embeddings"))
+    if seq_length is not None:
+        out += _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_length)
+    if micro_batch_size is not None and global_batch_size is not None \
+            and global_batch_size % (micro_batch_size * grid.dp):
+        out.append(Problem("train.global_batch_size", global_batch_size,
+                           f"must be a multiple of micro_batch_size*dp = {micro_batch_size}*{grid.dp}"))
+    return out
+
+
+def _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_length) -> list:
+    out = []
+    moe = has_moe(model)
+    if cp > 1:  # zigzag context parallelism: 2*cp equal chunks per sequence (parallel/context.py)
+        if seq_length % (2 * cp):
+            out.append(Problem("parallel.cp", cp, f"splits each sequence into 2*cp={2 * cp} equal chunks: "
+                                                  f"train.seq_length={seq_length} must be divisible by {2 * cp}"))
+            return out
+        chunk = seq_length // (2 * cp)
+        if "kda" in model.layer_types() and chunk < model.kda_conv_size - 1:
+            out.append(Problem("parallel.cp", cp, f"chunks of train.seq_length/(2*cp)={chunk} tokens are shorter "
+                                                  f"than the short convolution's halo of model.kda_conv_size-1="
+                                                  f"{model.kda_conv_size - 1}"))
+        if micro_batch_size is not None:
+            local = micro_batch_size * seq_length // cp
+            if tp > 1 and local % tp and (sequence_parallel or moe):
+                out.append(Problem("parallel.cp", cp, f"each CP rank holds micro_batch_size*seq_length/cp={local} "
+                                                      f"tokens, which must divide over parallel.tp={tp}"))
+    if micro_batch_size is not None and tp > 1 and (micro_batch_size * seq_length) % tp:
+        if sequence_parallel:
+            out.append(Problem("parallel.sequence_parallel", True, f"needs train.micro_batch_size*train.seq_length "
+                                                                   f"divisible by parallel.tp={tp}"))
+        elif moe:
+            out.append(Problem("parallel.tp", tp, "each TP rank routes 1/tp of the tokens: needs "
+                                                  "train.micro_batch_size*train.seq_length divisible by parallel.tp"))
+    return out
+
+
+def check_layout(model, world: int, **sizes) -> RankGrid:
+    """The rank grid of a layout that runs `model`; ParallelConfigError for the first problem otherwise."""
+    problems = layout_problems(model, world, **sizes)
+    if problems:
+        raise problems[0].error()
+    return RankGrid(world, **{k: sizes[k] for k in ("tp", "cp", "ep", "pp", "etp", "order", "supernode_size")
+                             if k in sizes})

@@ -1,0 +1,59 @@
+"""`parallelize(model, groups)`: every kind of parallelism applied to a built single-device K3 model from outside,
+each by the module that owns it, with the process groups passed in (never read from globals):
+
+1. pipeline: the model keeps its stage (`pipeline.cut_stage`), first, so nothing below touches other stages;
+2. tensor + sequence: layer substitution, region entries, partial-gradient hooks (`tensor`);
+3. expert: each EP rank's block of experts and the dispatcher's all-to-all, TP's token split (`experts`);
+4. context: input sharding, op substitution in KDA and MLA, the loss's share (`context`).
+
+Call it on the initialised, unsharded model: every layout then starts from the single-process weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..model.k3 import K3ForCausalLM
+from .context import apply_context_parallel
+from .experts import apply_expert_parallel
+from .mappings import Group
+from .pipeline import cut_stage
+from .tensor import TensorParallel, apply_tensor_parallel
+
+__all__ = ["ParallelGroups", "parallelize"]
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups one rank's model is parallelised over (all of size 1: the single-device model)."""
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    ep: Group = field(default_factory=Group)
+    cp: Group = field(default_factory=Group)
+    pp: Group = field(default_factory=Group)
+
+    @classmethod
+    def from_state(cls, ps, sequence_parallel: bool = False) -> "ParallelGroups":
+        """This rank's groups from a parallel.state.ParallelState; sequence parallelism only where tp > 1."""
+        def g(name):
+            return Group(ps.group(name), ps.size(name), ps.rank_in(name))
+
+        tp = g("tp")
+        return cls(tp=TensorParallel(tp.group, tp.size, tp.rank, sequence_parallel and tp.size > 1), ep=g("ep"),
+                   cp=g("cp"), pp=g("pp"))
+
+
+def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
+    """`model` parallelised over `groups`, in place; returns it. A K3ForCausalLM takes every kind; a part of one (a
+    decoder layer, a MoE block) takes tensor and expert parallelism, which act on its modules alone."""
+    whole = isinstance(model, K3ForCausalLM)
+    if not whole and (groups.pp.size > 1 or groups.cp.size > 1):
+        raise TypeError(f"pipeline and context parallelism cut a whole K3ForCausalLM, not a {type(model).__name__}")
+    if whole:
+        cut_stage(model, groups.pp.size, groups.pp.rank)
+    apply_tensor_parallel(model, groups.tp)
+    apply_expert_parallel(model, groups.tp, groups.ep)
+    if whole:
+        apply_context_parallel(model, groups.cp)
+    return model
