@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ParamMeta", "annotate", "meta", "copy_meta", "full_shape", "ATTR"]
+__all__ = ["ParamMeta", "annotate", "meta", "copy_meta", "full_shape", "shard_offsets", "ATTR"]
 
 ATTR = "k3_meta"
 
@@ -53,9 +53,7 @@ def meta(p: torch.Tensor) -> ParamMeta:
     return getattr(p, ATTR, _DEFAULT)
 
 
-def annotate(p: torch.Tensor, **changes) -> torch.Tensor:
-    """Set fields of p's annotation (the others keep their values); returns p."""
-    m = dataclasses.replace(meta(p), **changes)
+def _set(p: torch.Tensor, m: ParamMeta) -> torch.Tensor:
     setattr(p, ATTR, m)
     if m.tp_dim is not None:  # the names DeepSpeed and Megatron look for (grad-norm bookkeeping)
         p.tensor_model_parallel = True
@@ -64,9 +62,15 @@ def annotate(p: torch.Tensor, **changes) -> torch.Tensor:
     return p
 
 
+def annotate(p: torch.Tensor, **changes) -> torch.Tensor:
+    """Set fields of p's annotation (the others keep their values); returns p."""
+    return _set(p, dataclasses.replace(meta(p), **changes))
+
+
 def copy_meta(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """dst annotated like src (a copy of the same parameter); returns dst."""
-    return annotate(dst, **dataclasses.asdict(meta(src)))
+    """dst annotated like src (a copy of the same parameter; the annotation is immutable, so it is shared); returns
+    dst."""
+    return _set(dst, meta(src))
 
 
 def full_shape(p: torch.Tensor) -> tuple:
@@ -77,3 +81,15 @@ def full_shape(p: torch.Tensor) -> tuple:
         shape[m.tp_dim] *= m.tp_size
     shape[0] *= m.ep_size
     return tuple(shape)
+
+
+def shard_offsets(p: torch.Tensor) -> tuple:
+    """Where p's block starts in the unsharded tensor (`full_shape(p)`), per dimension: its tensor-parallel block
+    along `tp_dim`, its expert-parallel block along dimension 0."""
+    m = meta(p)
+    offsets = [0] * p.dim()
+    if m.tp_dim is not None:
+        offsets[m.tp_dim] += m.tp_rank * p.shape[m.tp_dim]
+    if m.ep_size > 1:
+        offsets[0] += m.ep_rank * p.shape[0]
+    return tuple(offsets)

@@ -25,6 +25,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
+from trajectory import compare, record
 
 GRAD_RTOL = 1e-4
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,10 +216,10 @@ def _train(rank, world, overrides, run_dir):
     run, _, _ = compose_run_config(FAST + STATIC + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
-        recs = [trainer.train_step()[0] for _ in range(STEPS)]
+        steps = record(trainer, STEPS, _full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
         groups = {name: state.get_group_ranks(name) for name in ("cp", "dp", "dp-cp", "ep", "edp")}
-        return ([r["loss"] for r in recs], [r["grad_norm"] for r in recs], _full_params(trainer), groups,
-                trainer.engine.seq_dp_world_size, [float(m.dropped_assignments) for m in trainer.moe])
+        return (steps, [s.record["grad_norm"] for s in steps], groups, trainer.engine.seq_dp_world_size,
+                [float(m.dropped_assignments) for m in trainer.moe])
     finally:
         shutdown()
 
@@ -236,18 +237,16 @@ def train_reference(tmp_path_factory):
 ], ids=["cp2", "cp2xep2"])
 @pytest.mark.slow
 def test_trainer_equals_single_process(train_reference, tmp_path, world, overrides, groups):
-    ref_losses, ref_norms, ref_params, _, _, _ = train_reference
+    ref_steps, ref_norms, _, _, _ = train_reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
-    for rank, (losses, norms, params, got_groups, seq_dp, dropped) in enumerate(results):
+    for rank, (steps, norms, got_groups, seq_dp, dropped) in enumerate(results):
         if rank == 0:
             assert got_groups == groups
             assert seq_dp == len(groups["dp-cp"])  # DeepSpeed reduces dense gradients over dp x cp
-        for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-            assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
-        for a, b in zip(norms, ref_norms):  # a gradient averaged over the wrong group shows here (AdamW hides it)
+        # losses and parameters step by step, up to a routing decision a near-tie let go the other way
+        compared = compare(ref_steps, steps, RTOL, PARAM_RTOL, f"rank {rank}")
+        for a, b in zip(norms[:compared], ref_norms):  # a gradient averaged over the wrong group shows here
             assert abs(a - b) <= 1e-4 * abs(b), (rank, norms, ref_norms)
-        worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
-        assert worst[0] < PARAM_RTOL, (rank, worst)
         assert dropped == [0.0] * len(dropped)
 
 

@@ -5,7 +5,8 @@ bias that Quantile Balancing sets after each step is the same too. Tolerances as
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import PARAM_RTOL, RTOL, _rel, _train
+from test_engine import PARAM_RTOL, RTOL, _train
+from trajectory import compare
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
@@ -27,14 +28,13 @@ def reference(tmp_path_factory):
     (2, ["parallel.ep=2", "model.moe_overflow=dropless"]),
 ], ids=["ep2", "ep2-zero2", "ep2xdp2", "tp2xep2", "tp2xep2-sp", "ep2-dropless"])
 def test_expert_parallel_equals_single_process(reference, tmp_path, world, overrides):
-    ref_losses, ref_params, _, ref_extra = reference
+    _, _, _, ref_extra = reference
     assert all(b.abs().max() > 1e-3 for b in ref_extra["bias"])  # Quantile Balancing did move the bias
     results = run_distributed(_train, world, STATIC + overrides, str(tmp_path), timeout=300)
-    for rank, (losses, params, _, extra) in enumerate(results):
-        for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-            assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
-        worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
-        assert worst[0] < PARAM_RTOL, (rank, worst)
+    for rank, (_, _, _, extra) in enumerate(results):
+        # losses and parameters step by step, up to a routing decision a near-tie let go the other way
+        compared = compare(ref_extra["steps"], extra["steps"], RTOL, PARAM_RTOL, f"rank {rank}")
         assert extra["dropped"] == [0.0] * len(extra["dropped"])
-        for b, rb in zip(extra["bias"], ref_extra["bias"]):
-            assert torch.allclose(b, rb, atol=1e-5), (rank, (b - rb).abs().max())
+        if compared == len(extra["steps"]):  # the selection bias QB set after the last step
+            for b, rb in zip(extra["bias"], ref_extra["bias"]):
+                assert torch.allclose(b, rb, atol=1e-5), (rank, (b - rb).abs().max())

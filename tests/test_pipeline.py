@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
+from trajectory import compare, record
 
 
 def test_schedule_1f1b_order():
@@ -76,10 +77,11 @@ def _train(rank, world, overrides, run_dir):
     run, _, _ = compose_run_config(FAST + ["train.eval_iters=2"] + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
-        recs = [trainer.train_step()[0] for _ in range(STEPS)]
+        steps = record(trainer, STEPS, _full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
+        recs = [s.record for s in steps]
         logged = {"grad_norm": [r["grad_norm"] for r in recs], "eval_loss": trainer.evaluate(),
                   **{f"expert_load.{k}": v for k, v in recs[-1]["expert_load"].items()}}
-        return [r["loss"] for r in recs], _full_params(trainer), logged
+        return steps, logged
     finally:
         shutdown()
 
@@ -95,24 +97,25 @@ def reference(tmp_path_factory):
 ], ids=["pp2", "pp2xtp2"])
 @pytest.mark.slow
 def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
-    ref_losses, ref_params, ref_logged = reference
+    ref_steps, ref_logged = reference
     results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
     held = set()
-    for rank, (losses, params, logged) in enumerate(results):
-        for step, (a, b) in enumerate(zip(losses, ref_losses), 1):  # every rank logs the last stage's loss
-            assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
+    for rank, (steps, logged) in enumerate(results):
+        # every rank logs the last stage's loss; losses and this stage's parameters step by step, up to a routing
+        # decision a near-tie let go the other way (tests/trajectory.py)
+        compared = compare(ref_steps, steps, RTOL, PARAM_RTOL, f"rank {rank}")
+        held |= set(steps[-1].params)
         # the global clipping norm, evaluation and routing statistics, gathered from both stages, on every rank
         assert logged.keys() == ref_logged.keys()
+        if compared < len(steps):
+            continue  # what the last step logs follows that step's routing
         for k, ref in ref_logged.items():
             # the selection bias is a difference of two sigmoid scores (a margin): its rounding error is relative
             # to the scores' scale (~1), not to the bias's own small spread
             floor = 1.0 if "bias" in k else 1e-3
             for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
                 assert abs(a - b) <= RTOL * max(abs(b), floor), (rank, k, logged[k], ref)
-        worst = max((_rel(p, ref_params[n]), n) for n, p in params.items())
-        assert worst[0] < PARAM_RTOL, (rank, worst)
-        held |= set(params)
-    assert held == set(ref_params)  # the stages together hold every parameter
+    assert held == set(ref_steps[-1].params)  # the stages together hold every parameter
 
 
 def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):

@@ -12,7 +12,11 @@ from megatron_k3.model import K3ForCausalLM
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 OVERRIDES = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "attn_res_block_size=2"]
-RTOL = 1e-5  # fp32: partial sums of sharded matmuls are added in a different order
+RTOL = 1e-5  # fp32: partial sums of sharded matmuls are added in a different order (losses, first-step gradients)
+# parameters after 3 SGD steps at lr 0.5: each step adds lr x the gradient's rounding difference, and the runs'
+# gradients then differ a little more at every step (largest element relative to the tensor's largest, measured
+# over init seeds 0-3 and the three layouts: gradients <= 4.4e-6, parameters <= 1.4e-5, losses <= 2.2e-7)
+PARAM_RTOL = 5e-5
 
 
 def _data(dp_rank=0, dp=1):
@@ -61,12 +65,12 @@ def _full(model, tensors, group, size):
     return out
 
 
-def _worker(rank, world, tp, sp, steps):
+def _worker(rank, world, tp, sp, steps, seed=0):
     from megatron_k3.parallel import ParallelGroups, parallelize, state
 
     ps = state.initialize_model_parallel(tp=tp)
     try:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = parallelize(K3ForCausalLM(load_model_config("k3_tiny", OVERRIDES)), ParallelGroups.from_state(ps, sp))
         dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
         losses, grads = _train(model, steps, state.get_data_parallel_group(), dp_rank, dp)
@@ -78,8 +82,8 @@ def _worker(rank, world, tp, sp, steps):
         state.destroy_model_parallel()
 
 
-def _reference(steps, dp):
-    torch.manual_seed(0)
+def _reference(steps, dp, seed=0):
+    torch.manual_seed(seed)
     model = K3ForCausalLM(load_model_config("k3_tiny", OVERRIDES))
     ids, labels, cu = _data(0, dp)
     if dp > 1:  # the same global batch in one process: DP ranks hold one row each
@@ -116,4 +120,4 @@ def test_tensor_parallel_equals_single_process(world, tp, sp):
         worst = max((_rel(grads[n], g), n) for n, g in ref_grads.items() if g.abs().max() > 0)
         assert worst[0] < RTOL, worst
         worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
-        assert worst[0] < RTOL, worst
+        assert worst[0] < PARAM_RTOL, worst

@@ -31,12 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_k3.config import CONF_DIR, ConfigError, compose_config  # noqa: E402
+from megatron_k3.config import ConfigError  # noqa: E402
 from megatron_k3.model.params import count_parameters  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
 from megatron_k3.planning.layout import Layout  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
+from megatron_k3.planning.run import compose_for_planning  # noqa: E402
 
 FLAGS_WITH_VALUE = {"--mode", "--batch", "--context", "--optimizer", "--recompute", "--zero", "--kernels",
                     "--grad-dtype", "--top"}
@@ -73,26 +74,8 @@ def parse(argv):
 
 
 def compose(overrides, flags):
-    """Compose the run config; Muon is accepted whether or not conf/optim/muon.yaml exists yet; accelerator
-    clusters default to train=pretrain and precision=bf16."""
-    optimizer = flags.get("--optimizer")
-    keep = []
-    for o in overrides:
-        if (o.split("=", 1)[0] == "optim" and o.split("=", 1)[1] == "muon"
-                and not (CONF_DIR / "optim" / "muon.yaml").is_file()):
-            optimizer = optimizer or "muon"
-            continue
-        keep.append(o)
-    run, _, _ = compose_config(keep)
-    run.cluster.validate("cluster")
-    run.model.validate("model")
-    given = {o.split("=", 1)[0] for o in keep}
-    if run.cluster.device_kind == "gpu":
-        extra = [x for x, k in (("train=pretrain", "train"), ("precision=bf16", "precision")) if k not in given]
-        if extra:
-            run, _, _ = compose_config(extra + keep)
-    optimizer = optimizer or run.optim.name
-    return run, optimizer, given
+    """The run config and optimizer to plan (megatron_k3.planning.run.compose_for_planning)."""
+    return compose_for_planning(overrides, flags.get("--optimizer"))
 
 
 def main(argv):

@@ -18,6 +18,7 @@ from torch import nn
 from ..annotations import annotate
 from ..ops.attn_res import attn_res
 from .kda import KimiDeltaAttention
+from .layers import Linear
 from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import StableLatentMoE
@@ -41,9 +42,7 @@ class DepthMix(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        # nn.Linear's default init draws from the random stream before the model's init zeroes the query; kept so
-        # that a seed gives the initial weights it always gave
-        self.proj = nn.Linear(dim, 1, bias=False)
+        self.proj = Linear(dim, 1, bias=False)
         annotate(self.proj.weight, adamw_reason="attn_res_query")
         self.norm = RMSNorm(dim, eps)
         self.last_weights_N: torch.Tensor | None = None
@@ -52,6 +51,23 @@ class DepthMix(nn.Module):
         h, alpha_N = attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps, return_weights=True)
         self.last_weights_N = alpha_N.detach().flatten(1).mean(1)
         return h
+
+
+class LayerStack(nn.ModuleDict):
+    """Decoder layers under their global indices (`layers.{i}` in the state dict), iterated in order like an
+    nn.ModuleList; `stack[i]` is global layer i. A model part (a pipeline stage) holds a contiguous range of them."""
+
+    def __init__(self, layers=None):
+        super().__init__({str(layer.layer_idx): layer for layer in (layers or ())})
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
+
+    def indices(self) -> list:
+        return [int(k) for k in self.keys()]
 
 
 class DecoderLayer(nn.Module):

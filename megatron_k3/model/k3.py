@@ -4,8 +4,13 @@ loss. The same classes express Kimi Linear through config switches (see megatron
 Legend: B batch, T tokens, D hidden, V vocab.
 
 Single-device code: megatron_k3.parallel applies tensor, sequence, context, expert and pipeline parallelism to a
-built model from outside. A pipeline stage is this model with the modules of other stages removed (set to None,
-the layers it keeps under their global indices); the forward passes below skip what is not there.
+built model from outside. A model part (a pipeline stage) is this model built with a range of its layers (under
+their global indices), with or without the embedding and the output end (None where absent); the forward passes
+below skip what is not there.
+
+Initial values are a function of (seed, parameter name, global element index) (megatron_k3.ops.init): a model
+built on the meta device, cut and sharded, then allocated (`materialize`) holds exactly the values the whole
+single-device model would hold in that block.
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..annotations import annotate
+from ..annotations import annotate, full_shape, shard_offsets
+from ..ops.init import Init, constant, fill_, normal
 from .cache import InferenceCache
-from .decoder import DecoderLayer, DepthMix, ResidualState
+from .decoder import DecoderLayer, DepthMix, LayerStack, ResidualState
 from .kda import KimiDeltaAttention
 from .layers import Embedding, Linear
 from .moe import StableLatentMoE
 from .norm import RMSNorm
-from .router import TopKRouter
 
 
 @dataclass
@@ -42,16 +47,26 @@ class CrossEntropy(nn.Module):
         return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=self.ignore_index)
 
 
+def _layer_range(cfg, layers) -> range:
+    layers = range(cfg.num_layers) if layers is None else range(layers.start, layers.stop)
+    if not (0 <= layers.start <= layers.stop <= cfg.num_layers):
+        raise ValueError(f"layers [{layers.start}, {layers.stop}) outside the model's {cfg.num_layers} layers")
+    return layers
+
+
 class K3Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layers: range | None = None, embedding: bool = True, head: bool = True):
+        """layers: the global indices of the decoder layers to build (default all); embedding / head: build the
+        token embedding / the output mix and final norm."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        annotate(self.embed_tokens.weight, adamw_reason="embedding")
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if embedding else None
+        if embedding:
+            annotate(self.embed_tokens.weight, adamw_reason="embedding")
+        self.layers = LayerStack(DecoderLayer(cfg, i) for i in _layer_range(cfg, layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         if cfg.attn_res:
-            self.output_attn_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps) if head else None
 
     def forward(self, input_ids_BT: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, state_in: ResidualState | None = None):
@@ -74,48 +89,82 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg, init: bool = True):
-        """init: draw the initial weights (`reset_parameters`) from torch's default generator; without it the
-        parameters are left uninitialised (to be loaded)."""
+    def __init__(self, cfg, init: bool = True, *, layers: range | None = None, embedding: bool = True,
+                 head: bool = True):
+        """init: draw the initial weights (`reset_parameters`, its seed from torch's default generator); without it
+        the parameters are left uninitialised (to be loaded, or built on the meta device and materialised).
+        layers / embedding / head: build a part of the model (a pipeline stage): those decoder layers (global
+        indices), the token embedding, the output end (output mix, final norm, LM head)."""
         super().__init__()
         self.cfg = cfg
-        self.model = K3Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and embedding != head:
+            raise ValueError("tied embeddings need the embedding and the LM head in one model part")
+        self.model = K3Model(cfg, layers, embedding, head)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        if head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
+        elif head:
             annotate(self.lm_head.weight, adamw_reason="lm_head")
         self.loss_fn = CrossEntropy()
         if init:
             self.reset_parameters()
 
+    def init_of(self, module: nn.Module, name: str) -> Init:
+        """The initial distribution of `module`'s own parameter `name` (MODEL.md): normal(0, initializer_range) for
+        matrices, embeddings and experts, ones for norms, zeros for biases, and the KDA gate/conv init (the AttnRes
+        pseudo-queries, zeros, are set by `reset_parameters`)."""
+        if isinstance(module, KimiDeltaAttention):
+            own = module.init_of(name)
+            if own is not None:
+                return own
+        if isinstance(module, RMSNorm):
+            return constant(1.0)
+        if name == "bias":
+            return constant(0.0)
+        return normal(self.cfg.initializer_range)
+
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None):
-        """Initialise every parameter, drawn in parameter order from one generator (torch's default, or one seeded
-        with `seed`): normal(0, initializer_range) for matrices, embeddings and experts, ones for norms, zeros for
-        the AttnRes pseudo-queries, biases and the router bias, and the KDA gate/conv init. Call it on the
-        unsharded model: megatron_k3.parallel shards the values it drew."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = self.cfg.initializer_range
-        depth_mix_projs = {id(m.proj) for m in self.modules() if isinstance(m, DepthMix)}
+        """Initialise every parameter this model holds from `seed` (default: drawn from torch's default generator):
+        each value a function of (seed, the parameter's global name, the element's global index), so a model part
+        or a shard (built on the meta device and materialised, or cut from an initialised model) holds the same
+        values as the whole model. Buffers (routing statistics, the router's selection bias) start at zero."""
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, ()).item())
+        depth_queries = {id(m.proj.weight) for m in self.modules() if isinstance(m, DepthMix)}
         owner = {}
         for m in self.modules():
             for pname, p in m.named_parameters(recurse=False):
-                owner[id(p)] = (m, pname)
-        for p in self.parameters():
-            m, pname = owner[id(p)]
-            full = m.init_full(pname, p.shape, gen) if isinstance(m, KimiDeltaAttention) else None
-            if full is None:
-                if isinstance(m, RMSNorm):
-                    full = torch.ones(p.shape)
-                elif id(m) in depth_mix_projs or pname == "bias":
-                    full = torch.zeros(p.shape)
-                else:
-                    full = torch.empty(p.shape).normal_(0.0, std, generator=gen)
-            p.copy_(full)
+                owner.setdefault(id(p), (m, pname))
+        for name, p in self.named_parameters():
+            init = constant(0.0) if id(p) in depth_queries else self.init_of(*owner[id(p)])
+            fill_(p, init, seed, name, full_shape(p), shard_offsets(p))
+        for b in self.buffers():
+            b.zero_()
+
+    def materialize(self, device, dtype: torch.dtype | None = None, seed: int | None = None) -> "K3ForCausalLM":
+        """Allocate a model built on the meta device (and cut or sharded there) on `device`, parameters in `dtype`
+        (default: as built; buffers keep theirs), each tensor at the size this model holds, and initialise it
+        (`reset_parameters(seed)`); returns self. A parameter keeps its attributes (annotations), gradient hooks
+        and ties."""
+        new = {}
         for m in self.modules():
-            if isinstance(m, TopKRouter):
-                m.e_score_correction_bias.zero_()
+            for pname, p in list(m._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in new:
+                    q = nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device=device),
+                                     requires_grad=p.requires_grad)
+                    q.__dict__.update(p.__dict__)
+                    if p._backward_hooks:
+                        q._backward_hooks = p._backward_hooks
+                    new[id(p)] = q
+                m._parameters[pname] = new[id(p)]
+            for bname, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        self.reset_parameters(seed)
+        return self
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None,

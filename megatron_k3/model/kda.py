@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..annotations import annotate
+from ..ops.init import Init, constant, uniform
 from ..ops.kda import chunk_kda, recurrent_kda
 from ..ops.numerics import compute_dtype
 from ..ops.short_conv import causal_conv1d
@@ -39,6 +40,12 @@ class KDAKernels:
             return recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
         return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=keep, chunk_size=chunk_size,
                          cu_seqlens=cu_seqlens, lower_bound=lower_bound)
+
+
+def _dt_bias_from_log_dt(log_dt: torch.Tensor) -> torch.Tensor:
+    """softplus^-1(dt) for dt = exp(log_dt) (at least 1e-4): the time-step bias of fla's KDA init."""
+    dt = log_dt.exp().clamp_min(1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -83,22 +90,19 @@ class KimiDeltaAttention(nn.Module):
         """The heads this module computes (all of them; a tensor-parallel rank's share once parallelised)."""
         return self.A_log.shape[0]
 
-    def init_full(self, name: str, shape, generator=None):
-        """Initial value of the full (unsharded) parameter `name`: A_log = 0 (K3) or log U(1, 16) (fla);
-        dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1); conv filters as nn.Conv1d (uniform +-1/sqrt(W));
-        o_norm ones. None for the projections (the model's normal init)."""
+    def init_of(self, name: str) -> Init | None:
+        """The initial distribution of its own parameter `name`: A_log = 0 (K3) or log U(1, 16) (fla); dt_bias =
+        inverse-softplus of dt ~ logU(1e-3, 1e-1); conv filters as nn.Conv1d (uniform +-1/sqrt(W)); o_norm ones.
+        None for the projections (the model's normal init)."""
         if name == "A_log":
-            if self.a_log_init == "zero":
-                return torch.zeros(shape)
-            return torch.empty(shape).uniform_(1, 16, generator=generator).log()
+            return constant(0.0) if self.a_log_init == "zero" else uniform(1, 16, then=torch.log)
         if name == "dt_bias":
-            dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
-            return dt + torch.log(-torch.expm1(-dt))
+            return uniform(math.log(1e-3), math.log(1e-1), then=_dt_bias_from_log_dt)
         if name.endswith("conv1d"):
             bound = 1.0 / math.sqrt(self.W)
-            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+            return uniform(-bound, bound)
         if name == "o_norm":
-            return torch.ones(shape)
+            return constant(1.0)
         return None
 
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from .dispatcher import Dispatcher
 from .experts import GroupedExperts
+from .layers import Linear
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .router import TopKRouter
@@ -27,10 +28,8 @@ class StableLatentMoE(nn.Module):
                                cfg.router_num_groups, cfg.router_topk_groups, cfg.router_force_balanced)
         self.latent = bool(cfg.moe_latent_size)
         if self.latent:
-            # nn.Linear's default init draws from the random stream before the model's init overwrites it; kept so
-            # that a seed gives the initial weights it always gave
-            self.latent_down_proj = nn.Linear(D, L, bias=False)
-            self.latent_up_proj = nn.Linear(L, D, bias=False)
+            self.latent_down_proj = Linear(D, L, bias=False)
+            self.latent_up_proj = Linear(L, D, bias=False)
         self.latent_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.moe_latent_norm else None
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.hidden_act,
                                       cfg.situ_beta_gate, cfg.situ_beta_up)

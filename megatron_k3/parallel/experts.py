@@ -33,7 +33,7 @@ from ..model.dispatcher import POLICIES, Dispatcher, capacity, sorted_rows, stat
 from ..model.moe import StableLatentMoE
 from ..ops.grouped_gemm import weighted_combine
 from .mappings import Group, all_to_all, all_to_all_overlapped, gather_rows, split_rows
-from .tensor import TensorParallel, mark_partial_grad
+from .tensor import TensorParallel, block_copy, mark_partial_grad
 
 __all__ = ["ParallelDispatcher", "apply_expert_parallel", "resolve_overflow"]
 
@@ -129,7 +129,7 @@ def _shard_experts(experts, ep: Group) -> None:
         raise ValueError(f"num_experts={experts.num_experts} is not divisible by the expert-parallel size {ep.size}")
     for name in ("w1", "w3", "w2"):
         full = getattr(experts, name)
-        local = nn.Parameter(full.detach().chunk(ep.size, 0)[ep.rank].clone(), requires_grad=full.requires_grad)
+        local = nn.Parameter(block_copy(full.detach().chunk(ep.size, 0)[ep.rank]), requires_grad=full.requires_grad)
         setattr(experts, name, annotate(copy_meta(full, local), ep_size=ep.size, ep_rank=ep.rank))
     experts.expert_offset = ep.rank * experts.num_local
 

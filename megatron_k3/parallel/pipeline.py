@@ -1,7 +1,7 @@
-"""Pipeline parallelism: the stage cut (`cut_stage`: a built model keeps one stage's layers, at AttnRes block
-boundaries from megatron_k3.layout.stage_layers), the 1F1B order and its executor (`run_1f1b`), and the
-point-to-point link that carries a stage's ResidualState forward and its gradient back (docs/parallelism.md,
-"Pipeline parallelism").
+"""Pipeline parallelism: the stage's model part (`stage_part`: its layers, at AttnRes block boundaries from
+megatron_k3.layout.stage_layers; `cut_stage` cuts a built model to it), the 1F1B order and its executor
+(`run_1f1b`), and the point-to-point link that carries a stage's ResidualState forward and its gradient back
+(docs/parallelism.md, "Pipeline parallelism").
 
 Legend: N sources (completed blocks + the partial sum), B batch, T tokens, D hidden.
 
@@ -17,44 +17,44 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..layout import stage_layers
-from ..model.decoder import ResidualState
+from ..model.decoder import LayerStack, ResidualState
 from ..model.k3 import K3ForCausalLM
 
-__all__ = ["cut_stage", "StageLayers", "schedule_1f1b", "run_1f1b", "pack", "unpack", "StageLink"]
+__all__ = ["stage_part", "cut_stage", "schedule_1f1b", "run_1f1b", "pack", "unpack", "StageLink"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _META_LEN = 8  # [dtype code, ndim, dims...]
 
 
-class StageLayers(nn.ModuleDict):
-    """One pipeline stage's decoder layers under their global indices (`layers.{i}` in the state dict), iterated in
-    order like the nn.ModuleList they replace; `stage[i]` is global layer i."""
-
-    def __iter__(self):
-        return iter(self.values())
-
-    def __getitem__(self, i):
-        return super().__getitem__(str(i))
+def stage_part(cfg, pp: int, stage: int) -> dict:
+    """The model part that pipeline stage `stage` of `pp` holds, as K3ForCausalLM's keyword arguments: its layers
+    (whole AttnRes blocks, megatron_k3.layout.stage_layers), the embedding on the first stage, the output end on
+    the last."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"pipeline stage {stage} of pp={pp}")
+    if pp > 1 and cfg.tie_word_embeddings:
+        raise ValueError("tied embeddings need the embedding and the LM head on one stage")
+    start, end = stage_layers(cfg, pp)[stage]
+    return {"layers": range(start, end), "embedding": stage == 0, "head": stage == pp - 1}
 
 
 def cut_stage(model: K3ForCausalLM, pp: int, stage: int) -> K3ForCausalLM:
-    """Keep stage `stage` of `pp` of a built model, in place: its layers (whole AttnRes blocks) under their global
-    names, the embedding only on the first stage, the output mix, final norm and LM head only on the last. Cut an
-    initialised model: every stage then starts from exactly the single-process weights."""
-    if pp == 1:
-        return model
-    start, end = stage_layers(model.cfg, pp)[stage]
-    first, last = stage == 0, stage == pp - 1
-    if model.cfg.tie_word_embeddings:
-        raise ValueError("tied embeddings need the embedding and the LM head on one stage")
+    """Keep stage `stage` of `pp` of a built model, in place (`stage_part`): its layers under their global names,
+    the embedding only on the first stage, the output mix, final norm and LM head only on the last. A model built
+    as that part already is left as it is. Cut an initialised model, or build the part on the meta device and
+    materialise it: either way every stage holds exactly the single-process weights."""
+    part = stage_part(model.cfg, pp, stage)
     core = model.model
-    core.layers = StageLayers({str(i): core.layers[i] for i in range(start, end)})
-    if not first:
+    held = core.layers.indices()
+    if not set(part["layers"]) <= set(held):
+        raise ValueError(f"stage {stage} of pp={pp} holds layers [{part['layers'].start}, {part['layers'].stop}) "
+                         f"but the model was built with {held[:1] + held[-1:]}")
+    core.layers = LayerStack(core.layers[i] for i in part["layers"])
+    if not part["embedding"]:
         core.embed_tokens = None
-    if not last:
+    if not part["head"]:
         core.norm = None
         if model.cfg.attn_res:
             core.output_attn_res = None

@@ -6,23 +6,29 @@ each by the module that owns it, with the process groups passed in (never read f
 3. expert: each EP rank's block of experts and the dispatcher's all-to-all, TP's token split (`experts`);
 4. context: input sharding, op substitution in KDA and MLA, the loss's share (`context`).
 
-Call it on the initialised, unsharded model: every layout then starts from the single-process weights.
+`build_model(cfg, groups, device, dtype, seed)` is how a run gets its model: the rank's part (its pipeline stage's
+layers) is constructed on the meta device, parallelised there (tensor-parallel shards, its block of experts: views
+of meta tensors, nothing allocated), then allocated on `device` at the rank's own sizes and initialised shard-locally
+(K3ForCausalLM.materialize): no tensor of another stage, and no parameter at its full size where the rank holds a
+shard, ever exists on the rank. `parallelize` also takes an initialised, unsharded model (tests compare layouts
+that way): the values are the same, as the initial weights do not depend on the layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..model.k3 import K3ForCausalLM
 from .context import apply_context_parallel
 from .experts import apply_expert_parallel
 from .mappings import Group
-from .pipeline import cut_stage
+from .pipeline import cut_stage, stage_part
 from .tensor import TensorParallel, apply_tensor_parallel
 
-__all__ = ["ParallelGroups", "parallelize"]
+__all__ = ["ParallelGroups", "parallelize", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +63,16 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     if whole:
         apply_context_parallel(model, groups.cp)
     return model
+
+
+def build_model(cfg, groups: ParallelGroups, device="cpu", dtype: torch.dtype | None = None,
+                seed: int | None = 0) -> K3ForCausalLM:
+    """This rank's model over `groups`: its pipeline stage built on the meta device, parallelised there, then (unless
+    `device` is "meta") allocated on `device` with parameters in `dtype` (default fp32) and initialised from `seed`
+    shard-locally, so every layout starts from the single-process weights of that seed."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, init=False, **stage_part(cfg, groups.pp.size, groups.pp.rank))
+    parallelize(model, groups)
+    if torch.device(device).type == "meta":
+        return model
+    return model.materialize(device, dtype, seed)

@@ -68,10 +68,19 @@ class TensorParallel(Group):
         return n // self.size
 
 
+def block_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the block `t` (a view); on the meta device a new meta tensor of its shape (cloning a
+    strided meta view goes through torch's Python reference kernels, whose first use imports sympy: ~0.7 s of every
+    process's start-up)."""
+    if t.is_meta:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return t.clone()
+
+
 def shard_parameter(p: torch.Tensor, dim: int, tp: TensorParallel, what: str) -> nn.Parameter:
     """This rank's block of p along `dim`, as a new parameter annotated like p plus its split."""
     tp.divide(p.shape[dim], what)
-    local = nn.Parameter(p.detach().chunk(tp.size, dim)[tp.rank].clone(), requires_grad=p.requires_grad)
+    local = nn.Parameter(block_copy(p.detach().chunk(tp.size, dim)[tp.rank]), requires_grad=p.requires_grad)
     copy_meta(p, local)
     return annotate(local, tp_dim=dim, tp_size=tp.size, tp_rank=tp.rank)
 

@@ -127,7 +127,7 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
         pp_time = collective_time(pp_bytes, 2, stride, cluster)
 
     # ---- data parallelism, once per step
-    mp = model_params(cfg, lay.tp)
+    mp = model_params(cfg, lay.tp, lay.ep)
     dense = sum(lp.dense.total for lp in mp.layers[start:end])
     dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
     if stage == 0:
@@ -135,8 +135,8 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     if stage == len(stages) - 1:
         dense += mp.head.total
         dense_muon += mp.head.muon
-    experts = sum(lp.experts.total for lp in mp.layers[start:end]) / lay.ep
-    experts_muon = sum(lp.experts.muon for lp in mp.layers[start:end]) / lay.ep
+    experts = sum(lp.experts.total for lp in mp.layers[start:end])  # this EP rank's
+    experts_muon = sum(lp.experts.muon for lp in mp.layers[start:end])
     g_dense, g_exp = lay.dp * lay.cp, lay.edp
     rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
     dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0

@@ -151,7 +151,7 @@ def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: 
 
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
-    mp = model_params(cfg, lay.tp)
+    mp = model_params(cfg, lay.tp, lay.ep)
     stages = stage_layers(cfg, lay.pp)
     sources, out_src = attn_res_sources(cfg)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
@@ -170,7 +170,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         if last:
             dense = dense + mp.head
         experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
-        e_total, e_muon = experts.total / lay.ep, experts.muon / lay.ep
+        e_total, e_muon = experts.total, experts.muon  # this EP rank's experts
         weights = (dense.total + e_total) * w.weight_bytes
         grads = dense.total * w.grad_bytes / grad_shard_dense + e_total * w.grad_bytes / grad_shard_experts
         opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
@@ -252,7 +252,7 @@ def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, contex
     """Serving memory per device on the first (largest) pipeline stage: routed experts in MXFP4 over the EP
     group, everything else bf16 over TP, `batch` sequences of `context` tokens spread over the attention
     data-parallel groups (world / (tp * pp))."""
-    mp = model_params(cfg, tp)
+    mp = model_params(cfg, tp, ep)
     world = cluster.world_size
     dp_attn = max(1, world // (tp * pp))
     seqs = -(-batch // dp_attn)
@@ -260,7 +260,7 @@ def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, contex
     for s, (a, b) in enumerate(stage_layers(cfg, pp)):
         dense = sum(lp.dense.total for lp in mp.layers[a:b])
         dense += (mp.embedding.total if s == 0 else 0) + (mp.head.total if s == pp - 1 else 0)
-        experts = sum(lp.experts.total for lp in mp.layers[a:b]) / ep
+        experts = sum(lp.experts.total for lp in mp.layers[a:b])
         layers = range(a, b)
         kda = seqs * kda_state_bytes_per_sequence(cfg, tp, layers)
         mla = seqs * context * mla_cache_bytes_per_token(cfg, layers)

@@ -1,10 +1,11 @@
-"""Parameters per layer and per tensor-parallel rank, read off the model's own modules on the meta device.
+"""Parameters per layer on one tensor- and expert-parallel rank, read off the model's own modules on the meta device.
 
-The model is built on the meta device and tensor-parallelised for one rank by the same code a run uses, so the
-sharding is exactly what the model would allocate on one TP rank (a TP size that does not divide a dimension
-raises ValueError there, as it would at start-up). Each parameter is classified: routed expert or not, and which
-optimizer updates it (the optimizer's own rule: Muon for matrices, AdamW for embeddings, the LM head, norms,
-vectors and conv filters).
+The rank's model is built on the meta device by the code a run builds it with (megatron_k3.parallel.build_model:
+construction, tensor-parallel shards, its block of experts), so the counts are exactly what one TP x EP rank
+allocates (a size that does not divide a dimension raises ValueError there, as it would at start-up); a pipeline
+stage holds the layers megatron_k3.layout.stage_layers gives it, plus the embedding (first) or the head (last).
+Each parameter is classified: routed expert or not, and which optimizer updates it (the optimizer's own rule: Muon
+for matrices, AdamW for embeddings, the LM head, norms, vectors and conv filters).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 
-import torch
-
 from ..annotations import full_shape, meta
-from ..model.k3 import K3ForCausalLM
 from ..optim.grouping import muon_rule
-from ..parallel.tensor import TensorParallel, apply_tensor_parallel
+from ..parallel.mappings import Group
+from ..parallel.plan import ParallelGroups, build_model
+from ..parallel.tensor import TensorParallel
 
 __all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops"]
 
@@ -46,12 +46,13 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
 @dataclass(frozen=True)
 class LayerKindParams:
     dense: ParamGroup  # everything but the routed experts, on one TP rank
-    experts: ParamGroup  # routed experts of the layer, all of them (EP divides them later)
+    experts: ParamGroup  # the routed experts of the layer on one EP rank
 
 
 @dataclass(frozen=True)
 class ModelParams:
     tp: int
+    ep: int
     layers: tuple  # LayerKindParams per decoder layer
     embedding: ParamGroup  # on one TP rank (vocab-parallel)
     head: ParamGroup  # LM head + final norm + output depth mix, on one TP rank
@@ -103,13 +104,12 @@ def cfg_key(cfg) -> tuple:
     return key
 
 
-def _model_params(cfg, tp: int) -> ModelParams:
-    """The model built on the meta device and tensor-parallelised for one rank of `tp`, exactly as a run builds it
-    (megatron_k3.parallel.tensor), then counted per layer, embedding and head."""
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg, init=False)
-    apply_tensor_parallel(model, TensorParallel(size=tp))
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{i}")) for i, layer in enumerate(model.model.layers))
+def _model_params(cfg, tp: int, ep: int) -> ModelParams:
+    """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model), then
+    counted per layer, embedding and head."""
+    groups = ParallelGroups(tp=TensorParallel(size=tp), ep=Group(size=ep))
+    model = build_model(cfg, groups, device="meta")
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}")) for layer in model.model.layers)
     emb, _ = _group(model.model.embed_tokens, "model.embed_tokens")
     head = ParamGroup()
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
@@ -118,15 +118,27 @@ def _model_params(cfg, tp: int) -> ModelParams:
             head = head + _group(mod, name)[0]
     if cfg.tie_word_embeddings:
         head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops)
-    return ModelParams(tp, layers, emb, head)
+    return ModelParams(tp, ep, layers, emb, head)
 
 
 _CACHE: dict = {}
 
 
-def model_params(cfg, tp: int = 1) -> ModelParams:
-    """Per-layer parameter counts on one TP rank of size `tp` (ValueError if tp does not divide the model)."""
-    key = (cfg_key(cfg), tp)
+def _built(cfg, tp: int, ep: int) -> ModelParams:
+    key = (cfg_key(cfg), tp, ep)
     if key not in _CACHE:
-        _CACHE[key] = _model_params(cfg, tp)
+        _CACHE[key] = _model_params(cfg, tp, ep)
     return _CACHE[key]
+
+
+def model_params(cfg, tp: int = 1, ep: int = 1) -> ModelParams:
+    """Per-layer parameter counts on one rank of tensor-parallel size `tp` and expert-parallel size `ep`
+    (ValueError if either does not divide the model). Tensor parallelism does not split the routed experts and
+    expert parallelism nothing else, so the dense part comes from a (tp, 1) build and the experts from a (1, ep)
+    one (memoised: a planner search builds each size once, not each pair); tools/build_rank.py checks the sum
+    against ranks built with both."""
+    if tp == 1 or ep == 1:
+        return _built(cfg, tp, ep)
+    dense, experts = _built(cfg, tp, 1), _built(cfg, 1, ep)
+    layers = tuple(LayerKindParams(d.dense, e.experts) for d, e in zip(dense.layers, experts.layers))
+    return ModelParams(tp, ep, layers, dense.embedding, dense.head)

@@ -69,6 +69,7 @@ class TrainPlan:
     tokens_per_s: float
     capacity_gb: float
     notes: list = field(default_factory=list)
+    stage_params: list = field(default_factory=list)  # parameters one device of each pipeline stage holds
 
     def as_dict(self) -> dict:
         return {
@@ -81,7 +82,8 @@ class TrainPlan:
             "fits": self.fits, "device_memory_gb": self.capacity_gb,
             "memory_per_device_gb": self.memory_per_device / GB, "memory_breakdown_gb": self.memory_breakdown,
             "activation_breakdown_gb": self.activation_breakdown, "stage_memory_gb": self.stage_memory_gb,
-            "params_per_device": self.params_per_device, "micro_batches": self.micro_batches,
+            "params_per_device": self.params_per_device, "stage_params": self.stage_params,
+            "micro_batches": self.micro_batches,
             "pipeline_bubble": self.bubble, "model_flops_per_step": self.model_flops_per_step,
             "device_flops_per_step": self.device_flops_per_step, "comm_bytes_per_step": self.comm_bytes,
             "comm_time_s": self.comm_time, "time_breakdown_s": self.time_breakdown, "step_time_s": self.step_time,
@@ -187,9 +189,9 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
                   + max(0.0, comm.time_by_kind["dp_param_gather"] - t_fwd) + comm.time_by_kind["dp_muon_gather"])
     t_opt = 0.0
     if w.optimizer == "muon":
-        mp = model_params(cfg, lay.tp)
+        mp = model_params(cfg, lay.tp, lay.ep)
         a, b = stages[slow]
-        ns = sum(lp.dense.ns_flops + lp.experts.ns_flops / lay.ep for lp in mp.layers[a:b])
+        ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
         t_opt = ns / rate
     step = pipeline + dp_exposed + t_opt
     mf = _model_flops(cfg, w.seq_length)
@@ -214,7 +216,8 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
         bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
         comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
-        mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes)
+        mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
+        stage_params=[s.params_dense + s.params_experts for s in mem])
 
 
 # ------------------------------------------------------------------------------------------------ search

@@ -1,7 +1,7 @@
 """The training loop: micro-batches and gradient accumulation to the global batch, warmup + cosine LR, gradient
 clipping, fp32 or bf16 autocast, periodic evaluation, metrics, checkpoints and exact resume.
 
-The Trainer builds the single-device model, parallelises it (megatron_k3.parallel.parallelize) and hands it to the
+The Trainer builds this rank's part of the model (megatron_k3.parallel.build_model) and hands it to the
 DeepSpeed engine (engine.py): ZeRO-1/2 over the data-parallel group, gradient accumulation and clipping. Each
 data-parallel rank reads its slice of every global batch (`rank_sample_ids`), so the order of samples does not
 depend on the layout. Checkpoints: checkpointing.py; pipeline stages run the 1F1B order of parallel/pipeline.py.
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig
 from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
-from ..model import K3ForCausalLM
 from ..optim.schedule import lr_at
-from ..parallel import ParallelGroups, parallelize, pipeline, state
+from ..parallel import ParallelGroups, build_model, pipeline, state
+from ..planning.run import check_fits
 from ..precision import forward_context, prepare_model_for_precision
 from . import balancing, faults
 from . import engine as ds_engine
@@ -81,9 +81,13 @@ class Trainer:
         t = run.train
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
+        # a layout the planner puts over the device's memory is refused here, on every rank, before any allocation
+        check_fits(run, self.world)
         torch.manual_seed(t.seed)
-        model = parallelize(K3ForCausalLM(run.model), ParallelGroups.from_state(ps, run.parallel.sequence_parallel))
-        model = model.to(self.device)
+        # this rank's part only (its stage, shards and experts), built on the meta device and initialised in place
+        # from train.seed: the same weights in every layout (parallel.plan.build_model)
+        model = build_model(run.model, ParallelGroups.from_state(ps, run.parallel.sequence_parallel), self.device,
+                            seed=t.seed)
         prepare_model_for_precision(model, run.precision, self.device)
         # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
