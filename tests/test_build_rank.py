@@ -157,6 +157,7 @@ def test_a_rank_allocates_only_its_own_shards(layout):
         assert m["largest_allocation_bytes"] <= m["largest_param_bytes"], m
         assert m["build_live_peak_bytes"] <= m["weights_bytes"] + 2 * TILE_ELEMENTS * 4, m
         assert m["params"] == m["planner_step"]["params"]
+        assert m["measured"]["live_peak_bytes"] == m["build_live_peak_bytes"] and m["measured"]["rss_peak_bytes"] > 0
     if "parallel.pp=2" in layout:
         assert [m["layers"] for m in rep["materialized"]] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
 

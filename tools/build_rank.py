@@ -19,7 +19,8 @@ Flags:
   --rank R            build rank R (repeatable)
   --search            use the planner's best layout for this model, cluster and workload (parallel.* replaced)
   --materialize       allocate the --rank ranks (one after the other) on the CPU and initialise them shard-locally
-  --step              also run one forward and backward of train.micro_batch_size x train.seq_length tokens
+  --step              also run one forward and backward of train.micro_batch_size x train.seq_length tokens;
+                      `measured` (live-tensor peak, process RSS peak) is reported beside the planner's figures
   --dtype bf16|fp32   parameters of --materialize (default bf16)
   --seed N            initialisation seed (default 0)
   --recompute none|selective|full|auto   the planner's recomputation for its figures and the fit check (default
@@ -146,6 +147,8 @@ def materialize_report(m: dict, planned: dict) -> list:
         ratio = st["live_peak_bytes"] / planned["step_bytes"]
         lines.append(f"  forward + backward of {st['tokens']} tokens: {st['seconds']:.1f} s; live-tensor peak "
                      f"{_gb(st['live_peak_bytes'])} ({st['peak_phase']}), gradients {_gb(st['grads_bytes'])}")
+        lines.append(f"  measured: live-tensor peak {_gb(m['measured']['live_peak_bytes'])}, process RSS peak "
+                     f"{_gb(m['measured']['rss_peak_bytes'])}")
         lines.append(f"  planner for the same phase: {_gb(planned['step_bytes'])} (weights "
                      f"{_gb(planned['weights_bytes'])}, gradients {_gb(planned['gradients_bytes'])}, activations "
                      f"{_gb(planned['activations_one_micro_bytes'])}, transient {_gb(planned['transient_bytes'])}) "
@@ -188,7 +191,11 @@ def main(argv) -> int:
                 m = D.materialize_rank(run, world, r, torch.bfloat16 if flags["--dtype"] == "bf16" else
                                        torch.float32, int(flags["--seed"]), step=bool(flags.get("--step")))
                 planned = D.planner_step_memory(run, world, m.coords["pp_rank"], recompute)
-                entry = {**m.as_dict(), "planner_step": planned}
+                entry = {**m.as_dict(), "planner_step": planned, "measured": {
+                    "live_peak_bytes": max(m.build_live_peak_bytes, m.step["live_peak_bytes"] if m.step else 0),
+                    "build_live_peak_bytes": m.build_live_peak_bytes,
+                    "step_live_peak_bytes": m.step["live_peak_bytes"] if m.step else None,
+                    "rss_peak_bytes": m.rss_peak_bytes}}
                 if m.step:
                     entry["measured_over_planned"] = m.step["live_peak_bytes"] / planned["step_bytes"]
                 rep["materialized"].append(entry)
