@@ -37,37 +37,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_k3.config import ConfigError  # noqa: E402
+from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
 
 FLAGS_WITH_VALUE = {"--rank", "--dtype", "--seed", "--recompute"}
 CHOICES = {"--dtype": ("bf16", "fp32"), "--recompute": ("none", "selective", "full", "auto")}
 
 
 def parse(argv):
-    overrides, flags, ranks = [], {"--dtype": "bf16", "--seed": "0", "--recompute": "auto"}, []
-    it = iter(argv)
-    for a in it:
-        if a in ("-h", "--help"):
-            flags["help"] = True
-        elif a in ("--all", "--search", "--materialize", "--step", "--json"):
-            flags[a] = True
-        elif a.split("=", 1)[0] in FLAGS_WITH_VALUE:
-            k, v = a.split("=", 1) if "=" in a else (a, next(it, None))
-            if v is None:
-                raise ConfigError(k, None, "needs a value")
-            if k == "--rank":
-                if not v.isdigit():
-                    raise ConfigError(k, v, "must be a rank number")
-                ranks.append(int(v))
-            else:
-                flags[k] = v
-        elif "=" in a:
-            overrides.append(a)
-        else:
-            raise ConfigError(a, None, "unexpected argument; use KEY=VALUE overrides and the flags in --help")
-    for k, ok in CHOICES.items():
-        if flags[k] not in ok:
-            raise ConfigError(k, flags[k], "valid: " + ", ".join(ok))
+    overrides, flags = split_tool_args(argv, ("--all", "--search", "--materialize", "--step", "--json"),
+                                       FLAGS_WITH_VALUE, {"--dtype": "bf16", "--seed": "0", "--recompute": "auto"},
+                                       CHOICES, repeated=("--rank",))
+    for v in flags["--rank"]:
+        if not v.isdigit():
+            raise ConfigError("--rank", v, "must be a rank number")
+    ranks = [int(v) for v in flags["--rank"]]
     if not flags["--seed"].isdigit():
         raise ConfigError("--seed", flags["--seed"], "must be a non-negative integer")
     if flags.get("--step"):
@@ -169,10 +152,9 @@ def main(argv) -> int:
         from megatron_k3.planning.run import check_fits
 
         recompute = flags["--recompute"]
-        if recompute == "auto":
-            from megatron_k3.planning.dry_run import _plan
-            from megatron_k3.planning.run import workload
-            recompute = _plan(run, world, workload(run), "auto").layout.recompute
+        if recompute == "auto":  # resolved once: the report and the fit check below use the planner's choice
+            from megatron_k3.planning.dry_run import plan_run
+            recompute = plan_run(run, world).layout.recompute
         check_fits(run, world, recompute)  # a layout that does not fit is refused before anything is built
     except (ConfigError, ValueError) as e:
         print(f"build_rank: {e}", file=sys.stderr)

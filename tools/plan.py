@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_k3.config import ConfigError  # noqa: E402
+from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
 from megatron_k3.model.params import count_parameters  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
 from megatron_k3.planning.layout import Layout  # noqa: E402
@@ -47,26 +47,10 @@ CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
 
 
 def parse(argv):
-    overrides, flags = [], {"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto",
-                            "--zero": "1", "--top": "10", "--grad-dtype": "fp32"}
-    it = iter(argv)
-    for a in it:
-        if a in ("-h", "--help"):
-            flags["help"] = True
-        elif a in ("--search", "--json"):
-            flags[a] = True
-        elif a.split("=", 1)[0] in FLAGS_WITH_VALUE:
-            k, v = a.split("=", 1) if "=" in a else (a, next(it, None))
-            if v is None:
-                raise ConfigError(k, None, "needs a value")
-            flags[k] = v
-        elif "=" in a:
-            overrides.append(a)
-        else:
-            raise ConfigError(a, None, "unexpected argument; use KEY=VALUE overrides and the flags in --help")
-    for k, ok in CHOICES.items():
-        if k in flags and flags[k] not in ok:
-            raise ConfigError(k, flags[k], "valid: " + ", ".join(ok))
+    overrides, flags = split_tool_args(
+        argv, ("--search", "--json"), FLAGS_WITH_VALUE, choices=CHOICES,
+        defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto", "--zero": "1",
+                  "--top": "10", "--grad-dtype": "fp32"})
     for k in ("--batch", "--context", "--top"):
         if not flags[k].isdigit() or int(flags[k]) <= 0:
             raise ConfigError(k, flags[k], "must be a positive integer")

@@ -10,6 +10,7 @@ from .compose import (
                       load_model_config,
                       model_config_from_dict,
                       replace,
+                      split_tool_args,
 )
 from .schema import (
                       RUNTIME_MODEL_KEYS,
@@ -31,4 +32,4 @@ from .schema import (
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "ConfigError",
            "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict", "available_models", "CONF_DIR",
-           "replace", "compose_run_config", "compose_config", "parse_split"]
+           "replace", "compose_run_config", "compose_config", "parse_split", "split_tool_args"]

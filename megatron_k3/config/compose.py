@@ -153,9 +153,39 @@ def _one_line_error(e: Exception, overrides) -> ConfigError:
     return ConfigError("config", None, text[:300])
 
 
+def split_tool_args(argv: Iterable[str], switches=(), with_value=(), defaults=None, choices=None, repeated=()):
+    """(overrides, flags) of a tool's command line: Hydra KEY=VALUE overrides; `switches` (True when given);
+    flags `with_value` as `--flag V` or `--flag=V` (those in `repeated` collect a list); -h/--help as
+    flags["help"]. ConfigError naming the flag for a missing value, a value outside its `choices`, or an argument
+    that is none of these."""
+    overrides, flags = [], {**(defaults or {}), **{k: [] for k in repeated}}
+    it = iter(argv)
+    for a in it:
+        if a in ("-h", "--help"):
+            flags["help"] = True
+        elif a in switches:
+            flags[a] = True
+        elif a.split("=", 1)[0] in with_value:
+            k, v = a.split("=", 1) if "=" in a else (a, next(it, None))
+            if v is None:
+                raise ConfigError(k, None, "needs a value")
+            if k in repeated:
+                flags[k].append(v)
+            else:
+                flags[k] = v
+        elif "=" in a:
+            overrides.append(a)
+        else:
+            raise ConfigError(a, None, "unexpected argument; use KEY=VALUE overrides and the flags in --help")
+    for k, ok in (choices or {}).items():
+        if k in flags and flags[k] not in ok:
+            raise ConfigError(k, flags[k], "valid: " + ", ".join(ok))
+    return overrides, flags
+
+
 def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(cfg, **changes).validate()
 
 
 __all__ = ["CONF_DIR", "available_models", "model_config_from_dict", "load_model_config", "compose_config",
-           "compose_run_config", "replace"]
+           "compose_run_config", "replace", "split_tool_args"]

@@ -38,7 +38,7 @@ from .memory import GB, training_memory
 from .planner import plan_training
 from .run import layout, workload
 
-__all__ = ["fake_rank", "RankBuild", "build_rank", "dry_run", "materialize_rank"]
+__all__ = ["fake_rank", "RankBuild", "build_rank", "dry_run", "plan_run", "materialize_rank"]
 
 
 @contextlib.contextmanager
@@ -130,8 +130,7 @@ def _full_shapes(cfg) -> dict:
 def dry_run(run, world: int, ranks=None, recompute: str = "auto", progress=None) -> dict:
     """Build `ranks` (default: all) of `world` on the meta device; the report tools/build_rank.py prints (JSON
     fields in docs/scale.md). With all ranks: `covered_params` and the check against the model's total."""
-    w = workload(run)
-    plan = _plan(run, world, w, recompute)
+    plan = plan_run(run, world, recompute)
     ranks = range(world) if ranks is None else ranks
     t0 = time.perf_counter()
     builds, out = [], []
@@ -157,8 +156,10 @@ def dry_run(run, world: int, ranks=None, recompute: str = "auto", progress=None)
     return report
 
 
-def _plan(run, world: int, w, recompute: str):
-    """The planner's plan of this run's layout (recompute auto: the least recomputation that fits)."""
+def plan_run(run, world: int, recompute: str = "auto"):
+    """The planner's plan of this run's layout (recompute auto: the least recomputation that fits; its choice is
+    `plan.layout.recompute`)."""
+    w = workload(run)
     options = ("none", "selective", "full") if recompute == "auto" else (recompute,)
     plan = None
     for rc in options:
