@@ -174,36 +174,59 @@ def _tp2_checkpoint(rank, world, ckpt_dir):
     return _checkpoint_one_process(ckpt_dir, ["parallel.tp=2"], world)
 
 
-def test_convert_tool_reshards_bit_for_bit(tmp_path):
-    """tools/convert_checkpoint.py: tp=2 -> tp=1 -> tp=2 gives back the saved shards' tensors bit for bit, and the
-    tp=1 checkpoint holds the tp=2 shards concatenated along each parameter's split dimension."""
+def _convert_tool():
     import importlib.util
-
-    from megatron_k3.training import checkpoint as ckpt
 
     spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
         os.path.dirname(__file__), "..", "tools", "convert_checkpoint.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    run_distributed(_tp2_checkpoint, 2, str(tmp_path / "tp2"), timeout=300)
-    src = ckpt.list_checkpoints(tmp_path / "tp2")[-1]
-    one = tool.convert(src, tmp_path / "tp1", tp=1)
-    back = tool.convert(one, tmp_path / "back", tp=2)
-    meta = ckpt.read_meta(src)
-    assert ckpt.read_meta(one)["tensor_parallel"] == 1 and ckpt.read_meta(back)["tensor_parallel"] == 2
-    full, full_optim, _ = ckpt.read_shard(one)
-    split_dims = [n for n, d in meta["tp_split_dims"].items() if d is not None]
-    assert split_dims  # the check below covers sharded tensors
+    return tool
+
+
+def _write_format2(src, dst):
+    """The tp=2 checkpoint `src` rewritten in format 2 (full size per tensor-parallel shard: model_tpXX,
+    optim_tpXX, state_tpXX files), as megatron-k3 wrote it before the sharded format."""
+    from safetensors.torch import save_file
+
+    from megatron_k3.training import checkpoint as ckpt
+
+    model, optim, meta = ckpt.read_full(src)
+    dims = {n: 0 for n, v in model.items() if v.dim() == 2 and v.shape[0] % 2 == 0}
+    dst.mkdir(parents=True)
     for r in range(2):
-        m0, o0, _ = ckpt.read_shard(src, f"_tp{r:02d}")
-        m1, o1, _ = ckpt.read_shard(back, f"_tp{r:02d}")
-        _same(m0, m1, f"model shard {r}")
-        _same({f"{n}::{k}": v for n, st in o0.items() for k, v in st.items()},
-              {f"{n}::{k}": v for n, st in o1.items() for k, v in st.items()}, f"optimizer shard {r}")
-        for n in split_dims:
-            d = meta["tp_split_dims"][n]
-            assert torch.equal(full[n].chunk(2, d)[r], m0[n])
-    assert tool.main([str(tmp_path / "tp2"), str(tmp_path / "bad"), "--tp", "7"]) == 2
+        def cut(n, v, r=r):
+            return v.chunk(2, dims[n])[r].contiguous() if n in dims else v.contiguous()
+        save_file({n: cut(n, v) for n, v in model.items()}, str(dst / f"model_tp{r:02d}.safetensors"))
+        save_file({f"{n}::{k}": cut(n, v) for n, st in optim.items() for k, v in st.items()},
+                  str(dst / f"optim_tp{r:02d}.safetensors"))
+        torch.save({"optimizer_scalars": meta["optimizer_scalars"]}, dst / f"state_tp{r:02d}.pt")
+    legacy = {k: v for k, v in meta.items() if k != "optimizer_scalars"}
+    legacy.update(format_version=2, tensor_parallel=2, pipeline_parallel=1, tp_split_dims=dims)
+    (dst / "meta.json").write_text(json.dumps(legacy))
+    return model, optim
+
+
+def test_format2_checkpoints_are_refused_with_the_conversion_and_convert_bit_for_bit(tmp_path):
+    """A checkpoint in the old format (full size per tensor-parallel shard) is refused by the Trainer with one line
+    saying how to convert it; tools/convert_checkpoint.py converts it, and the result holds every tensor bit for
+    bit and loads."""
+    from megatron_k3.training import checkpoint as ckpt
+
+    tool = _convert_tool()
+    run_distributed(_tp2_checkpoint, 2, str(tmp_path / "tp2"), timeout=300)
+    old = tmp_path / "old" / "step_00000001"
+    model, optim = _write_format2(ckpt.list_checkpoints(tmp_path / "tp2")[-1], old)
+    err = run_distributed(_resume_from, 1, str(old), timeout=300)[0]
+    assert err is not None and "format 2" in err and "tools/convert_checkpoint.py" in err and "\n" not in err, err
+    new = tool.convert(old, tmp_path / "new")
+    m2, o2, meta = ckpt.read_full(new)
+    _same(model, m2, "weights")
+    _same({f"{n}::{k}": v for n, st in optim.items() for k, v in st.items()},
+          {f"{n}::{k}": v for n, st in o2.items() for k, v in st.items()}, "optimizer states")
+    assert meta["format_version"] == ckpt.FORMAT_VERSION and meta["step"] == 1
+    assert run_distributed(_resume_from, 1, str(new), timeout=300)[0] is None
+    assert tool.main([str(new), str(tmp_path / "again")]) == 2  # already current: nothing to convert
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +248,7 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("victim", ["state.pt", "rng.pt"])
+@pytest.mark.parametrize("victim", ["rng.pt"])
 def test_a_crafted_pickle_is_refused(one_checkpoint, tmp_path, victim):
     """A checkpoint file whose pickle would call os.system on load: refused by the reader and by the resume path
     (a one-line config error naming the file), and the command never runs."""
@@ -258,10 +281,10 @@ def test_truncated_file_names_the_file(one_checkpoint, tmp_path):
     src = ckpt.list_checkpoints(one_checkpoint)[-1]
     dst = tmp_path / src.name
     shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
+    f = dst / "rank_00000.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     err = run_distributed(_resume_from, 1, str(dst), timeout=300)[0]
-    assert err is not None and "model.safetensors" in str(err) and "truncated or corrupted" in str(err), err
+    assert err is not None and "rank_00000.safetensors" in str(err) and "truncated or corrupted" in str(err), err
 
 
 def _resume_with(rank, world, path, overrides):
@@ -328,20 +351,15 @@ def test_convert_tool_to_and_from_hugging_face(one_checkpoint, tmp_path):
     """A training checkpoint -> a K3-layout Hugging Face directory (fp32 non-expert tensors, MXFP4 experts) -> a
     step-0 training checkpoint that a run starts from: non-expert weights arrive bit for bit, routed experts as
     their MXFP4 values."""
-    import importlib.util
-
     from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
     from megatron_k3.training import checkpoint as ckpt
 
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
-        os.path.dirname(__file__), "..", "tools", "convert_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _convert_tool()
     src = ckpt.list_checkpoints(one_checkpoint)[-1]
     assert tool.main([str(src), str(tmp_path / "hf"), "--to-hf", "--dtype", "float32"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
     assert tool.main([str(tmp_path / "hf"), str(tmp_path / "back"), "--from-hf"]) == 0
-    saved, _, _ = ckpt.read_shard(src)
+    saved, _, _ = ckpt.read_full(src)
     back = ckpt.list_checkpoints(tmp_path / "back")[-1]
     step, start, loss = run_distributed(_resume_steps, 1, str(back), timeout=300)[0]
     assert step == 1 and math.isfinite(loss)

@@ -6,7 +6,7 @@ import math
 import torch
 
 from megatron_k3.optim.schedule import lr_at
-from megatron_k3.training.checkpoint import list_checkpoints, read_meta, read_shard, resolve_load_path, save_checkpoint
+from megatron_k3.training.checkpoint import list_checkpoints, read_full, read_meta, resolve_load_path, save_checkpoint
 
 
 def _tensors(model, opt):
@@ -21,7 +21,7 @@ def test_incomplete_or_corrupt_checkpoints_are_never_picked(tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     weights, states = _tensors(model, opt)
-    save_checkpoint(tmp_path, 5, weights, states, {"note": "x"}, {"consumed_samples": 40, "tokens": 0})
+    save_checkpoint(tmp_path, 5, weights, states, {"dense.0": {"step": 1}}, {"consumed_samples": 40, "tokens": 0})
     (tmp_path / ".tmp-step_00000009-123").mkdir()  # a save that died before its rename
     (tmp_path / "step_00000010").mkdir()  # no meta.json
     (tmp_path / "step_00000011").mkdir()
@@ -30,8 +30,9 @@ def test_incomplete_or_corrupt_checkpoints_are_never_picked(tmp_path):
     assert resolve_load_path("auto", tmp_path).name == "step_00000005"
     assert (tmp_path / "latest").read_text().strip() == "step_00000005"
     meta = read_meta(tmp_path / "step_00000005")
-    w, st, extra = read_shard(tmp_path / "step_00000005")
-    assert meta["consumed_samples"] == 40 and extra == {"note": "x"} and torch.equal(w["weight"], model.weight)
+    w, st, meta = read_full(tmp_path / "step_00000005")
+    assert meta["consumed_samples"] == 40 and meta["optimizer_scalars"] == {"dense.0": {"step": 1}}
+    assert torch.equal(w["weight"], model.weight)
     assert torch.equal(st["weight"]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 

@@ -87,17 +87,26 @@ def test_sigterm_saves_and_exits_cleanly_on_every_rank(tmp_path, straight_dp2):
     assert losses(d) == straight_dp2
 
 
-def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
-    straight = _run(FAST, tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+@pytest.fixture(scope="module")
+def straight_one(tmp_path_factory):
+    d = tmp_path_factory.mktemp("straight_one")
+    p = _run(FAST, d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return losses(d)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, straight_one, mode):
+    """Async: the kill comes from the writer thread while the step loop has gone on."""
+    args = FAST + (["checkpoint.async_save=true"] if mode == "async" else [])
     d = tmp_path / "killed"
-    p = _run(FAST, d, fault="kill_in_save:4:2")  # dies after 2 of the files of checkpoint 4
+    p = _run(args, d, fault="kill_in_save:4:2")  # dies after 2 of the files of checkpoint 4
     assert p.returncode == -9, (p.returncode, p.stderr[-3000:])
     ckpts = d / "checkpoints"
     assert (ckpts / ".tmp-step_00000004").is_dir() and not (ckpts / "step_00000004").exists()
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
-    p = _run(FAST, d)
+    p = _run(args, d)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ignoring incomplete checkpoint" in p.stdout and ".tmp-step_00000004" in p.stdout, p.stdout[-3000:]
     assert "resumed from" in p.stdout and "step_00000002" in p.stdout
-    assert losses(d) == losses(tmp_path / "straight")
+    assert losses(d) == straight_one

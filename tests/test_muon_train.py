@@ -114,7 +114,7 @@ def _resume(rank, world, overrides, run_dir):
     """4 steps straight, saving after step 2; then a new Trainer resumes from that checkpoint and runs steps 3
     and 4. Returns both runs' losses and parameters, and whether the saved Muon momentum was non-zero."""
     from megatron_k3.config import compose_run_config
-    from megatron_k3.training.checkpoint import read_shard, resolve_load_path
+    from megatron_k3.training.checkpoint import read_full, resolve_load_path
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
@@ -136,7 +136,7 @@ def _resume(rank, world, overrides, run_dir):
             out.append((losses, _full_params(trainer), trainer.step, split))
         finally:
             shutdown()
-    _, optim, _ = read_shard(resolve_load_path("auto", f"{run_dir}/ckpt"), "")
+    _, optim, _ = read_full(resolve_load_path("auto", f"{run_dir}/ckpt"))
     momenta = {n: st["momentum_buffer"] for n, st in optim.items() if "momentum_buffer" in st}
     return out, {n: float(m.abs().max()) for n, m in momenta.items()}
 

@@ -220,3 +220,131 @@ def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
     m = sum(p.numel() for p in model.parameters() if muon_rule(p).startswith("muon/"))
     assert got["workload"]["optimizer"] == "muon" and 0 < m < n
     assert b["optimizer"] * GB == n * 4 + m * 4 + (n - m) * 8
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint size
+
+def _checkpoint_bytes_of_a_built_model(name, optimizer):
+    """fp32 master (4 B) + optimizer states of every parameter of the real model (AdamW: 8 B; Muon: 4 B for the
+    parameters its rule updates, 8 B for the rest) + its persistent buffers, counted on the module itself."""
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.optim.grouping import muon_rule
+
+    model = K3ForCausalLM(load_model_config(name), init=False)
+    params = dict(model.named_parameters())  # a tied tensor once
+    total = 0
+    for p in params.values():
+        state = 4 if optimizer == "muon" and muon_rule(p).startswith("muon/") else 8
+        total += p.numel() * (4 + state)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    assert buffers, "the router's bias is a persistent buffer"
+    return total + sum(v.numel() * v.element_size() for v in buffers.values())
+
+
+@pytest.mark.parametrize("name", ["k3_tiny", "kimi_linear_tiny"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoint_shares_sum_to_the_models_masters_and_states(name, optimizer):
+    from megatron_k3.planning.checkpoint import checkpoint_bytes, checkpoint_plan, rank_shares
+
+    cfg = load_model_config(name)
+    expected = _checkpoint_bytes_of_a_built_model(name, optimizer)
+    assert checkpoint_bytes(cfg, optimizer) == expected
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    for lay in (Layout(world=1), Layout(world=8, tp=2, pp=2, ep=2), Layout(world=16, tp=2, pp=2, ep=4, cp=2)):
+        for zero in (0, 1):
+            shares = rank_shares(cfg, lay, optimizer, zero)
+            assert sum(n for _, _, n in shares) == lay.world  # every rank once
+            assert sum(b * n for _, b, n in shares) == pytest.approx(expected, rel=1e-12)  # every byte once
+            ck = checkpoint_plan(cfg, cl, lay, optimizer, zero_stage=zero)
+            assert ck.total == expected and ck.mean_share == pytest.approx(expected / lay.world)
+            assert ck.min_share <= ck.mean_share <= ck.max_share
+    # under ZeRO-1 the TP-replicated tensors (norms, router, ...) are TP rank 0's to write: its share is larger
+    shares = rank_shares(cfg, Layout(world=8, tp=2, pp=2, ep=2), optimizer, 1)
+    assert {s for s, _, _ in shares} == {0, 1}
+    for s in (0, 1):
+        rank0, other = [b for t, b, n in shares if t == s][1:]
+        assert rank0 > other
+
+
+def test_checkpoint_share_is_what_the_planner_puts_in_optimizer_memory(k3):
+    """Under bf16 + ZeRO-1 a rank's optimizer memory is its fp32 master + states partition: what it writes. TP
+    rank 0's share (without the stage's buffers) equals the planner's optimizer memory of each stage."""
+    from megatron_k3.planning.checkpoint import rank_shares
+
+    cfg, cl = k3.model, k3.cluster
+    lay = Layout(world=512, tp=8, pp=8, ep=32, recompute="full")
+    for opt in ("adamw", "muon"):
+        mem = training_memory(cfg, cl, lay, Workload(4096, 1, 4096, "bf16", opt))
+        shares = rank_shares(cfg, lay, opt, 1)
+        for sm in mem:
+            writer, rank0, other = [(b, n) for s, b, n in shares if s == sm.stage]
+            assert (writer[1], rank0[1], other[1]) == (1, lay.dp - 1, (lay.tp - 1) * lay.dp)
+            assert rank0[0] == pytest.approx(sm.optimizer, rel=1e-12)
+            assert 0 < writer[0] - rank0[0] < 1e6  # the router's bias: 4 B x 896 experts per MoE layer
+
+
+def test_checkpoint_time_model(k3):
+    from megatron_k3.planning.checkpoint import Storage, checkpoint_plan
+
+    cfg, cl = k3.model, k3.cluster
+    lay = Layout(world=512, tp=8, pp=8, ep=64)
+    base = checkpoint_plan(cfg, cl, lay, "adamw", step_time=50.0, save_interval=1000)
+    # full K3 with AdamW: 12 B per parameter (fp32 master + two moments) + the router's bias
+    assert base.total == pytest.approx(2779484393568 * 12, rel=1e-6)
+    assert base.mean_share == pytest.approx(base.total / 512)
+    st = base.storage
+    assert st == Storage(100.0, 50.0, 25.0)
+    per_rank = min(st.node_gbps / 8, st.host_copy_gbps)
+    assert base.per_rank_gbps == per_rank
+    assert base.save_time == max(base.max_share / (per_rank * GB), base.total / (100 * GB))
+    assert base.bound == "filesystem" and base.load_time == base.save_time
+    assert base.async_stall == pytest.approx(base.max_share / (25 * GB)) and base.async_wait == 0
+    assert base.host_snapshot_per_node == pytest.approx(8 * base.max_share)
+    assert base.overhead(base.save_time) == pytest.approx(base.save_time / (1000 * 50.0))
+    # half the filesystem bandwidth: twice the (filesystem-bound) save and load; the async stall is unchanged
+    half = checkpoint_plan(cfg, cl, lay, "adamw", Storage(fs_gbps=50.0))
+    assert half.save_time == pytest.approx(2 * base.save_time) and half.load_time == pytest.approx(2 * base.load_time)
+    assert half.async_stall == pytest.approx(base.async_stall)
+    # every bandwidth halved: every time doubles, whichever bound
+    for world_lay, c in ((lay, cl), (Layout(world=1), compose_config(["cluster=cpu"])[0].cluster)):
+        one = checkpoint_plan(cfg if c is cl else load_model_config("k3_tiny"), c, world_lay, "muon")
+        two = checkpoint_plan(cfg if c is cl else load_model_config("k3_tiny"), c, world_lay, "muon",
+                              Storage(50.0, 25.0, 12.5))
+        for attr in ("save_time", "load_time", "async_stall"):
+            assert getattr(two, attr) == pytest.approx(2 * getattr(one, attr))
+    # a slow filesystem: the per-rank path stops binding, and an async save waits for the previous write
+    slow = checkpoint_plan(cfg, cl, lay, "adamw", Storage(fs_gbps=1.0), step_time=50.0, save_interval=10)
+    assert slow.async_wait == pytest.approx(slow.save_time - 500.0)
+    assert slow.async_stall == pytest.approx(slow.snapshot_time + slow.async_wait)
+    with pytest.raises(ValueError, match="fs_gbps"):
+        checkpoint_plan(cfg, cl, lay, "adamw", Storage(fs_gbps=0.0))
+
+
+def test_plan_reports_the_checkpoint(plan_tool, capsys):
+    got = plan_json(plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
+    ck = got["checkpoint"]
+    for k in ("total_gb", "max_rank_gb", "mean_rank_gb", "save_s", "load_s", "sync_stall_s", "async_stall_s",
+              "fs_bandwidth_gbps", "rank_shares_gb"):
+        assert k in ck
+    assert ck["total_gb"] * GB == pytest.approx(_checkpoint_bytes_of_a_built_model("k3_tiny", "muon"))
+    assert sum(r["gb"] * r["ranks"] for r in ck["rank_shares_gb"]) == pytest.approx(ck["total_gb"])
+    assert ck["fs_bandwidth_gbps"] == 100 and ck["sync_stall_s"] == ck["save_s"]
+    assert ck["async_save"] is False and ck["save_interval"] == 100
+    half = plan_json(plan_tool, capsys, "model=k3_tiny", "cluster=cpu", "--fs-bandwidth", "50",
+                     "--node-fs-bandwidth=25", "--host-copy-bandwidth", "12.5", "checkpoint.async_save=true")
+    hc = half["checkpoint"]
+    assert hc["async_save"] is True and hc["fs_bandwidth_gbps"] == 50
+    for k in ("save_s", "load_s", "async_stall_s"):
+        assert hc[k] == pytest.approx(2 * ck[k])
+    text = run_plan(plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
+    assert "checkpoint (sharded" in text and "step-loop stall per save: synchronous" in text
+
+
+@pytest.mark.parametrize("flag", ["--fs-bandwidth", "--node-fs-bandwidth", "--host-copy-bandwidth"])
+@pytest.mark.parametrize("value", ["0", "-1", "fast", "nan", "inf"])
+def test_bad_bandwidth_is_one_line_naming_the_option(plan_tool, capsys, flag, value):
+    assert plan_tool.main(["model=k3_tiny", "cluster=cpu", flag, value]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and "positive number" in err[0] and out.out == ""

@@ -1,28 +1,28 @@
 #!/usr/bin/env python
-"""Convert megatron-k3 checkpoints: re-shard a training checkpoint for another tensor-parallel size, or convert to /
-from the Hugging Face layouts (offline, no processes). The one converter of the project.
+"""Convert megatron-k3 checkpoints: a format-2 training checkpoint (full size per tensor-parallel shard, written
+before the sharded format) into the current format, or to / from the Hugging Face layouts (offline, no processes).
+The one converter of the project.
 
-    python tools/convert_checkpoint.py SRC DST [--tp N]
+    python tools/convert_checkpoint.py SRC DST
     python tools/convert_checkpoint.py SRC OUT_DIR --to-hf [--layout k3|kimi_linear] [--dtype bfloat16|float32]
                                        [--max-shard-size BYTES] [model=NAME model.KEY=VALUE ...]
     python tools/convert_checkpoint.py HF_DIR DST --from-hf [--layout auto|k3|kimi_linear]
 
---to-hf: SRC is a training checkpoint (its fp32 master weights, any TP/EP/PP layout, merged; the model config comes
-from its meta.json), or our unsharded weights as one safetensors file (or a directory holding `model.safetensors`)
-with the model named by `model=NAME` and overrides; OUT_DIR gets config.json and the tensors, sharded with an index
-above --max-shard-size (megatron_k3.interop.hf). --from-hf: DST gets a checkpoint at step 0 holding the Hugging
-Face model's weights (fp32) and its model config, and no optimizer states, which `checkpoint.load=DST` starts a run
+Without --to-hf/--from-hf: SRC is a format-2 checkpoint; DST gets it in the sharded format (one writer), with its
+weights, optimizer states, scalars and RNG states, which any layout then loads (`checkpoint.load=DST`). A checkpoint
+in the current format needs no conversion: the Trainer reshards it on load, to any tensor, pipeline, expert, data
+parallel size and ZeRO stage.
+
+--to-hf: SRC is a training checkpoint (its fp32 master weights, any layout, merged; the model config comes from its
+meta.json), or our unsharded weights as one safetensors file (or a directory holding `model.safetensors`) with the
+model named by `model=NAME` and overrides; OUT_DIR gets config.json and the tensors, sharded with an index above
+--max-shard-size (megatron_k3.interop.hf). --from-hf: DST gets a checkpoint at step 0 holding the Hugging Face
+model's weights (fp32) and its model config, and no optimizer states, which `checkpoint.load=DST` starts a run
 from (fine-tuning).
 
 SRC: a checkpoint (`.../checkpoints/step_00000100`) or a checkpoint directory (its newest complete checkpoint).
 DST: the checkpoint directory to write into; the result is DST/step_<same step>, committed atomically with
-`latest` updated, and loads with `checkpoint.load=DST` (or `auto` with `checkpoint.dir=DST`) under parallel.tp=N.
-
-Every tensor is stored under its global name. Tensor-parallel shards are concatenated along the dimension
-recorded in meta.json (`tp_split_dims`) and split again for N ranks; routed experts are stored in global expert
-order whatever the expert-parallel size was, so any `parallel.ep` loads them; ZeRO partitions were gathered at
-save time, so any data-parallel size and ZeRO stage loads them. Optimizer states are resharded with their
-parameters. The Trainer reshards on load by itself; this tool is for doing it once, ahead of many starts.
+`latest` updated.
 """
 
 from __future__ import annotations
@@ -43,28 +43,17 @@ from megatron_k3.model import K3ForCausalLM  # noqa: E402
 from megatron_k3.training import checkpoint as ckpt  # noqa: E402
 
 
-def convert(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
-    """Write SRC's newest (or given) checkpoint into DST with `tp` tensor-parallel shards; returns the new path."""
-    if tp < 1:
-        raise ValueError(f"--tp {tp}: must be >= 1")
+def convert(src: str | Path, dst: str | Path) -> Path:
+    """SRC (a format-2 checkpoint) in the current format under DST; returns the new checkpoint's path."""
     path = ckpt.resolve_load_path(str(src), Path(src))
-    meta = ckpt.read_meta(path)
-    dims = meta.get("tp_split_dims") or {}
-    if tp > 1 and not dims:
-        raise ckpt.CheckpointError(f"{path}: meta.json has no tp_split_dims (an older checkpoint); cannot split it")
-    model, optim, extra = ckpt.read_full(path, meta)
-    for name, d in dims.items():
-        if d is not None and name in model and model[name].shape[d] % tp:
-            raise ValueError(f"--tp {tp}: {name} has {model[name].shape[d]} rows along dim {d}, not divisible by {tp}")
-    tmp, final = ckpt.begin(dst, int(meta["step"]))
-    for r in range(tp):
-        m, o = ckpt.split_shard(model, optim, dims, tp, r)
-        ckpt.write_shard(tmp, ckpt.shard_suffix(tp, r), m, o, extra)
-    if (path / "rng.pt").is_file():
-        ckpt.write_rng(tmp, ckpt.load_pickle_safely(path / "rng.pt")["ranks"])
-    out = {k: v for k, v in meta.items() if k not in ("format_version", "saved_at", "complete")}
-    out.update(tensor_parallel=tp, pipeline_parallel=1, converted_from=str(path))
-    return ckpt.commit(tmp, final, out)
+    meta = ckpt.read_meta(path, legacy=True)
+    if meta.get("format_version") == ckpt.FORMAT_VERSION:
+        raise ValueError(f"{path} is already in format {ckpt.FORMAT_VERSION}: any layout loads it as it is")
+    model, optim, extra = ckpt.read_legacy(path, meta)
+    rngs = ckpt.load_pickle_safely(path / "rng.pt")["ranks"] if (path / "rng.pt").is_file() else None
+    out = {k: v for k, v in meta.items() if k not in ("format_version", "saved_at", "complete", "tp_split_dims")}
+    out.update(converted_from=str(path))
+    return ckpt.save_checkpoint(dst, int(meta["step"]), model, optim, extra.get("optimizer_scalars", {}), out, rngs)
 
 
 def _weights(src: Path, overrides: list):
@@ -79,8 +68,8 @@ def _weights(src: Path, overrides: list):
     if overrides:
         raise ValueError(f"{src} is a training checkpoint, whose meta.json names its model: drop {overrides}")
     path = ckpt.resolve_load_path(str(src), src)
-    meta = ckpt.read_meta(path)
-    return ModelConfig(**meta["model"]), ckpt.read_full(path, meta)[0]
+    model, _, meta = ckpt.read_full(path)
+    return ModelConfig(**meta["model"]), model
 
 
 def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None,
@@ -107,15 +96,14 @@ def from_hf(hf_dir: str | Path, dst: str | Path, layout: str = "auto") -> Path:
     tensors = {k: v.detach().to(torch.float32 if k in named else v.dtype).contiguous()
                for k, v in model.state_dict().items()}
     meta = {"step": 0, "consumed_samples": 0, "tokens": 0, "tensor_parallel": 1, "pipeline_parallel": 1,
-            "tp_split_dims": {}, "model": dataclasses.asdict(model.cfg), "converted_from": str(hf_dir)}
-    return ckpt.save_checkpoint(dst, 0, tensors, {}, {"optimizer_scalars": {}}, meta)
+            "model": dataclasses.asdict(model.cfg), "converted_from": str(hf_dir)}
+    return ckpt.save_checkpoint(dst, 0, tensors, {}, {}, meta)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write (default 1: unsharded)")
     ap.add_argument("--to-hf", action="store_true", help="write DST as a Hugging Face directory")
     ap.add_argument("--from-hf", action="store_true", help="read SRC as a Hugging Face directory")
     ap.add_argument("--layout", default=None, help="k3 | kimi_linear (--to-hf, default k3); auto (--from-hf)")
@@ -133,7 +121,7 @@ def main(argv=None) -> int:
         elif a.from_hf:
             out = from_hf(a.src, a.dst, a.layout or "auto")
         else:
-            out = convert(a.src, a.dst, a.tp)
+            out = convert(a.src, a.dst)
     except (ckpt.CheckpointError, ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,10 +22,15 @@ Flags:
   --kernels eager|fused    activation model (default: eager on cpu clusters, fused on accelerators)
   --grad-dtype fp32|bf16   gradient accumulation buffers under mixed precision (default fp32)
   --top N                  rows in the search table (default 10)
+  --fs-bandwidth GB/s      checkpoint save/load: the filesystem's aggregate bandwidth over the cluster (default 100,
+                           a parallel filesystem); --node-fs-bandwidth GB/s: one node's storage NIC (default 50);
+                           --host-copy-bandwidth GB/s: one device's copy to host memory (default 25), the stall of
+                           an asynchronous save (docs/planning.md, "Checkpoint size and save time")
   --json                   one JSON object instead of text
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -34,13 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
 from megatron_k3.model.params import count_parameters  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
+from megatron_k3.planning.checkpoint import (  # noqa: E402
+    DEFAULT_FS_GBPS,
+    DEFAULT_HOST_COPY_GBPS,
+    DEFAULT_NODE_GBPS,
+    Storage,
+    checkpoint_plan,
+)
 from megatron_k3.planning.layout import Layout  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
 from megatron_k3.planning.run import compose_for_planning  # noqa: E402
 
+BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
+              "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
 FLAGS_WITH_VALUE = {"--mode", "--batch", "--context", "--optimizer", "--recompute", "--zero", "--kernels",
-                    "--grad-dtype", "--top"}
+                    "--grad-dtype", "--top", *BANDWIDTHS}
 CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
            "--recompute": ("none", "selective", "full", "auto"), "--zero": ("0", "1", "2"),
            "--kernels": ("eager", "fused"), "--grad-dtype": ("fp32", "bf16")}
@@ -50,11 +64,30 @@ def parse(argv):
     overrides, flags = split_tool_args(
         argv, ("--search", "--json"), FLAGS_WITH_VALUE, choices=CHOICES,
         defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto", "--zero": "1",
-                  "--top": "10", "--grad-dtype": "fp32"})
+                  "--top": "10", "--grad-dtype": "fp32", **{k: str(v) for k, v in BANDWIDTHS.items()}})
     for k in ("--batch", "--context", "--top"):
         if not flags[k].isdigit() or int(flags[k]) <= 0:
             raise ConfigError(k, flags[k], "must be a positive integer")
+    for k in BANDWIDTHS:
+        try:
+            v = float(flags[k])
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(k, flags[k], "must be a positive number of GB/s")
+        flags[k] = v
     return overrides, flags
+
+
+def storage(flags) -> Storage:
+    return Storage(flags["--fs-bandwidth"], flags["--node-fs-bandwidth"], flags["--host-copy-bandwidth"])
+
+
+def checkpoint(run, plan, flags):
+    """The checkpoint of a training plan's layout: size per rank, save / load time, sync vs async stall."""
+    return checkpoint_plan(run.model, run.cluster, plan.layout, plan.workload.optimizer, storage(flags),
+                           plan.step_time, run.train.save_interval, getattr(run.checkpoint, "async_save", None),
+                           plan.workload.zero_stage)
 
 
 def compose(overrides, flags):
@@ -109,10 +142,12 @@ def main(argv):
                        "model_state_bytes": res.state_floor_bytes, "min_accelerators": res.min_world}
                 if res.fits:
                     out.update({k: v for k, v in res.fits[0].as_dict().items() if k not in out})
+                    out["checkpoint"] = checkpoint(run, res.fits[0], flags).as_dict()
                 if inf is not None:
                     out["inference"] = inf.fits[0].as_dict() if inf.fits else None
                 return _dump(out)
-            lines += report.render_train_search(cfg, cluster, w, res, inf, (batch, context))
+            ck = checkpoint(run, res.fits[0], flags) if res.fits else None
+            lines += report.render_train_search(cfg, cluster, w, res, inf, (batch, context), ck)
         else:
             rcs = ("none", "selective", "full") if flags["--recompute"] == "auto" else (flags["--recompute"],)
             # sequence parallelism with TP unless the command line turns it off explicitly
@@ -127,9 +162,10 @@ def main(argv):
             if len(rcs) > 1:
                 plan.notes.append(f"recompute={plan.layout.recompute} chosen by --recompute auto "
                                   "(the least recomputation that fits)")
+            ck = checkpoint(run, plan, flags)
             if as_json:
-                return _dump(plan.as_dict())
-            lines += report.render_train(plan)
+                return _dump({**plan.as_dict(), "checkpoint": ck.as_dict()})
+            lines += report.render_train(plan) + report.render_checkpoint(ck)
             if not plan.fits:
                 lines.append("try --search for layouts that fit")
     except ValueError as e:

@@ -462,6 +462,17 @@ class CheckpointConfig:
     dir: str = ""  # '' = <run dir>/checkpoints
     load: str = ""  # '' = start fresh; auto = newest complete checkpoint in dir; or a checkpoint path
     keep_last: int = 3
+    async_save: bool = False  # snapshot to host memory, write in a background thread while training goes on
+    export_hf: str = ""  # at the end of the run, every rank writes its part of a Hugging Face directory here
+    export_layout: str = "k3"  # k3 (packed MXFP4 experts, bf16) | kimi_linear
+    export_dtype: str = "bfloat16"  # the non-expert tensors' dtype (the fp32 ones, conv / A_log / ..., stay fp32)
+
+    def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
+        _require_choice(self, prefix, "export_layout", ("k3", "kimi_linear"))
+        _require_choice(self, prefix, "export_dtype", ("bfloat16", "float32"))
+        if self.keep_last < 0:
+            raise ConfigError(_key(prefix, "keep_last"), self.keep_last, "must be >= 0 (0 keeps every checkpoint)")
+        return self
 
 
 @dataclass
@@ -488,6 +499,7 @@ class RunConfig:
         self.cluster.validate("cluster")
         self.logging.validate("logging")
         self.data.validate("data")
+        self.checkpoint.validate("checkpoint")
         m, t, p = self.model, self.train, self.parallel
         problems = layout_problems(m, world_size, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, order=p.order,
                                    supernode_size=self.cluster.supernode_size,

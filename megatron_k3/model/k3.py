@@ -142,11 +142,13 @@ class K3ForCausalLM(nn.Module):
         for b in self.buffers():
             b.zero_()
 
-    def materialize(self, device, dtype: torch.dtype | None = None, seed: int | None = None) -> "K3ForCausalLM":
+    def materialize(self, device, dtype: torch.dtype | None = None, seed: int | None = None,
+                    init: bool = True) -> "K3ForCausalLM":
         """Allocate a model built on the meta device (and cut or sharded there) on `device`, parameters in `dtype`
         (default: as built; buffers keep theirs), each tensor at the size this model holds, and initialise it
         (`reset_parameters(seed)`); returns self. A parameter keeps its attributes (annotations), gradient hooks
-        and ties."""
+        and ties. init=False leaves the parameters unset (a checkpoint is loaded into them next,
+        interop.load_hf_sharded) and zeroes the buffers."""
         new = {}
         for m in self.modules():
             for pname, p in list(m._parameters.items()):
@@ -163,7 +165,12 @@ class K3ForCausalLM(nn.Module):
             for bname, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
                     m._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
-        self.reset_parameters(seed)
+        if init:
+            self.reset_parameters(seed)
+        else:
+            with torch.no_grad():
+                for b in self.buffers():
+                    b.zero_()
         return self
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,

@@ -47,6 +47,7 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
 class LayerKindParams:
     dense: ParamGroup  # everything but the routed experts, on one TP rank
     experts: ParamGroup  # the routed experts of the layer on one EP rank
+    buffer_bytes: int = 0  # persistent buffers (state-dict entries that are not parameters: the router's bias)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ModelParams:
     layers: tuple  # LayerKindParams per decoder layer
     embedding: ParamGroup  # on one TP rank (vocab-parallel)
     head: ParamGroup  # LM head + final norm + output depth mix, on one TP rank
+    embedding_buffer_bytes: int = 0  # persistent buffers of the embedding (first stage) and of the head (last)
+    head_buffer_bytes: int = 0
 
     def dense_total(self) -> int:
         return sum(lp.dense.total for lp in self.layers) + self.embedding.total + self.head.total
@@ -91,6 +94,16 @@ def _group(module, prefix: str = "") -> tuple:
     return dense, experts
 
 
+def _buffer_bytes(module) -> int:
+    """Bytes of a module's persistent buffers at their dtype: what its state dict holds beside the parameters."""
+    n = 0
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                n += b.numel() * b.element_size()
+    return n
+
+
 _KEYS: dict = {}
 
 
@@ -109,16 +122,18 @@ def _model_params(cfg, tp: int, ep: int) -> ModelParams:
     counted per layer, embedding and head."""
     groups = ParallelGroups(tp=TensorParallel(size=tp), ep=Group(size=ep))
     model = build_model(cfg, groups, device="meta")
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}")) for layer in model.model.layers)
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}"), _buffer_bytes(layer))
+                   for layer in model.model.layers)
     emb, _ = _group(model.model.embed_tokens, "model.embed_tokens")
-    head = ParamGroup()
+    head, head_buffers = ParamGroup(), 0
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
                       ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
         if mod is not None:
             head = head + _group(mod, name)[0]
+            head_buffers += _buffer_bytes(mod)
     if cfg.tie_word_embeddings:
         head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops)
-    return ModelParams(tp, ep, layers, emb, head)
+    return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers)
 
 
 _CACHE: dict = {}
@@ -140,5 +155,6 @@ def model_params(cfg, tp: int = 1, ep: int = 1) -> ModelParams:
     if tp == 1 or ep == 1:
         return _built(cfg, tp, ep)
     dense, experts = _built(cfg, tp, 1), _built(cfg, 1, ep)
-    layers = tuple(LayerKindParams(d.dense, e.experts) for d, e in zip(dense.layers, experts.layers))
-    return ModelParams(tp, ep, layers, dense.embedding, dense.head)
+    layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes) for d, e in zip(dense.layers, experts.layers))
+    return ModelParams(tp, ep, layers, dense.embedding, dense.head, dense.embedding_buffer_bytes,
+                       dense.head_buffer_bytes)

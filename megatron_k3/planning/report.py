@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from .checkpoint import CheckpointPlan
 from .memory import GB, MXFP4_BYTES_PER_PARAM, Workload
 from .planner import InferPlan, SearchResult, TrainPlan
 
-__all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search"]
+__all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search",
+           "render_checkpoint"]
 
 
 def _h(n: float) -> str:
@@ -90,8 +92,52 @@ def render_train(p: TrainPlan) -> list:
     return out
 
 
+def _dur(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    if s < 100:
+        return f"{s:.3g} s"
+    return f"{s / 60:.3g} min" if s < 6000 else f"{s / 3600:.3g} h"
+
+
+def render_checkpoint(ck: CheckpointPlan) -> list:
+    """The checkpoint of a layout: size per rank, save and load time, the step-loop stall of a synchronous and of an
+    asynchronous save (megatron_k3.planning.checkpoint)."""
+    st = ck.storage
+    states = "Muon momentum + AdamW moments" if ck.optimizer == "muon" else "AdamW moments"
+    per_node = f"{ck.devices_per_node} rank{'s' if ck.devices_per_node > 1 else ''} per node"
+
+    def cost(stall):
+        parts = [f"{stall / ck.step_time:.3g} steps"] if ck.step_time else []
+        o = ck.overhead(stall)
+        if o is not None:
+            parts.append(f"{o * 100:.2g}% of the run at train.save_interval={ck.save_interval}" if o < 1
+                         else f"{o:.3g}x the training time at train.save_interval={ck.save_interval}")
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    out = [
+        f"checkpoint (sharded, each byte once: fp32 masters + {states} + buffers): {_bytes(ck.total)}; per rank "
+        f"max {_bytes(ck.max_share)} (stage {ck.largest_stage}), mean {_bytes(ck.mean_share)}, min "
+        f"{_bytes(ck.min_share)}",
+        f"  save {_dur(ck.save_time)}, load the same, {ck.bound} bound: {_bytes(ck.total)} / --fs-bandwidth "
+        f"{st.fs_gbps:g} GB/s aggregate = {_dur(ck.fs_time)}; largest share / {ck.per_rank_gbps:.3g} GB/s per rank "
+        f"= {_dur(ck.rank_time)} (min(--node-fs-bandwidth {st.node_gbps:g} / {per_node}, --host-copy-bandwidth "
+        f"{st.host_copy_gbps:g}))",
+        f"  step-loop stall per save: synchronous{' (the run' + chr(39) + 's)' if ck.async_save is False else ''} "
+        f"{_dur(ck.save_time)}{cost(ck.save_time)}; asynchronous (checkpoint.async_save=true"
+        f"{'; the run' + chr(39) + 's' if ck.async_save else ''}) {_dur(ck.async_stall)}{cost(ck.async_stall)}: "
+        f"the largest share copied to host at --host-copy-bandwidth {st.host_copy_gbps:g} GB/s "
+        f"({_bytes(ck.host_snapshot_per_node)} of pinned host memory per node), the write overlapping training",
+    ]
+    if ck.async_wait > 0:
+        out.append(f"  note: the write ({_dur(ck.save_time)}) outlasts train.save_interval={ck.save_interval} steps "
+                   f"({_dur(ck.save_interval * ck.step_time)}): an asynchronous save first waits "
+                   f"{_dur(ck.async_wait)} for the previous one (counted in its stall)")
+    return out
+
+
 def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: SearchResult | None = None,
-                        infer_args: tuple = ()) -> list:
+                        infer_args: tuple = (), checkpoint: CheckpointPlan | None = None) -> list:
     world = cluster.world_size
     floor = res.state_floor_bytes
     pool = world * cluster.device_memory_gb * GB
@@ -110,6 +156,8 @@ def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: Sea
         out += [_row(i + 1, p) for i, p in enumerate(res.fits)]
         best = res.fits[0]
         out += ["", f"best: {best.layout.short()}"] + ["  " + line for line in render_train(best)[1:]]
+        if checkpoint is not None:
+            out += ["  " + line for line in render_checkpoint(checkpoint)]
         out += _why_best(res)
         return out
     out += [f"NO training layout fits {world} x {cluster.device_memory_gb:g} GB."]

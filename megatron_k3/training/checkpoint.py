@@ -1,6 +1,6 @@
-"""Checkpoints for an exact resume: fp32 master weights and per-parameter optimizer states (safetensors, full
-size per tensor-parallel shard, so any data-parallel size or ZeRO stage can load them), RNG states, data
-position and step.
+"""Checkpoints for an exact resume: fp32 master weights and optimizer states (sharded: every rank writes what it
+owns, any layout reads what it needs: shards.py), RNG states, data position and step; the directory protocol
+(temporary directory, meta.json, rename, `latest`), the safe readers, and format 2's readers for the converter.
 
 Written atomically: everything goes to a temporary directory that is renamed into place only when
 complete, so a crash mid-save never leaves a checkpoint that `load=auto` would pick. Loading never
@@ -20,11 +20,15 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from . import shards
+from .shards import CheckpointError
 
 log = logging.getLogger("megatron_k3.checkpoint")
 
-FORMAT_VERSION = 2  # 2: fp32 masters + per-parameter optimizer states (any DP size)
+FORMAT_VERSION = 3  # 3: sharded, every rank writes its own pieces (shards.py); 2: full size per TP shard (legacy)
+LEGACY_VERSION = 2
 _PREFIX = "step_"
 
 
@@ -53,33 +57,10 @@ def set_rng_state(st: dict):
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def write_shard(tmp: Path, suffix: str, model: dict, optim: dict, extra: dict):
-    """Write one shard's files (suffix names it, e.g. '_tp01'): `model{suffix}.safetensors` (fp32 master weights
-    and buffers under the module's state-dict names), `optim{suffix}.safetensors` (each parameter's optimizer
-    states, full size, as `name::key`), `state{suffix}.pt` (RNG and optimizer scalars; tensors and plain types
-    only, so it loads with weights_only=True)."""
-    flat = {f"{n}::{k}": v.contiguous() for n, st in optim.items() for k, v in st.items()}
-    files = {f"model{suffix}.safetensors": lambda f: save_file({k: v.contiguous() for k, v in model.items()}, f),
-             f"optim{suffix}.safetensors": lambda f: save_file(flat, f),
-             f"state{suffix}.pt": lambda f: torch.save(extra, f)}
-    for name, write in files.items():
-        write(str(tmp / name))
-        _fsync(tmp / name)
-
-
 def write_rng(tmp: Path, ranks: list):
     """`rng.pt`: every rank's RNG states, in global rank order."""
     torch.save({"ranks": ranks}, tmp / "rng.pt")
-    _fsync(tmp / "rng.pt")
-
-
-def _fsync(path: Path):
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is missing, truncated, corrupted or unsafe; the message names the file."""
+    shards._fsync(tmp / "rng.pt")
 
 
 def load_tensors(path: Path) -> dict:
@@ -112,21 +93,6 @@ def load_pickle_safely(path: Path):
                               f"truncated or corrupted?") from None
 
 
-def read_shard(path: Path, suffix: str = "") -> tuple:
-    """(model tensors, {param: {key: tensor}}, extra) of one shard written by `write_shard`."""
-    path = Path(path)
-    if not (path / f"model{suffix}.safetensors").is_file():
-        raise CheckpointError(f"{path}: no model{suffix}.safetensors (this checkpoint has "
-                              f"{sorted(p.name for p in path.glob('model*.safetensors'))})")
-    model = load_tensors(path / f"model{suffix}.safetensors")
-    optim = {}
-    for k, v in load_tensors(path / f"optim{suffix}.safetensors").items():
-        name, key = k.rsplit("::", 1)
-        optim.setdefault(name, {})[key] = v
-    extra = load_pickle_safely(path / f"state{suffix}.pt")
-    return model, optim, extra
-
-
 def config_diff(saved: dict, current: dict, prefix: str = "") -> list:
     """[(key, saved value, current value)] for every key whose value differs (nested keys dotted)."""
     out = []
@@ -140,62 +106,6 @@ def config_diff(saved: dict, current: dict, prefix: str = "") -> list:
         elif a != b:
             out.append((prefix + k, a, b))
     return out
-
-
-def shard_suffix(tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> str:
-    """The file-name suffix of one (tensor-parallel shard, pipeline stage): '', '_tp01', '_pp01', '_tp01_pp01'."""
-    return (f"_tp{tp_rank:02d}" if tp > 1 else "") + (f"_pp{pp_rank:02d}" if pp > 1 else "")
-
-
-def read_stages(path: Path, meta: dict, tp_rank: int = 0) -> tuple:
-    """(model tensors, optimizer states, extra) of one tensor-parallel shard, every pipeline stage's files merged:
-    a stage holds its own parameters under their global names, so the merge is a union (the optimizer scalars,
-    keyed by parameter-group rule, likewise)."""
-    tp, pp = int(meta.get("tensor_parallel", 1)), int(meta.get("pipeline_parallel", 1))
-    stages = [read_shard(path, shard_suffix(tp, tp_rank, pp, s)) for s in range(pp)]
-    model, optim, extra = {}, {}, dict(stages[0][2])
-    scalars = {}
-    for m, o, e in stages:
-        model.update(m)
-        optim.update(o)
-        scalars.update(e.get("optimizer_scalars", {}))
-    extra["optimizer_scalars"] = scalars
-    return model, optim, extra
-
-
-def read_full(path: Path, meta: dict) -> tuple:
-    """(model tensors, optimizer states, extra) at full, unsharded size whatever tensor-parallel size and pipeline
-    split saved them: the stage files merged (`read_stages`), the shards of each tensor concatenated along the
-    dimension `meta['tp_split_dims']` records. Routed experts are stored in global order already (gathered over
-    expert parallelism at save time)."""
-    tp = int(meta.get("tensor_parallel", 1))
-    shards = [read_stages(path, meta, r) for r in range(tp)]
-    if tp == 1:
-        return shards[0]
-    dims = meta.get("tp_split_dims")
-    if dims is None:
-        raise CheckpointError(f"{path}: saved with tensor_parallel={tp} but meta.json has no tp_split_dims "
-                              f"(an older checkpoint); resume it with parallel.tp={tp}")
-
-    def merge(name, parts):
-        d = dims.get(name)
-        return parts[0] if d is None else torch.cat(parts, dim=d)
-
-    model = {k: merge(k, [s[0][k] for s in shards]) for k in shards[0][0]}
-    optim = {n: {k: merge(n, [s[1][n][k] for s in shards]) for k in st} for n, st in shards[0][1].items()}
-    return model, optim, shards[0][2]
-
-
-def split_full(full: dict, dims: dict, tp: int, tp_rank: int) -> dict:
-    """This tensor-parallel rank's slice of each full tensor (the inverse of `read_full`'s merge)."""
-    return {k: (v if dims.get(k) is None or tp == 1 else v.chunk(tp, dim=dims[k])[tp_rank].contiguous())
-            for k, v in full.items()}
-
-
-def split_shard(model: dict, optim: dict, dims: dict, tp: int, tp_rank: int) -> tuple:
-    """`split_full` of the model tensors and of every parameter's optimizer states (shaped like the parameter)."""
-    return (split_full(model, dims, tp, tp_rank),
-            {n: split_full(st, {k: dims.get(n) for k in st}, tp, tp_rank) for n, st in optim.items()})
 
 
 def begin(ckpt_dir: str | Path, step: int, unique: bool = True) -> tuple:
@@ -231,12 +141,41 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     return final
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model: dict, optim: dict, extra: dict, meta: dict,
-                    keep_last: int = 0) -> Path:
-    """A one-shard checkpoint: `write_shard` files plus meta.json, committed atomically."""
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: dict, optim: dict, scalars: dict, meta: dict,
+                    rngs: list | None = None, keep_last: int = 0) -> Path:
+    """A checkpoint written by one process from whole tensors ({name: tensor}, {name: {state key: tensor}}, the
+    optimizers' scalars by group): the sharded format with one writer, committed atomically. Any layout loads
+    it (tools/convert_checkpoint.py writes with this)."""
+    pieces = shards.RankPieces()
+    tensors = dict(model)
+    tensors.update({f"{n}::{k}": v for n, st in optim.items() for k, v in st.items()})
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        pieces.add(name, t.shape, (0,) * t.dim(), t.shape, t)
     tmp, final = begin(ckpt_dir, step)
-    write_shard(tmp, "", model, optim, extra)
-    return commit(tmp, final, dict(meta, step=step), keep_last)
+    pieces.write(tmp, 0)
+    if rngs:
+        write_rng(tmp, rngs)
+    shards.merge_index(tmp, 1)
+    return commit(tmp, final, dict(meta, step=step, optimizer_scalars=scalars), keep_last)
+
+
+def read_full(path: str | Path) -> tuple:
+    """({name: tensor} of the weights and buffers, {name: {state key: tensor}}, meta) of a checkpoint, at full
+    size (offline tools: conversion to Hugging Face layouts, tests)."""
+    meta = read_meta(path)
+    index = shards.ShardIndex(path)
+    try:
+        model, optim = {}, {}
+        for name in index.names():
+            if "::" in name:
+                owner, key = name.rsplit("::", 1)
+                optim.setdefault(owner, {})[key] = index.read_full(name)
+            else:
+                model[name] = index.read_full(name)
+    finally:
+        index.close()
+    return model, optim, meta
 
 
 def incomplete_checkpoints(ckpt_dir: str | Path) -> list:
@@ -279,14 +218,25 @@ def list_checkpoints(ckpt_dir: str | Path, warn: bool = False) -> list:
     return sorted(out, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
+def is_hf_directory(p: Path) -> bool:
+    """A Hugging Face directory (config.json and safetensors weights, no meta.json): the Kimi K3 or Kimi Linear
+    layout, which `checkpoint.load` starts a run from."""
+    p = Path(p)
+    return (p / "config.json").is_file() and not (p / "meta.json").is_file() and (
+        (p / "model.safetensors.index.json").is_file() or (p / "model.safetensors").is_file())
+
+
 def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
-    """'' -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path."""
+    """'' -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path (a
+    checkpoint, a checkpoint directory's newest, or a Hugging Face directory)."""
     if not load:
         return None
     if load == "auto":
         found = list_checkpoints(ckpt_dir, warn=True)
         return found[-1] if found else None
     p = Path(load)
+    if is_hf_directory(p):  # pretrained weights (the released K3 checkpoint): streamed in by every rank
+        return p
     if p.is_dir() and not (p / "meta.json").is_file():  # a checkpoint directory: take its newest
         found = list_checkpoints(p, warn=True)
         if found:
@@ -296,13 +246,83 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
     return p
 
 
-def read_meta(path: str | Path) -> dict:
+def read_meta(path: str | Path, legacy: bool = False) -> dict:
+    """meta.json of a checkpoint in the current format (legacy=True: also format 2, which only
+    tools/convert_checkpoint.py reads)."""
     path = Path(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path / 'meta.json'}: unreadable ({e})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION} "
-                         f"(written by an older megatron-k3; convert it or start fresh)")
+    version = meta.get("format_version")
+    if version == LEGACY_VERSION and not legacy:
+        raise CheckpointError(f"{path}: checkpoint format {version} (full size per tensor-parallel shard, written "
+                              f"before the sharded format {FORMAT_VERSION}); convert it once with `python "
+                              f"tools/convert_checkpoint.py {path} NEW_DIR` and load NEW_DIR")
+    if version not in (FORMAT_VERSION, LEGACY_VERSION):
+        raise CheckpointError(f"{path}: checkpoint format {version} is not {FORMAT_VERSION} (written by another "
+                              f"megatron-k3 version)")
     return meta
+
+
+# ------------------------------------------------------------------------------------------------ format 2 (legacy)
+# Read only by tools/convert_checkpoint.py, which turns a format-2 checkpoint into the current format.
+def legacy_suffix(tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> str:
+    """Format 2's file-name suffix of one (tensor-parallel shard, pipeline stage): '', '_tp01', '_pp01', ..."""
+    return (f"_tp{tp_rank:02d}" if tp > 1 else "") + (f"_pp{pp_rank:02d}" if pp > 1 else "")
+
+
+def read_legacy_shard(path: Path, suffix: str = "") -> tuple:
+    """(model tensors, {param: {key: tensor}}, extra) of one shard written by format 2."""
+    path = Path(path)
+    if not (path / f"model{suffix}.safetensors").is_file():
+        raise CheckpointError(f"{path}: no model{suffix}.safetensors (this checkpoint has "
+                              f"{sorted(p.name for p in path.glob('model*.safetensors'))})")
+    model = load_tensors(path / f"model{suffix}.safetensors")
+    optim = {}
+    for k, v in load_tensors(path / f"optim{suffix}.safetensors").items():
+        name, key = k.rsplit("::", 1)
+        optim.setdefault(name, {})[key] = v
+    extra = load_pickle_safely(path / f"state{suffix}.pt")
+    return model, optim, extra
+
+
+def read_legacy_stages(path: Path, meta: dict, tp_rank: int = 0) -> tuple:
+    """(model tensors, optimizer states, extra) of one tensor-parallel shard, every pipeline stage's files merged:
+    a stage holds its own parameters under their global names, so the merge is a union (the optimizer scalars,
+    keyed by parameter-group rule, likewise)."""
+    tp, pp = int(meta.get("tensor_parallel", 1)), int(meta.get("pipeline_parallel", 1))
+    stages = [read_legacy_shard(path, legacy_suffix(tp, tp_rank, pp, s)) for s in range(pp)]
+    model, optim, extra = {}, {}, dict(stages[0][2])
+    scalars = {}
+    for m, o, e in stages:
+        model.update(m)
+        optim.update(o)
+        scalars.update(e.get("optimizer_scalars", {}))
+    extra["optimizer_scalars"] = scalars
+    return model, optim, extra
+
+
+def read_legacy(path: Path, meta: dict) -> tuple:
+    """A format-2 checkpoint's (model tensors, optimizer states, extra) at full, unsharded size whatever
+    tensor-parallel size and pipeline split saved them: the stage files merged (`read_legacy_stages`), the shards of
+    each tensor concatenated along the dimension `meta['tp_split_dims']` records. Routed experts are stored in
+    global order already (gathered over expert parallelism at save time)."""
+    tp = int(meta.get("tensor_parallel", 1))
+    shards = [read_legacy_stages(path, meta, r) for r in range(tp)]
+    if tp == 1:
+        return shards[0]
+    dims = meta.get("tp_split_dims")
+    if dims is None:
+        raise CheckpointError(f"{path}: saved with tensor_parallel={tp} but meta.json has no tp_split_dims "
+                              f"(an older checkpoint); resume it with parallel.tp={tp}")
+
+    def merge(name, parts):
+        d = dims.get(name)
+        return parts[0] if d is None else torch.cat(parts, dim=d)
+
+    model = {k: merge(k, [s[0][k] for s in shards]) for k in shards[0][0]}
+    optim = {n: {k: merge(n, [s[1][n][k] for s in shards]) for k in st} for n, st in shards[0][1].items()}
+    return model, optim, shards[0][2]
+
+

@@ -1,25 +1,32 @@
-"""The Trainer's checkpoints: `CheckpointManager.resume()` (with the three-way reshard: same layout, another
-pipeline split, another tensor-parallel size) and `save()`. The file format is checkpoint.py's; the per-parameter
-optimizer views are zero_views.py's.
+"""The Trainer's checkpoints: `CheckpointManager.save()` and `resume()`. The file format is shards.py's (format 3:
+every rank writes the pieces it owns, rank 0 merges the indexes and commits); what a rank owns and reads back is
+zero_views.py's (`owned_pieces`, `load_pieces`).
 
-Every rank takes part in both: ZeRO's partitions are gathered over data parallelism and the experts over expert
-parallelism, data-parallel rank 0 of each (tensor-parallel shard, pipeline stage) writes its files, rank 0 adds
-every rank's RNG state and commits (meta.json, rename into place, `latest` last).
+Every rank takes part in both. A save gathers nothing but the RNG states and the optimizers' scalars (small, to
+rank 0); a load reads on each rank only the regions of the saved tensors that rank keeps, whatever layout wrote
+them. With `checkpoint.async_save=true` the pieces are snapshot to host memory and written by a thread while the
+step loop goes on; rank 0's thread commits when every rank's index is there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from ..annotations import full_shape, meta
+from ..annotations import full_shape
 from ..config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
+from ..interop import load_hf_sharded, save_hf_sharded
+from ..parallel import state
 from . import checkpoint as ckpt
-from .zero_views import full_states, load_full_states
+from .shards import ShardIndex, merge_index, wait_for_ranks
+from .zero_views import load_pieces, masters_from_module, owned_pieces, scalars_of
 
 log = logging.getLogger("megatron_k3.train")
 
@@ -36,10 +43,6 @@ class Ranks:
     dp: int
     cp: int
     dp_cp_rank: int
-
-    @property
-    def suffix(self) -> str:
-        return ckpt.shard_suffix(self.tp, self.tp_rank, self.pp, self.pp_rank)
 
 
 @dataclass
@@ -62,6 +65,7 @@ def _plain(x):
 class CheckpointManager:
     def __init__(self, run: RunConfig, engine, experts, ranks: Ranks, ckpt_dir: Path):
         self.run, self.engine, self.experts, self.ranks, self.dir = run, engine, experts, ranks, ckpt_dir
+        self._thread, self._error = None, None
 
     @property
     def model(self):
@@ -70,8 +74,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ resume
     def resume(self) -> Position | None:
         """Load `checkpoint.load` (None: nothing to load) into the model, the optimizers and the RNG; returns the
-        position it was saved at. Any data-parallel size, ZeRO stage, tensor, expert or pipeline split loads."""
+        position it was saved at. Any layout loads any checkpoint: each rank reads only the regions of the saved
+        tensors that its parameters, ZeRO fragments and experts hold (zero_views.load_pieces)."""
         r = self.ranks
+        self.wait()
         try:
             path = ckpt.resolve_load_path(self.run.checkpoint.load, self.dir)
         except FileNotFoundError as e:
@@ -80,52 +86,93 @@ class CheckpointManager:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.dir)
             return None
+        if ckpt.is_hf_directory(path):
+            self._load_pretrained(path)
+            return None
+        index, failure = None, None
         try:
             saved = ckpt.read_meta(path)
             self._check_model_config(path, saved)
-            saved_tp = int(saved.get("tensor_parallel", 1))
-            saved_pp = int(saved.get("pipeline_parallel", 1))
-            if saved_tp == r.tp and saved_pp == r.pp:
-                model_t, optim_t, extra = ckpt.read_shard(path, r.suffix)
-            elif saved_tp == r.tp:  # another pipeline split: the stage files merged, this stage's tensors kept
-                model_t, optim_t, extra = ckpt.read_stages(path, saved, r.tp_rank)
-                model_t, optim_t = self._own(model_t), self._own(optim_t)
-                log.info("re-staging %s: saved with pipeline_parallel=%d, loading with %d", path, saved_pp, r.pp)
-            else:  # resharding: merge the saved shards, keep this rank's slice
-                dims = {n: meta(p).tp_dim for n, p in self.model.named_parameters()}
-                model_t, optim_t, extra = ckpt.read_full(path, saved)
-                model_t, optim_t = self._own(model_t), self._own(optim_t)
-                model_t, optim_t = ckpt.split_shard(model_t, optim_t, dims, r.tp, r.tp_rank)
-                log.info("resharding %s: saved with tensor_parallel=%d, loading with %d", path, saved_tp, r.tp)
+            index = ShardIndex(path)
+            named = list(self.model.named_parameters())
+            self._check_tensors(path, named, index)
+            for name, b in self._buffers().items():
+                if name in index:
+                    index.read(name, (0,) * b.dim(), b)
+            load_pieces(self.engine, named, index, saved.get("optimizer_scalars", {}), self.experts)
             rng = ckpt.load_pickle_safely(path / "rng.pt") if (path / "rng.pt").is_file() else None
+        except ConfigError as e:
+            failure = e
         except (ckpt.CheckpointError, FileNotFoundError, OSError) as e:
-            raise ConfigError("checkpoint.load", str(path), str(e)) from None
-        named = list(self.model.named_parameters())
-        self._check_tensors(path, named, model_t)
-        buffers = {k: v for k, v in model_t.items() if k not in dict(named)}
-        _, unexpected = self.model.load_state_dict(buffers, strict=False)
-        if unexpected:
-            raise ConfigError("checkpoint.load", str(path), f"tensors the model does not have: {unexpected[:5]}")
-        load_full_states(self.engine, named, model_t, optim_t, extra["optimizer_scalars"], self.experts)
-        self._restore_rng(rng, extra)
+            failure = ConfigError("checkpoint.load", str(path), str(e))
+        finally:
+            if index is not None:
+                index.close()
+        # a file only some ranks read (a missing or truncated shard) fails on those ranks: every rank stops
+        failures = [None] * r.world
+        dist.all_gather_object(failures, None if failure is None else (failure.key, str(failure.value),
+                                                                        failure.valid))
+        if failure is not None:
+            raise failure
+        bad = next(((i, f) for i, f in enumerate(failures) if f is not None), None)
+        if bad is not None:
+            raise ConfigError(bad[1][0], bad[1][1], f"on rank {bad[0]}: {bad[1][2]}")
+        log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", r.rank, index.bytes_read / 1e6,
+                 index.total_bytes / 1e6)
+        self._restore_rng(rng, saved)
+        layout = {k: saved.get(k) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                           "data_parallel", "zero_stage")}
+        now = {"tensor_parallel": r.tp, "pipeline_parallel": r.pp, "expert_parallel": self.run.parallel.ep,
+               "data_parallel": r.dp, "zero_stage": self.run.parallel.zero_stage}
+        if layout != now and r.rank == 0:
+            log.info("resharding %s: saved with %s, loading with %s", path,
+                     " ".join(f"{k}={v}" for k, v in layout.items()), " ".join(f"{k}={v}" for k, v in now.items()))
         if saved.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
                         self.run.train.global_batch_size, saved.get("global_batch_size"))
         log.info("resumed from %s at step %d (%d samples consumed)", path, saved["step"], saved["consumed_samples"])
         return Position(saved["step"], saved["consumed_samples"], saved["tokens"])
 
-    def _check_tensors(self, path, named, model_t):
-        missing = [n for n, _ in named if n not in model_t]
+    def _load_pretrained(self, path: Path) -> None:
+        """Weights of a Hugging Face directory (the released K3 checkpoint, or Kimi Linear), streamed into every
+        rank's shards (interop.load_hf_sharded: each rank reads only its slices and dequantises only its
+        experts), then the fp32 masters from them; the run starts at step 0 with fresh optimizer states."""
+        try:
+            report = load_hf_sharded(self.model, path)
+        except (ValueError, OSError) as e:
+            raise ConfigError("checkpoint.load", str(path), " ".join(str(e).split())) from None
+        masters_from_module(self.engine, self.experts)
+        log.info("rank %d: initialised from %s (%s layout): %d tensors, %.1f MB read from %d files",
+                 self.ranks.rank, path, report.layout, report.tensors, report.bytes_read / 1e6, len(report.files))
+
+    def export_hf(self) -> Path:
+        """`checkpoint.export_hf`: the model as a Hugging Face directory (interop.save_hf_sharded: each tensor
+        written once, by the lowest rank holding it whole, tensor-parallel pieces gathered within their group
+        only, each block of experts quantised by its owner; one index, written by rank 0 last)."""
+        c = self.run.checkpoint
+        out = Path(c.export_hf)
+        save_hf_sharded(self.model, out, c.export_layout, tp_group=state.get_tensor_model_parallel_group(),
+                        dtype=getattr(torch, c.export_dtype))
+        if self.ranks.rank == 0:
+            log.info("exported %s (%s layout, %s)", out, c.export_layout, c.export_dtype)
+        return out
+
+    def _buffers(self) -> dict:
+        """The module's persistent buffers (the router's bias and counts), which a checkpoint holds besides the
+        parameters."""
+        keys = set(self.model.state_dict())
+        return {n: b for n, b in self.model.named_buffers() if n in keys}
+
+    def _check_tensors(self, path, named, index):
+        missing = [n for n, _ in named if n not in index]
         if missing:
             raise ConfigError("checkpoint.load", str(path), f"parameters missing from the checkpoint: {missing[:5]}")
         for n, p in named:
-            m = meta(p)  # the saved tensor is this rank's tensor-parallel shard with every expert (global order)
-            want = tuple(p.shape) if not m.expert_parallel else full_shape(p)
-            if tuple(model_t[n].shape) != want:
-                raise ConfigError("checkpoint.load", str(path), f"{n}: saved shape {tuple(model_t[n].shape)}, this "
-                                  f"model (tp={self.ranks.tp}) needs {want}")
+            if index.shape(n) != full_shape(p):
+                raise ConfigError("checkpoint.load", str(path / "index.json"),
+                                  f"{n}: saved shape {index.shape(n)}, this model needs {full_shape(p)}")
 
-    def _restore_rng(self, rng, extra):
+    def _restore_rng(self, rng, saved_meta):
         ranks = (rng or {}).get("ranks", [])
         if len(ranks) == self.ranks.world:
             ckpt.set_rng_state(ranks[self.ranks.rank])
@@ -133,13 +180,8 @@ class CheckpointManager:
         if rng is not None and self.ranks.rank == 0:
             log.warning("the checkpoint holds the RNG states of %d ranks and this run has %d: every rank takes "
                         "the saved rank-0 state", len(ranks), self.ranks.world)
-        if ranks or "rng" in extra:  # a converted checkpoint (tools/convert_checkpoint.py --from-hf) has none
-            ckpt.set_rng_state(ranks[0] if ranks else extra["rng"])
-
-    def _own(self, tensors: dict) -> dict:
-        """The entries of a whole-model dict that this rank's pipeline stage holds."""
-        own = self.model.state_dict()
-        return {k: v for k, v in tensors.items() if k in own}
+        if ranks:  # a converted checkpoint (tools/convert_checkpoint.py --from-hf) has none
+            ckpt.set_rng_state(ranks[0])
 
     def _check_model_config(self, path, saved_meta: dict):
         """Refuse a checkpoint whose model differs in anything but the runtime keys (config.RUNTIME_MODEL_KEYS)."""
@@ -166,37 +208,78 @@ class CheckpointManager:
                      ", ".join(f"model.{k} {a!r} -> {b!r}" for k, a, b in diff))
 
     # ------------------------------------------------------------------ save
-    def save(self, pos: Position) -> None:
+    def save(self, pos: Position, blocking: bool | None = None) -> None:
+        """Every rank writes its own pieces (zero_views.owned_pieces) into the temporary directory, rank 0 merges
+        the ranks' indexes and commits (meta.json, rename into place, `latest` last). With checkpoint.async_save
+        (and blocking not True) each rank snapshots its pieces to host memory and returns; a thread writes them
+        and rank 0's commits once every rank's index is there. A save waits for the previous one first."""
         r = self.ranks
+        self.wait()
+        async_ = self.run.checkpoint.async_save if blocking is None else not blocking
         named = list(self.model.named_parameters())
+        pieces = owned_pieces(self.engine, named, self.experts, self._buffers())
         meta_json = {"step": pos.step, "consumed_samples": pos.consumed, "tokens": pos.tokens,
                      "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
                      "tensor_parallel": r.tp, "expert_parallel": self.run.parallel.ep, "context_parallel": r.cp,
                      "pipeline_parallel": r.pp, "world_size": r.world, "data_parallel": r.dp,
                      "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
-                     "tp_split_dims": {n: meta(p).tp_dim for n, p in named},
                      "lr_schedule": "derived from step (optim.*)",
                      "model": dataclasses.asdict(self.run.model), "config": _plain(dataclasses.asdict(self.run))}
-        weights, states, scalars = full_states(self.engine, named, self.experts)
-        rngs = [None] * r.world
-        dist.all_gather_object(rngs, ckpt.rng_state())
-        if r.pp > 1:  # every stage's parameters' split dimensions (meta.json is written by rank 0)
-            dims = [None] * r.world
-            dist.all_gather_object(dims, meta_json["tp_split_dims"])
-            meta_json["tp_split_dims"] = {k: v for d in dims for k, v in d.items()}
+        gathered = [None] * r.world
+        dist.all_gather_object(gathered, (ckpt.rng_state(), scalars_of(self.engine, self.experts)))
+        meta_json["optimizer_scalars"] = {k: v for _, sc in gathered for k, v in sc.items()}
+        rngs = [g[0] for g in gathered]
         final = ckpt.begin(self.dir, pos.step, unique=False)[1] if r.rank == 0 else None
         dist.barrier()
         tmp = self.dir / f".tmp-step_{pos.step:08d}"
-        if r.dp_cp_rank == 0:  # one writer per (tensor-parallel shard, pipeline stage)
-            model_t = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            model_t.update(weights)  # fp32 masters over the module's (possibly bf16) parameters
-            buffers = dict(self.model.named_buffers())
-            for k in [k for k in model_t if k not in weights and k not in buffers]:
-                del model_t[k]  # aliases of tied parameters: stored once
-            ckpt.write_shard(tmp, r.suffix, model_t, states, {"rng": ckpt.rng_state(), "optimizer_scalars": scalars})
+        if not async_:
+            self._write(pieces, tmp, rngs)
+            dist.barrier()  # every rank's files are in place before rank 0 commits ...
+            if r.rank == 0:
+                self._commit(tmp, final, meta_json)
+            dist.barrier()  # ... and the commit is done before anyone goes on
+            return
+        t0 = time.perf_counter()
+        snap = pieces.snapshot()
+        log.info("rank %d: async checkpoint of step %d: %.1f MB snapshot in %.2f s, writing in the background",
+                 r.rank, pos.step, snap.nbytes / 1e6, time.perf_counter() - t0)
+        self._thread = threading.Thread(target=self._write_async, args=(snap, tmp, final, meta_json, rngs),
+                                        name=f"k3-checkpoint-{pos.step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, pieces, tmp: Path, rngs) -> None:
+        r = self.ranks
+        pieces.write(tmp, r.rank)
         if r.rank == 0:
             ckpt.write_rng(tmp, rngs)
-        dist.barrier()
-        if r.rank == 0:
-            log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta_json, self.run.checkpoint.keep_last))
-        dist.barrier()
+
+    def _commit(self, tmp: Path, final: Path, meta_json: dict, wait_s: float = 0) -> None:
+        if wait_s:
+            wait_for_ranks(tmp, self.ranks.world, wait_s)
+        merge_index(tmp, self.ranks.world)
+        log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta_json, self.run.checkpoint.keep_last))
+
+    def _write_async(self, pieces, tmp, final, meta_json, rngs) -> None:
+        r = self.ranks
+        try:
+            self._write(pieces, tmp, rngs)
+            del pieces
+            if r.rank == 0:
+                self._commit(tmp, final, meta_json, wait_s=60 * self.run.parallel.timeout_minutes)
+        except BaseException as e:  # noqa: BLE001 -- reported to the step loop by wait()
+            self._error = f"rank {r.rank}: checkpoint of step {meta_json['step']} failed: {e}"
+            try:
+                (tmp / f"rank_{r.rank:05d}.error").write_text(self._error + "\n")
+            except OSError:
+                pass
+            log.error("%s (the previous checkpoint stays the newest)", self._error)
+
+    def wait(self) -> None:
+        """Until this rank's async save (if one is running) has written its files and, on rank 0, committed; a
+        failure in it is raised here (the previous checkpoint is still the newest complete one)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        err, self._error = self._error, None
+        if err:
+            raise ckpt.CheckpointError(err)

@@ -303,6 +303,9 @@ class Trainer:
         finally:
             preemption.restore()
             logger.close()
+            self.checkpoints.wait()  # an async save still writing: done (and committed) before the run returns
+        if self.run.checkpoint.export_hf and self.pos.step >= t.steps:  # the finished model
+            self.checkpoints.export_hf()
         return last
 
     def _stop_nonfinite(self):

@@ -1,14 +1,17 @@
-"""Per-parameter (layout-independent) views of the master weights and optimizer states that DeepSpeed ZeRO-1/2
-keeps partitioned over the data-parallel group, and of the routed experts' states spread over expert parallelism:
-what our checkpoints store (`full_states`) and restore (`load_full_states`)."""
+"""The master weights and optimizer states that DeepSpeed ZeRO-1/2 keeps partitioned over the data-parallel group,
+and the routed experts' spread over expert parallelism, seen per parameter: what each rank writes to a sharded
+checkpoint (`owned_pieces`: views of its own fragments) and reads back under any layout (`load_pieces`), and the
+gathered full-size view (`full_states`, a collective: tests compare layouts with it)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..annotations import full_shape, meta, shard_offsets
 from ..optim.zero import ZeroMuon, momentum_offsets
 from ..parallel import state
+from .shards import RankPieces, flat_range_boxes, share
 
 
 def zero_optimizer(engine):
@@ -65,9 +68,15 @@ def _group_scalars(opt, scalar_keys, prefix) -> dict:
 def _ensure_states(opt, keys_of: dict, scalars: dict, prefix: str) -> None:
     """Optimizer states are created lazily at the first step; build them now, shaped like the tensors they track,
     so saved values have somewhere to go: `keys_of` {id(tensor): state keys} for the tensors the checkpoint
-    holds states of, which also get their group's scalars (a step count)."""
+    holds states of, which also get their group's scalars (a step count). A group whose rule the checkpoint has
+    only under the other optimizer (the routed experts move between the dense and the experts' optimizer when the
+    expert-parallel size changes) takes that one's scalars: both step together."""
     for gi, group in enumerate(opt.param_groups):
-        sc = scalars.get(_group_key(group, gi, prefix), scalars.get(f"{prefix}.{gi}", {}))
+        sc = scalars.get(_group_key(group, gi, prefix))
+        if sc is None and "rule" in group:
+            sc = next((v for k, v in scalars.items() if k.split(".", 1)[-1] == group["rule"]), None)
+        if sc is None:
+            sc = scalars.get(f"{prefix}.{gi}", {})
         for q in group["params"]:
             keys = keys_of.get(id(q))
             if not keys:
@@ -146,6 +155,17 @@ class _ZeroLayout:
         self.base.state[flat][MOMENTUM] = torch.cat(parts).to(device=flat.device, dtype=dtype)
 
 
+def _views(engine, experts) -> tuple:
+    """(ZeRO optimizer or None, the torch optimizer, its per-element state keys, the expert-parallel parameters'
+    names, the _ZeroLayout or None), with DeepSpeed's fragments pointed at the current states."""
+    zero, base = zero_optimizer(engine), base_optimizer(engine)
+    layout = None
+    if zero is not None:
+        _relink(zero)
+        layout = _ZeroLayout(zero, base) if hasattr(zero, "params_in_partition") else None
+    return zero, base, _state_keys(base)[0], set(experts.names) if experts is not None else set(), layout
+
+
 def full_states(engine, named_params, experts=None) -> tuple:
     """({name: fp32 master weight}, {name: {state key: full tensor}}, {'dense.<rule>'|'experts.<rule>': {scalar
     key: value}}), at full size for this tensor-parallel shard: ZeRO's partitions gathered over data parallel
@@ -153,14 +173,9 @@ def full_states(engine, named_params, experts=None) -> tuple:
     weights gathered over the EP group (global expert order).
 
     Every rank must call this, in the same order everywhere (it is made of collectives)."""
-    zero = zero_optimizer(engine)
-    base = base_optimizer(engine)
-    elem, scalar_keys = _state_keys(base)
-    expert_names = set(experts.names) if experts is not None else set()
+    zero, base, elem, expert_names, layout = _views(engine, experts)
+    scalar_keys = _state_keys(base)[1]
     weights, states = {}, {}
-    if zero is not None:
-        _relink(zero)
-        layout = _ZeroLayout(zero, base) if hasattr(zero, "params_in_partition") else None
     for name, p in named_params:
         if name in expert_names:
             continue
@@ -188,53 +203,185 @@ def full_states(engine, named_params, experts=None) -> tuple:
     return weights, states, scalars
 
 
-@torch.no_grad()
-def load_full_states(engine, named_params, weights: dict, states: dict, scalars: dict,
-                     experts=None) -> None:
-    """Inverse of `full_states`: every rank keeps its own partition of each master weight and optimizer state
-    (and its own experts), and the module's (possibly bf16) parameters are refreshed from the fp32 masters."""
-    zero = zero_optimizer(engine)
+# ------------------------------------------------------------------------------------------------ sharded format
+def _replicas(tp_replicated: bool) -> tuple:
+    """(count, index) of this rank among the ranks holding the same copy of a dense tensor outside ZeRO: the dp x cp
+    group, times the tensor-parallel group for a tensor every TP rank holds whole."""
+    dpcp, dpcp_rank = state.get_data_parallel_world_size(True), state.get_data_parallel_rank(True)
+    if not tp_replicated:
+        return dpcp, dpcp_rank
+    return dpcp * state.get_tensor_model_parallel_world_size(), \
+        state.get_tensor_model_parallel_rank() * dpcp + dpcp_rank
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("a checkpointed tensor must be contiguous")
+    return t.detach().reshape(-1)
+
+
+def owned_pieces(engine, named_params, experts=None, buffers=None):
+    """What this rank writes to a sharded checkpoint (shards.RankPieces): views, no copies, of
+    - its ZeRO-1/2 fragment of every dense fp32 master weight and per-element optimizer state (a TP-replicated
+      tensor's fragments from tensor-parallel rank 0 only), and for Muon the whole-matrix momentum of each matrix
+      whose lowest partition is this rank's;
+    - without ZeRO, its 1/replicas share of every dense weight and state (replicas: dp x cp, times tp for a
+      TP-replicated one);
+    - under expert parallelism, its 1/edp share of its experts' fp32 masters and states;
+    - the buffers (router bias), from the rank that is tensor- and data-parallel rank 0 of its stage.
+    Every element of every global tensor is written by exactly one rank (shards.merge_index checks it).
+    Tensor names: the parameter's, and `name::state key` for its optimizer states."""
+    out = RankPieces()
+    zero, base, elem, expert_names, layout = _views(engine, experts)
+    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    for name, p in named_params:
+        if name in expert_names:
+            continue
+        m, G, O = meta(p), full_shape(p), shard_offsets(p)
+        tp_replicated = m.tp_dim is None and tp > 1
+        if zero is None:
+            count, idx = _replicas(tp_replicated)
+            start, n = share(p.numel(), count, idx)
+            out.add_range(name, p.shape, G, O, start, _flat(p).narrow(0, start, n))
+            st = base.state.get(p, {})
+            for k in elem:
+                if k in st:
+                    out.add_range(f"{name}::{k}", p.shape, G, O, start, _flat(st[k]).narrow(0, start, n))
+            continue
+        if tp_replicated and tp_rank != 0:
+            continue
+        gi = layout.group_of[id(p)] if layout is not None else None
+        hpm = getattr(p, "_hp_mapping", None)
+        if hpm is not None:
+            start = hpm.lp_fragment_address.start
+            out.add_range(name, p.shape, G, O, start, hpm.hp_fragment)
+            for k in (layout.elem_keys(gi) if layout is not None else elem):
+                out.add_range(f"{name}::{k}", p.shape, G, O, start, hpm.get_optim_state_fragment(k))
+        if layout is not None and gi in layout.muon:
+            group = zero.real_dp_process_group[gi]
+            src = min(zero.param_to_partition_ids[gi][zero.get_param_id(p)])
+            buf = base.state.get(layout.flat[gi], {}).get(MOMENTUM)
+            if dist.get_rank(group) == src and buf is not None:
+                out.add_range(f"{name}::{MOMENTUM}", p.shape, G, O, 0,
+                              buf.narrow(0, layout.offsets(gi)[id(p)], p.numel()))
+    if experts is not None:
+        count, idx = state.get_expert_data_parallel_world_size(), state.get_expert_data_parallel_rank()
+        e_elem, _ = _state_keys(experts.optimizer)
+        for name, mst in zip(experts.names, experts.masters):
+            G, O = full_shape(mst), shard_offsets(mst)
+            start, n = share(mst.numel(), count, idx)
+            out.add_range(name, mst.shape, G, O, start, _flat(mst).narrow(0, start, n))
+            st = experts.optimizer.state.get(mst, {})
+            for k in e_elem:
+                if k in st:
+                    out.add_range(f"{name}::{k}", mst.shape, G, O, start, _flat(st[k]).narrow(0, start, n))
+    if buffers and tp_rank == 0 and state.get_data_parallel_rank(True) == 0:
+        for name, b in buffers.items():
+            out.add(name, b.shape, (0,) * b.dim(), b.shape, b.detach())
+    return out
+
+
+def scalars_of(engine, experts=None) -> dict:
+    """The optimizers' scalar states (step counts) by group: {'dense.<rule>'|'experts.<rule>': {key: value}}."""
     base = base_optimizer(engine)
+    out = _group_scalars(base, _state_keys(base)[1], "dense")
+    if experts is not None:
+        out.update(_group_scalars(experts.optimizer, _state_keys(experts.optimizer)[1], "experts"))
+    return out
+
+
+def _read_range(index, name: str, local_shape, offsets, start: int, flat: torch.Tensor) -> None:
+    """flat (the elements [start, start + flat.numel()) of a local shard placed at `offsets`) <- the checkpoint."""
+    for off, sizes, pos in flat_range_boxes(local_shape, start, flat.numel()):
+        n = 1
+        for s in sizes:
+            n *= s
+        index.read(name, tuple(a + b for a, b in zip(offsets, off)), flat.narrow(0, pos, n).view(sizes))
+
+
+@torch.no_grad()
+def load_pieces(engine, named_params, index, scalars: dict, experts=None) -> None:
+    """Inverse of `owned_pieces` under any layout: every rank reads from a sharded checkpoint (shards.ShardIndex)
+    only the regions it keeps: its tensor-parallel shard of each module parameter (cast to the parameter's
+    dtype), its ZeRO fragment of each fp32 master and optimizer state (or, without ZeRO, the whole shard's),
+    for Muon under ZeRO the whole momentum of the matrices its partition touches, and its experts' masters and
+    states. Optimizer states the checkpoint lacks (a converted checkpoint: weights only) start at zero."""
+    zero, base = zero_optimizer(engine), base_optimizer(engine)
     expert_names = set(experts.names) if experts is not None else set()
-    named_params = [(n, p) for n, p in named_params if n not in expert_names]
+    dense = [(n, p) for n, p in named_params if n not in expert_names]
+    states_of = {}
+    for n in index.names():
+        if "::" in n:
+            owner, key = n.rsplit("::", 1)
+            states_of.setdefault(owner, []).append(key)
     layout = _ZeroLayout(zero, base) if zero is not None and hasattr(zero, "params_in_partition") else None
     keys_of = {}
     if zero is None:
-        for name, p in named_params:
-            keys_of[id(p)] = sorted(states.get(name, {}))
-    elif layout is None:  # a ZeRO optimizer without per-group bookkeeping (DeepSpeed's bf16 one): one set of keys
-        keys = sorted({k for name, _ in named_params for k in states.get(name, {})})
+        for name, p in dense:
+            keys_of[id(p)] = sorted(states_of.get(name, []))
+    elif layout is None:
+        keys = sorted({k for name, _ in dense for k in states_of.get(name, [])})
         keys_of = {id(q): keys for g in base.param_groups for q in g["params"]}
     else:
-        for name, p in named_params:
+        for name, p in dense:
             gi = layout.group_of[id(p)]
-            keys = [k for k in states.get(name, {}) if not (gi in layout.muon and k == MOMENTUM)]
+            keys = [k for k in states_of.get(name, []) if not (gi in layout.muon and k == MOMENTUM)]
             flat = id(layout.flat[gi])
             keys_of[flat] = sorted(set(keys_of.get(flat, [])) | set(keys))
     _ensure_states(base, keys_of, scalars, "dense")
     if zero is not None:
         _relink(zero)
-    for name, p in named_params:
-        w = weights[name].to(p.device)
-        if zero is not None:
-            p.set_full_hp_param(w)
-            gi = layout.group_of[id(p)] if layout is not None else None
-            for k, v in states.get(name, {}).items():
-                if not (layout is not None and gi in layout.muon and k == MOMENTUM):
-                    p.set_full_hp_param(v.to(p.device), k)
-        else:
-            for k, v in states.get(name, {}).items():
-                base.state[p][k].copy_(v.to(p.device))
-        p.data.copy_(w.to(p.dtype))
+    for name, p in dense:
+        O = shard_offsets(p)
+        index.read(name, O, p.data)
+        if zero is None:
+            for k in states_of.get(name, []):
+                index.read(f"{name}::{k}", O, base.state[p][k])
+            continue
+        gi = layout.group_of[id(p)] if layout is not None else None
+        hpm = getattr(p, "_hp_mapping", None)
+        if hpm is None:
+            continue
+        start = hpm.lp_fragment_address.start
+        _read_range(index, name, p.shape, O, start, hpm.hp_fragment)
+        for k in states_of.get(name, []):
+            if not (layout is not None and gi in layout.muon and k == MOMENTUM):
+                _read_range(index, f"{name}::{k}", p.shape, O, start, hpm.get_optim_state_fragment(k))
     if layout is not None:
-        name_of = {id(p): n for n, p in named_params}
         for gi in sorted(layout.muon):
-            layout.load_momentum(gi, states, name_of)
+            params = layout.zero.params_in_partition[gi]
+            if not params:
+                continue
+            name_of = {id(p): n for n, p in dense}
+            parts = []
+            for q in params:
+                t = torch.zeros(q.shape, dtype=torch.float32)
+                if MOMENTUM in states_of.get(name_of[id(q)], []):
+                    index.read(f"{name_of[id(q)]}::{MOMENTUM}", shard_offsets(q), t)
+                parts.append(t.flatten())
+            flat = layout.flat[gi]
+            old = base.state[flat].get(MOMENTUM)
+            base.state[flat][MOMENTUM] = torch.cat(parts).to(
+                device=flat.device, dtype=old.dtype if old is not None else torch.float32)
     if experts is not None:
-        e_keys = {id(m): sorted(states.get(n, {})) for n, m in zip(experts.names, experts.masters)}
+        e_keys = {id(m): sorted(states_of.get(n, [])) for n, m in zip(experts.names, experts.masters)}
         _ensure_states(experts.optimizer, e_keys, scalars, "experts")
-        for name, p, m in zip(experts.names, experts.params, experts.masters):
-            m.copy_(_local_experts(weights[name]).to(m.device))
-            for k, v in states.get(name, {}).items():
-                experts.optimizer.state[m][k].copy_(_local_experts(v).to(m.device))
-            p.data.copy_(m.to(p.dtype))
+        for name, p, mst in zip(experts.names, experts.params, experts.masters):
+            O = shard_offsets(mst)
+            index.read(name, O, mst)
+            for k in states_of.get(name, []):
+                index.read(f"{name}::{k}", O, experts.optimizer.state[mst][k])
+            p.data.copy_(mst.to(p.dtype))
+
+
+@torch.no_grad()
+def masters_from_module(engine, experts=None) -> None:
+    """The fp32 masters set from the module's parameters (after weights were loaded into the module: pretrained
+    weights streamed into each rank's shards): ZeRO's partitions from the parameters' values, the experts' masters
+    likewise. Optimizer states are left as they are (none, before the first step)."""
+    zero = zero_optimizer(engine)
+    if zero is not None:
+        zero.refresh_fp32_params()
+    if experts is not None:
+        for p, m in zip(experts.params, experts.masters):
+            m.copy_(p.detach().float())

@@ -1,0 +1,183 @@
+"""A Hugging Face checkpoint directory: its files, its config.json <-> our ModelConfig, whole-file read and write.
+
+A directory holds `config.json` and the tensors in safetensors only: `model.safetensors`, or, above
+`max_shard_size` bytes, `model-0000i-of-0000n.safetensors` shards listed by `model.safetensors.index.json`
+({"metadata": {"total_size": bytes}, "weight_map": {tensor name: file}}), as transformers writes them.
+Layouts: "kimi_linear" (interop.kimi_linear) and "k3" (interop.k3_layout, routed experts in packed MXFP4).
+A model config given to a loader must agree with the checkpoint's config.json on every architectural key;
+otherwise ConfigMismatchError lists each differing key with both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import RUNTIME_MODEL_KEYS
+from . import k3_layout, kimi_linear
+
+LAYOUTS = ("kimi_linear", "k3")
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes, transformers' historical default ("5GB")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConfigMismatchError(ValueError):
+    """A checkpoint's config.json disagrees with the model config it was loaded for. `differences` maps each
+    differing key to (the given config's value, the checkpoint's value)."""
+
+    def __init__(self, path, differences: dict):
+        self.differences = differences
+        lines = "; ".join(f"{k}: model {a!r} vs checkpoint {b!r}" for k, (a, b) in differences.items())
+        super().__init__(f"{path}/{CONFIG} does not match the model config in {len(differences)} key(s): {lines}")
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def _architecture(cfg) -> dict:
+    """The keys of a ModelConfig that define the tensors and the math, in one canonical spelling each."""
+    d = dataclasses.asdict(cfg)
+    for k in RUNTIME_MODEL_KEYS + ("mla_layers", "mla_every", "mla_at_last", "shared_intermediate_size",
+                                  "kda_decay_rank"):
+        d.pop(k)
+    d["mla_layers"] = [i + 1 for i, t in enumerate(cfg.layer_types()) if t == "mla"]
+    d["kda_decay_rank"] = cfg.decay_rank
+    d["shared_intermediate_size"] = cfg.shared_ffn_size if cfg.num_shared_experts else 0
+    unused = []
+    if not cfg.attn_res:
+        unused.append("attn_res_block_size")
+    if cfg.kda_gate != "lowerbound":
+        unused.append("kda_gate_lower_bound")
+    if cfg.kda_output_gate != "lowrank":
+        unused.append("kda_output_gate_bias")
+    if cfg.hidden_act != "situ":
+        unused += ["situ_beta_gate", "situ_beta_up"]
+    if cfg.first_k_dense >= cfg.num_layers:  # no MoE layer
+        unused += ["num_experts", "top_k", "moe_intermediate_size", "moe_latent_size", "moe_latent_norm",
+                   "num_shared_experts", "shared_intermediate_size", "routed_scaling_factor", "norm_topk_prob",
+                   "router_num_groups", "router_topk_groups"]
+    if "mla" not in cfg.layer_types():
+        unused += ["mla_num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                   "v_head_dim", "mla_output_gate", "mla_latent_norm_eps"]
+    for k in unused:
+        d.pop(k, None)
+    return d
+
+
+def config_differences(model_cfg, checkpoint_cfg) -> dict:
+    """{key: (model value, checkpoint value)} over the architectural keys that differ."""
+    a, b = _architecture(model_cfg), _architecture(checkpoint_cfg)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def detect_layout(config: dict) -> str:
+    """'k3' or 'kimi_linear' from a config.json. K3's text config also says model_type 'kimi_linear', so K3 is
+    recognised by its nested text_config, model_type 'kimi_k3', or the K3-only keys."""
+    if config.get("model_type") == "kimi_k3" or isinstance(config.get("text_config"), dict):
+        return "k3"
+    if config.get("model_type") == "kimi_linear":
+        k3_only = ("routed_expert_hidden_size", "attn_res_block_size", "activation_situ_beta", "latent_moe_use_norm")
+        return "k3" if any(config.get(k) is not None for k in k3_only) else "kimi_linear"
+    raise ValueError(f"{CONFIG}: model_type {config.get('model_type')!r} is neither a Kimi Linear nor a Kimi K3 "
+                     f"checkpoint; pass layout= one of {LAYOUTS}")
+
+
+def config_from_hf(config: dict, layout: str):
+    """config.json -> our ModelConfig for the given layout."""
+    if layout == "k3":
+        return k3_layout.k3_config_to(config)
+    if layout == "kimi_linear":
+        return kimi_linear.hf_config_to(config)
+    raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
+    """t, copied if it is a view or shares storage with a tensor already written (safetensors refuses both)."""
+    t = t.detach().cpu().contiguous()
+    ptr = t.untyped_storage().data_ptr()
+    if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    seen.add(t.untyped_storage().data_ptr())
+    return t
+
+
+def write_checkpoint(path, tensors: dict, config: dict, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+    """config.json plus the tensors in one file or in shards with an index. Any model*.safetensors and index left in
+    the directory by an earlier save are removed first, so the index never names stale files."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+        if old.is_file():
+            old.unlink()
+    seen = set()
+    tensors = {k: _own_storage(tensors[k], seen) for k in sorted(tensors)}
+    nbytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    total = sum(nbytes.values())
+    shards, size = [[]], 0
+    for k in tensors:
+        if shards[-1] and size + nbytes[k] > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nbytes[k]
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(tensors, str(path / SINGLE), metadata=meta)
+    else:
+        weight_map = {}
+        for i, keys in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: tensors[k] for k in keys}, str(path / name), metadata=meta)
+            weight_map.update(dict.fromkeys(keys, name))
+        (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n")
+    (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_checkpoint(path):
+    """(config.json as a dict, {name: tensor}) of a Hugging Face directory. Only safetensors are read."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG}")
+    config = json.loads((path / CONFIG).read_text())
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        tensors = {}
+        for name in sorted(set(weight_map.values())):
+            part = load_file(str(path / name))
+            missing = [k for k, f in weight_map.items() if f == name and k not in part]
+            if missing:
+                raise KeyError(f"{path / name} lacks {missing[:4]} that {INDEX} places there")
+            tensors.update(part)
+    elif (path / SINGLE).is_file():
+        tensors = load_file(str(path / SINGLE))
+    else:
+        raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
+    return config, tensors
+
+
+def _dtype(d):
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    try:
+        return _DTYPES[str(d)]
+    except KeyError:
+        raise ValueError(f"dtype {d!r}; valid: {', '.join(_DTYPES)}") from None
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+__all__ = ["LAYOUTS", "CONFIG", "SINGLE", "INDEX", "DEFAULT_MAX_SHARD_SIZE", "ConfigMismatchError",
+           "config_differences", "detect_layout", "config_from_hf", "write_checkpoint", "read_checkpoint"]
