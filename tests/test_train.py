@@ -134,13 +134,13 @@ def test_data_parallel_and_resume_across_data_parallel_sizes(tmp_path):
 
 def test_tensor_and_sequence_parallel_training_matches_one_process_and_resumes(tmp_path):
     """torchrun tp=2 with sequence parallelism: the same losses as one process; stopped at step 2 and
-    resumed from its per-TP-shard checkpoint, the same losses again."""
+    resumed from its sharded checkpoint (one file per rank), the same losses again."""
     args = FAST + ["train.steps=4", "train.eval_interval=0", "logging.wandb.mode=disabled"]
     assert main(args + [f"hydra.run.dir={tmp_path / 'one'}"]) == 0
     tp = args + ["parallel.tp=2", "parallel.sequence_parallel=true"]
     _torchrun(tp + ["train.exit_interval=2"], tmp_path / "tp2")
-    assert sorted(p.name for p in (tmp_path / "tp2" / "checkpoints" / "step_00000002").glob("model*")) == [
-        "model_tp00.safetensors", "model_tp01.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "tp2" / "checkpoints" / "step_00000002").glob("*.safetensors")) == [
+        "rank_00000.safetensors", "rank_00001.safetensors"]
     _torchrun(tp + ["checkpoint.load=auto"], tmp_path / "tp2")
     ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "tp2")
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
@@ -162,7 +162,8 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = _losses(tmp_path)
     assert sorted(losses) == [1, 2, 3] and all(9.0 < v < 9.2 for v in losses.values()), losses
-    assert (tmp_path / "checkpoints" / "step_00000003" / "optim.safetensors").is_file()
+    step3 = tmp_path / "checkpoints" / "step_00000003"
+    assert (step3 / "index.json").is_file() and len(list(step3.glob("rank_*.safetensors"))) == 2
 
 
 @pytest.mark.parametrize("override,fragment", [
