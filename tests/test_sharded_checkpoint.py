@@ -117,15 +117,17 @@ def test_any_layout_reads_what_any_other_wrote(tmp_path, save, load):
 
 def test_a_layout_that_writes_an_element_twice_or_never_does_not_commit(tmp_path):
     t = torch.randn(4, 4)
-    for bad, (lo, hi) in (("twice", (0, 9)), ("never", (0, 7))):
+    for bad, (lo, hi), (lo2, hi2), what in (("twice", (0, 9), (8, 16), "overlap"),
+                                            ("never", (0, 7), (8, 16), "the ranks wrote 15 of its 16"),
+                                            ("twice-and-never", (0, 9), (8, 15), "overlap")):
         d = tmp_path / bad
         d.mkdir()
         a, b = shards.RankPieces(), shards.RankPieces()
         a.add_range("w", t.shape, t.shape, (0, 0), lo, t.flatten()[lo:hi])
-        b.add_range("w", t.shape, t.shape, (0, 0), 8, t.flatten()[8:])
+        b.add_range("w", t.shape, t.shape, (0, 0), lo2, t.flatten()[lo2:hi2])
         a.write(d, 0)
         b.write(d, 1)
-        with pytest.raises(ckpt.CheckpointError, match="w \\[4, 4\\]: the ranks wrote"):
+        with pytest.raises(ckpt.CheckpointError, match=f"w \\[4, 4\\]: .*{what}"):
             shards.merge_index(d, 2)
         assert not (d / shards.INDEX).exists()
 
@@ -164,7 +166,7 @@ def test_bad_files_are_named_with_their_tensor(tmp_path):
         (d / shards.INDEX).write_text(json.dumps(idx))
 
     with pytest.raises(ckpt.CheckpointError, match="rank_00009.safetensors: missing"):
-        shards.ShardIndex(broken("absent", rename_in_index))
+        read_all(broken("absent", rename_in_index))
 
     def reshape_in_index(d):  # the index promises a box the file does not hold
         idx = json.loads((d / shards.INDEX).read_text())
@@ -391,12 +393,19 @@ def _start_from_pretrained(rank, world, overrides, hf_dir):
     from megatron_k3.training.zero_views import full_states
 
     try:
-        t = _trainer(world, overrides + [f"checkpoint.load={hf_dir}"])
+        t = _trainer(world, overrides + [f"checkpoint.load={hf_dir}", f"checkpoint.dir={hf_dir}_run"])
         t.maybe_resume()
         params = {k: v.clone() for k, v in _full_params(t).items()}
         masters, _, _ = full_states(t.engine, list(t.model.named_parameters()), t.experts)
         masters = {k: v.clone() for k, v in masters.items()}
-        return t.step, params, masters, t.train_step()[0]["loss"]
+        loss = t.train_step()[0]["loss"]
+        t.save()
+    finally:
+        shutdown()
+    try:  # started again with the same command (a restart): the run's own checkpoint, not the pretrained weights
+        again = _trainer(world, overrides + [f"checkpoint.load={hf_dir}", f"checkpoint.dir={hf_dir}_run"])
+        again.maybe_resume()
+        return t.step - 1, params, masters, loss, again.step
     finally:
         shutdown()
 
@@ -405,7 +414,8 @@ def _start_from_pretrained(rank, world, overrides, hf_dir):
 def test_a_run_starts_from_a_k3_layout_directory(tmp_path):
     """checkpoint.load=<K3-layout directory>: every rank streams its slices into its shards (ep2 x dp2, ZeRO-1),
     the fp32 masters follow, the run starts at step 0 and trains; each weight equals the whole-file reading of the
-    directory (read_checkpoint + from_k3_state_dict, an independent path) bit for bit."""
+    directory (read_checkpoint + from_k3_state_dict, an independent path) bit for bit. Started again with the same
+    command once it has saved, it resumes from its own checkpoint (a restart must not go back to step 0)."""
     from test_engine import FAST
 
     from megatron_k3.config import compose_run_config
@@ -425,9 +435,9 @@ def test_a_run_starts_from_a_k3_layout_directory(tmp_path):
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
     _, tensors = read_checkpoint(tmp_path / "hf")
     want = from_k3_state_dict(tensors, run.model)
-    for step, params, masters, loss in run_distributed(_start_from_pretrained, 2, layout, str(tmp_path / "hf"),
-                                                        timeout=300):
-        assert step == 0 and math.isfinite(loss)
+    for step, params, masters, loss, restarted in run_distributed(_start_from_pretrained, 2, layout,
+                                                                   str(tmp_path / "hf"), timeout=300):
+        assert step == 0 and math.isfinite(loss) and restarted == 1
         assert sorted(params) == sorted(k for k in want if k in params) and len(params) > 50
         bad = [k for k, v in params.items() if not torch.equal(v, want[k].to(v.dtype))]
         assert not bad, bad[:5]
@@ -472,3 +482,45 @@ def test_the_finished_run_exports_the_k3_layout_from_every_rank(tmp_path):
     for n, p in params.items():
         want = torch.stack([dequantize_k3_weight(*quantize_k3_weight(w)) for w in p]) if ".mlp.experts." in n else p
         assert torch.equal(got[n], want), n
+
+
+def _failing_saves(rank, world, d):
+    """A save whose writing fails on rank 1 only, synchronous then async: what each rank raises."""
+    from megatron_k3.training.engine import shutdown
+
+    out = []
+    try:
+        t = _trainer(world, [f"checkpoint.dir={d}", "parallel.zero_stage=1"])
+        t.train_step()
+        t.save()  # a good one: step 1
+        write = shards.RankPieces.write
+
+        def disk_full(self, directory, r):
+            if r == 1:
+                raise OSError(28, "No space left on device")
+            return write(self, directory, r)
+
+        shards.RankPieces.write = disk_full
+        try:
+            t.train_step()
+            for blocking in (True, False):
+                try:
+                    t.save(blocking=blocking)
+                    t.checkpoints.wait(collective=True)  # where an async save's failure surfaces
+                    out.append(None)
+                except ckpt.CheckpointError as e:
+                    out.append(str(e))
+        finally:
+            shards.RankPieces.write = write
+        return out
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_previous(tmp_path):
+    for errs in run_distributed(_failing_saves, 2, str(tmp_path), timeout=300):
+        for e in errs:
+            assert e is not None and "rank 1" in e and "No space left on device" in e and "\n" not in e, errs
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"

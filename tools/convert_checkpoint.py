@@ -68,7 +68,7 @@ def _weights(src: Path, overrides: list):
     if overrides:
         raise ValueError(f"{src} is a training checkpoint, whose meta.json names its model: drop {overrides}")
     path = ckpt.resolve_load_path(str(src), src)
-    model, _, meta = ckpt.read_full(path)
+    model, _, meta = ckpt.read_full(path, states=False)
     return ModelConfig(**meta["model"]), model
 
 

@@ -606,7 +606,7 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
     if rank == 0:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+            for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / CONFIG]:
                 if old.is_file():
                     old.unlink()
         except Exception as e:  # noqa: BLE001

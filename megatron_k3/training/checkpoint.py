@@ -124,6 +124,7 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     ckpt_dir = final.parent
     meta = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time(), complete=True)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    shards._fsync(tmp / "meta.json")
     if final.exists():  # a re-save of the same step: move the old one aside first
         old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
@@ -137,7 +138,10 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     os.replace(latest_tmp, ckpt_dir / "latest")
     if keep_last > 0:
         for old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:  # never the one just committed (a directory holding later steps of an older run)
+                shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_dir.glob(".tmp-step_*"):  # saves that failed or were killed (reported at the start)
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -160,17 +164,18 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: dict, optim: dict, s
     return commit(tmp, final, dict(meta, step=step, optimizer_scalars=scalars), keep_last)
 
 
-def read_full(path: str | Path) -> tuple:
-    """({name: tensor} of the weights and buffers, {name: {state key: tensor}}, meta) of a checkpoint, at full
-    size (offline tools: conversion to Hugging Face layouts, tests)."""
+def read_full(path: str | Path, states: bool = True) -> tuple:
+    """({name: tensor} of the weights and buffers, {name: {state key: tensor}} (empty with states=False), meta) of a
+    checkpoint, at full size (offline tools: conversion to Hugging Face layouts, tests)."""
     meta = read_meta(path)
     index = shards.ShardIndex(path)
     try:
         model, optim = {}, {}
         for name in index.names():
             if "::" in name:
-                owner, key = name.rsplit("::", 1)
-                optim.setdefault(owner, {})[key] = index.read_full(name)
+                if states:
+                    owner, key = name.rsplit("::", 1)
+                    optim.setdefault(owner, {})[key] = index.read_full(name)
             else:
                 model[name] = index.read_full(name)
     finally:

@@ -62,6 +62,32 @@ def _plain(x):
     return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
 
 
+def _attempt(fn, *args) -> str | None:
+    """fn(*args); the one-line error it raised, or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 -- exchanged with the other ranks by _agree
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return None
+
+
+def _agree(err: str | None, ranks: Ranks, step: int, src: int | None = None) -> None:
+    """Every rank learns whether a step of a synchronous save failed anywhere (this is also its barrier), and raises
+    if so, naming the rank: none goes on to hang in the next collective. src: only that rank's outcome counts."""
+    if src is not None:
+        box = [err]
+        dist.broadcast_object_list(box, src=src)
+        errs = [None] * ranks.world
+        errs[src] = box[0]
+    else:
+        errs = [None] * ranks.world
+        dist.all_gather_object(errs, err)
+    bad = next(((i, e) for i, e in enumerate(errs) if e), None)
+    if bad is not None:
+        raise ckpt.CheckpointError(f"rank {bad[0]}: checkpoint of step {step} failed: {bad[1]} (the previous "
+                                   f"checkpoint stays the newest)")
+
+
 class CheckpointManager:
     def __init__(self, run: RunConfig, engine, experts, ranks: Ranks, ckpt_dir: Path):
         self.run, self.engine, self.experts, self.ranks, self.dir = run, engine, experts, ranks, ckpt_dir
@@ -87,8 +113,14 @@ class CheckpointManager:
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.dir)
             return None
         if ckpt.is_hf_directory(path):
-            self._load_pretrained(path)
-            return None
+            own = ckpt.list_checkpoints(self.dir)
+            if not own:
+                self._load_pretrained(path)
+                return None
+            # a restart of a run that began from pretrained weights: its own newest checkpoint, not step 0 again
+            log.info("checkpoint.load=%s holds pretrained weights and %s the run's own checkpoints: resuming from "
+                     "the newest, %s", path, self.dir, own[-1])
+            path = own[-1]
         index, failure = None, None
         try:
             saved = ckpt.read_meta(path)
@@ -103,8 +135,8 @@ class CheckpointManager:
             rng = ckpt.load_pickle_safely(path / "rng.pt") if (path / "rng.pt").is_file() else None
         except ConfigError as e:
             failure = e
-        except (ckpt.CheckpointError, FileNotFoundError, OSError) as e:
-            failure = ConfigError("checkpoint.load", str(path), str(e))
+        except Exception as e:  # noqa: BLE001 -- a file, DeepSpeed's fragments: exchanged, raised on every rank
+            failure = ConfigError("checkpoint.load", str(path), " ".join(str(e).split()))
         finally:
             if index is not None:
                 index.close()
@@ -214,7 +246,7 @@ class CheckpointManager:
         (and blocking not True) each rank snapshots its pieces to host memory and returns; a thread writes them
         and rank 0's commits once every rank's index is there. A save waits for the previous one first."""
         r = self.ranks
-        self.wait()
+        self.wait(collective=True)
         async_ = self.run.checkpoint.async_save if blocking is None else not blocking
         named = list(self.model.named_parameters())
         pieces = owned_pieces(self.engine, named, self.experts, self._buffers())
@@ -225,25 +257,27 @@ class CheckpointManager:
                      "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
                      "lr_schedule": "derived from step (optim.*)",
                      "model": dataclasses.asdict(self.run.model), "config": _plain(dataclasses.asdict(self.run))}
-        gathered = [None] * r.world
-        dist.all_gather_object(gathered, (ckpt.rng_state(), scalars_of(self.engine, self.experts)))
-        meta_json["optimizer_scalars"] = {k: v for _, sc in gathered for k, v in sc.items()}
-        rngs = [g[0] for g in gathered]
+        gathered = [None] * r.world if r.rank == 0 else None
+        dist.gather_object((ckpt.rng_state(), scalars_of(self.engine, self.experts)), gathered, dst=0)
+        rngs = None
+        if r.rank == 0:
+            meta_json["optimizer_scalars"] = {k: v for _, sc in gathered for k, v in sc.items()}
+            rngs = [g[0] for g in gathered]
         final = ckpt.begin(self.dir, pos.step, unique=False)[1] if r.rank == 0 else None
         dist.barrier()
         tmp = self.dir / f".tmp-step_{pos.step:08d}"
         if not async_:
-            self._write(pieces, tmp, rngs)
-            dist.barrier()  # every rank's files are in place before rank 0 commits ...
+            err = _attempt(self._write, pieces, tmp, rngs)
+            _agree(err, r, pos.step)  # every rank's files are in place before rank 0 commits ...
             if r.rank == 0:
-                self._commit(tmp, final, meta_json)
-            dist.barrier()  # ... and the commit is done before anyone goes on
+                err = _attempt(self._commit, tmp, final, meta_json)
+            _agree(err, r, pos.step, src=0)  # ... and it committed (or failed, on every rank) before anyone goes on
             return
         t0 = time.perf_counter()
         snap = pieces.snapshot()
         log.info("rank %d: async checkpoint of step %d: %.1f MB snapshot in %.2f s, writing in the background",
                  r.rank, pos.step, snap.nbytes / 1e6, time.perf_counter() - t0)
-        self._thread = threading.Thread(target=self._write_async, args=(snap, tmp, final, meta_json, rngs),
+        self._thread = threading.Thread(target=self._write_async, args=([snap], tmp, final, meta_json, rngs),
                                         name=f"k3-checkpoint-{pos.step}", daemon=True)
         self._thread.start()
 
@@ -259,27 +293,39 @@ class CheckpointManager:
         merge_index(tmp, self.ranks.world)
         log.info("saved checkpoint %s", ckpt.commit(tmp, final, meta_json, self.run.checkpoint.keep_last))
 
-    def _write_async(self, pieces, tmp, final, meta_json, rngs) -> None:
+    def _write_async(self, box: list, tmp, final, meta_json, rngs) -> None:
+        """The background half of an async save; `box` holds the snapshot, emptied once written (rank 0 then
+        waits for the other ranks without holding it)."""
         r = self.ranks
         try:
-            self._write(pieces, tmp, rngs)
-            del pieces
+            self._write(box.pop(), tmp, rngs)
             if r.rank == 0:
                 self._commit(tmp, final, meta_json, wait_s=60 * self.run.parallel.timeout_minutes)
-        except BaseException as e:  # noqa: BLE001 -- reported to the step loop by wait()
-            self._error = f"rank {r.rank}: checkpoint of step {meta_json['step']} failed: {e}"
+        except BaseException as e:  # noqa: BLE001 -- reported to every rank by wait(collective=True)
+            self._error = f"rank {r.rank}: checkpoint of step {meta_json['step']} failed: {' '.join(str(e).split())}"
             try:
                 (tmp / f"rank_{r.rank:05d}.error").write_text(self._error + "\n")
             except OSError:
                 pass
             log.error("%s (the previous checkpoint stays the newest)", self._error)
 
-    def wait(self) -> None:
-        """Until this rank's async save (if one is running) has written its files and, on rank 0, committed; a
-        failure in it is raised here (the previous checkpoint is still the newest complete one)."""
+    def join(self) -> None:
+        """Until this rank's async save (if one is running) is done; a failure in it stays logged. No collective:
+        for a run leaving on an exception."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+
+    def wait(self, collective: bool = False) -> None:
+        """Until this rank's async save (if one is running) has written its files and, on rank 0, committed; a
+        failure in it is raised here (the previous checkpoint is still the newest complete one). collective=True
+        (every rank calls it: before a save, at the end of the run): the ranks exchange their outcomes, and a
+        failure on any rank is raised on all of them."""
+        self.join()
         err, self._error = self._error, None
+        if collective and self.ranks.world > 1:
+            errs = [None] * self.ranks.world
+            dist.all_gather_object(errs, err)
+            err = next((e for e in errs if e), None)
         if err:
             raise ckpt.CheckpointError(err)

@@ -118,8 +118,9 @@ class Trainer:
     def maybe_resume(self):
         self.pos = self.checkpoints.resume() or self.pos
 
-    def save(self):
-        self.checkpoints.save(self.pos)
+    def save(self, blocking: bool | None = None):
+        """A checkpoint of the current position (async when checkpoint.async_save, unless blocking)."""
+        self.checkpoints.save(self.pos, blocking)
 
     # ------------------------------------------------------------------ one step
     def _samples(self, dataset, consumed: int, micro: int) -> list:
@@ -290,7 +291,7 @@ class Trainer:
                 exit_now = (t.exit_interval and step % t.exit_interval == 0) or (
                     t.exit_duration_mins and (time.time() - self.start_time) / 60 >= t.exit_duration_mins)
                 if step == t.steps or exit_now or preempted or (t.save_interval and step % t.save_interval == 0):
-                    self.save()
+                    self.save(blocking=True if preempted else None)  # preempted: committed before the exit line
                 if preempted:
                     if self.rank == 0:
                         log.warning("preempted (%s) at step %d: checkpoint saved, exiting",
@@ -300,10 +301,12 @@ class Trainer:
                 if exit_now and step < t.steps:
                     log.info("exit requested at step %d (exit_interval / exit_duration_mins); checkpoint saved", step)
                     break
+            # an async save still writing: done and committed before the run returns; every rank learns if it failed
+            self.checkpoints.wait(collective=True)
         finally:
             preemption.restore()
             logger.close()
-            self.checkpoints.wait()  # an async save still writing: done (and committed) before the run returns
+            self.checkpoints.join()  # leaving on an exception: let the writer finish, without a collective
         if self.run.checkpoint.export_hf and self.pos.step >= t.steps:  # the finished model
             self.checkpoints.export_hf()
         return last

@@ -30,6 +30,7 @@ import math
 import os
 import struct
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 
 INDEX = "index.json"
 BUFFER_BYTES = 64 << 20  # device -> host copies of one piece go through slices of at most this size
+MAX_OPEN = 32  # rank files a reader keeps open at once
 
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -135,7 +137,9 @@ class RankPieces:
         """A copy on the host of every piece (what an async save writes while training goes on)."""
         out = RankPieces()
         out.shapes = dict(self.shapes)
-        out.entries = [(k, n, o, s, d.detach().to("cpu", copy=True)) for k, n, o, s, d in self.entries]
+        out.entries = [(k, n, o, s, _host_copy(d)) for k, n, o, s, d in self.entries]
+        if any(d.is_cuda for *_, d in self.entries):
+            torch.cuda.synchronize()  # the pinned copies were issued asynchronously
         return out
 
     def write(self, directory: Path, rank: int) -> None:
@@ -164,6 +168,15 @@ class RankPieces:
         tmp.write_text(json.dumps(index))
         _fsync(tmp)
         os.replace(tmp, directory / rank_index(rank))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory; of a device tensor into pinned memory (copied asynchronously: synchronise after)."""
+    t = t.detach()
+    if not t.is_cuda:
+        return t.to("cpu", copy=True)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 def _write_bytes(f, data: torch.Tensor) -> None:
@@ -219,10 +232,12 @@ def merge_index(directory: Path, world: int) -> dict:
             tensors[name]["chunks"].append([part["file"], key, offsets, sizes])
     for name, t in tensors.items():
         covered = sum(math.prod(c[3]) for c in t["chunks"])
-        if covered != math.prod(t["shape"]):
-            raise CheckpointError(f"{directory}: {name} {t['shape']}: the ranks wrote {covered} of its "
-                                       f"{math.prod(t['shape'])} elements (a layout bug: some written twice or "
-                                       f"not at all); the checkpoint is not committed")
+        overlap = _first_overlap(t["chunks"])
+        if covered != math.prod(t["shape"]) or overlap:
+            what = (f"boxes at {overlap[0]} and {overlap[1]} overlap" if overlap else
+                    f"the ranks wrote {covered} of its {math.prod(t['shape'])} elements")
+            raise CheckpointError(f"{directory}: {name} {t['shape']}: {what} (a layout bug: some elements written "
+                                  f"twice or not at all); the checkpoint is not committed")
         t["chunks"].sort(key=lambda c: c[2])
     index = {"tensors": dict(sorted(tensors.items()))}
     tmp = directory / f".{INDEX}.tmp"
@@ -230,6 +245,25 @@ def merge_index(directory: Path, world: int) -> dict:
     _fsync(tmp)
     os.replace(tmp, directory / INDEX)
     return index
+
+
+def _first_overlap(chunks: list):
+    """The offsets of two boxes of `chunks` ([file, entry, offsets, sizes]) that share an element, or None: a sweep
+    along dimension 0, each box compared with the earlier ones whose rows it reaches."""
+    boxes = sorted((tuple(c[2]), tuple(c[3])) for c in chunks)
+    active = []  # (end along dim 0, offsets, sizes)
+    for off, size in boxes:
+        if not off:  # a 0-dim tensor: one box
+            if active:
+                return active[0][1], off
+            active.append((1, off, size))
+            continue
+        active = [a for a in active if a[0] > off[0]]
+        for _, o, z in active:
+            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o, z)):
+                return o, off
+        active.append((off[0] + size[0], off, size))
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -247,11 +281,8 @@ class ShardIndex:
             self.tensors = json.loads(f.read_text())["tensors"]
         except (ValueError, KeyError, OSError) as e:
             raise CheckpointError(f"{f}: unreadable ({e})") from None
-        self._open = {}
+        self._open = OrderedDict()  # the files open now, least recently used first (at most MAX_OPEN)
         self.bytes_read = 0  # what this reader has read: the overlaps of the regions asked for
-        for file in sorted({c[0] for t in self.tensors.values() for c in t["chunks"]}):
-            if not (self.path / file).is_file():
-                raise CheckpointError(f"{self.path / file}: missing ({INDEX} places tensors there)")
 
     @property
     def total_bytes(self) -> int:
@@ -271,7 +302,9 @@ class ShardIndex:
 
     def _file(self, name: str):
         h = self._open.get(name)
-        if h is None:
+        if h is not None:
+            self._open.move_to_end(name)
+        else:
             p = self.path / name
             if not p.is_file():
                 raise CheckpointError(f"{p}: missing ({INDEX} places tensors there)")
@@ -281,6 +314,8 @@ class ShardIndex:
                 raise CheckpointError(f"{p}: not a readable safetensors file ({e}); truncated or "
                                            f"corrupted?") from None
             self._open[name] = h
+            while len(self._open) > MAX_OPEN:  # the file handles and the mapped pages a reader keeps stay bounded
+                self._open.popitem(last=False)
         return h
 
     @torch.no_grad()
