@@ -292,7 +292,7 @@ def _resume_with(rank, world, path, overrides):
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(1, overrides + [f"checkpoint.load={path}"])
+        t = _trainer(world, overrides + [f"checkpoint.load={path}"])
         try:
             t.maybe_resume()
         except ConfigError as e:

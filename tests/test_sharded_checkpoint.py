@@ -332,27 +332,14 @@ def test_a_checkpoint_loads_under_another_tp_pp_ep_dp_and_zero_stage(tmp_path, s
         assert math.isfinite(loss)
 
 
-def _resume_error(rank, world, path):
-    from megatron_k3.config import ConfigError
-    from megatron_k3.training.engine import shutdown
-
-    try:
-        t = _trainer(world, [f"checkpoint.load={path}", "parallel.tp=2"])
-        try:
-            t.maybe_resume()
-        except ConfigError as e:
-            return str(e)
-        return None
-    finally:
-        shutdown()
-
-
 @pytest.mark.slow
 def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     """Saved and loaded at tp2: rank 0 reads only rank_00000 (its shard and the replicated tensors), rank 1 also
     rank_00001. With rank_00001 truncated, both ranks stop with one line naming it (rank 0 would otherwise go on
     and hang in the first collective), and nothing is written. A tensor whose shape in the index disagrees with the
     model: one line naming the tensor and index.json, on both ranks."""
+    from test_checkpoint import _resume_with
+
     run_distributed(_save_one, 2, str(tmp_path), timeout=300)
     path = ckpt.list_checkpoints(tmp_path)[-1]
     intact = tmp_path / "intact" / path.name
@@ -360,7 +347,7 @@ def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     f = path / "rank_00001.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size - 64])
     size = os.path.getsize(f)
-    errs = run_distributed(_resume_error, 2, str(path), timeout=300)
+    errs = run_distributed(_resume_with, 2, str(path), ["parallel.tp=2"], timeout=300)
     for e in errs:
         assert e is not None and "rank_00001.safetensors" in e and "truncated or corrupted" in e and "\n" not in e, e
     assert "on rank 1" in errs[0], errs[0]  # rank 0 read nothing bad: it reports rank 1's error
@@ -370,7 +357,7 @@ def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     index["tensors"]["model.norm.weight"]["shape"][0] += 1
     (intact / shards.INDEX).write_text(json.dumps(index))
     before = {p.name: p.stat().st_mtime_ns for p in intact.iterdir()}
-    for e in run_distributed(_resume_error, 2, str(intact), timeout=300):
+    for e in run_distributed(_resume_with, 2, str(intact), ["parallel.tp=2"], timeout=300):
         assert e is not None and "index.json" in e and "model.norm.weight: saved shape" in e and "\n" not in e, e
     assert {p.name: p.stat().st_mtime_ns for p in intact.iterdir()} == before
 

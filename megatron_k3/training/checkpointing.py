@@ -71,18 +71,17 @@ def _attempt(fn, *args) -> str | None:
     return None
 
 
-def _agree(err: str | None, ranks: Ranks, step: int, src: int | None = None) -> None:
-    """Every rank learns whether a step of a synchronous save failed anywhere (this is also its barrier), and raises
-    if so, naming the rank: none goes on to hang in the next collective. src: only that rank's outcome counts."""
-    if src is not None:
-        box = [err]
-        dist.broadcast_object_list(box, src=src)
-        errs = [None] * ranks.world
-        errs[src] = box[0]
-    else:
-        errs = [None] * ranks.world
-        dist.all_gather_object(errs, err)
-    bad = next(((i, e) for i, e in enumerate(errs) if e), None)
+def _first_failure(err, world: int):
+    """(rank, error) of the lowest rank whose `err` is not None, or None: every rank learns it (a collective, so
+    also a barrier), and none goes on alone to hang in the next collective."""
+    errs = [None] * world
+    dist.all_gather_object(errs, err)
+    return next(((i, e) for i, e in enumerate(errs) if e is not None), None)
+
+
+def _agree(err: str | None, ranks: Ranks, step: int) -> None:
+    """A step of a synchronous save: raised on every rank if it failed on any, naming the rank."""
+    bad = _first_failure(err, ranks.world)
     if bad is not None:
         raise ckpt.CheckpointError(f"rank {bad[0]}: checkpoint of step {step} failed: {bad[1]} (the previous "
                                    f"checkpoint stays the newest)")
@@ -141,12 +140,9 @@ class CheckpointManager:
             if index is not None:
                 index.close()
         # a file only some ranks read (a missing or truncated shard) fails on those ranks: every rank stops
-        failures = [None] * r.world
-        dist.all_gather_object(failures, None if failure is None else (failure.key, str(failure.value),
-                                                                        failure.valid))
+        bad = _first_failure(None if failure is None else (failure.key, str(failure.value), failure.valid), r.world)
         if failure is not None:
             raise failure
-        bad = next(((i, f) for i, f in enumerate(failures) if f is not None), None)
         if bad is not None:
             raise ConfigError(bad[1][0], bad[1][1], f"on rank {bad[0]}: {bad[1][2]}")
         log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", r.rank, index.bytes_read / 1e6,
@@ -271,7 +267,7 @@ class CheckpointManager:
             _agree(err, r, pos.step)  # every rank's files are in place before rank 0 commits ...
             if r.rank == 0:
                 err = _attempt(self._commit, tmp, final, meta_json)
-            _agree(err, r, pos.step, src=0)  # ... and it committed (or failed, on every rank) before anyone goes on
+            _agree(err, r, pos.step)  # ... and it committed (or failed, on every rank) before anyone goes on
             return
         t0 = time.perf_counter()
         snap = pieces.snapshot()
@@ -323,9 +319,8 @@ class CheckpointManager:
         failure on any rank is raised on all of them."""
         self.join()
         err, self._error = self._error, None
-        if collective and self.ranks.world > 1:
-            errs = [None] * self.ranks.world
-            dist.all_gather_object(errs, err)
-            err = next((e for e in errs if e), None)
+        if collective:
+            bad = _first_failure(err, self.ranks.world)
+            err = bad[1] if bad is not None else None
         if err:
             raise ckpt.CheckpointError(err)

@@ -180,7 +180,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_bytes(f, data: torch.Tensor) -> None:
-    flat = data.detach().reshape(-1) if data.is_contiguous() else data.detach().contiguous().reshape(-1)
+    flat = data.detach().contiguous().reshape(-1)
     step = max(1, BUFFER_BYTES // max(1, flat.element_size()))
     for lo in range(0, flat.numel(), step):
         part = flat[lo:lo + step]
@@ -350,6 +350,13 @@ class ShardIndex:
             raise CheckpointError(f"{self.path / INDEX}: {name} box at {offsets} of {sizes}: its chunks cover "
                                        f"{filled} of {out.numel()} elements")
         return out
+
+    def read_range(self, name: str, local, shard_offsets, start: int, flat: torch.Tensor) -> None:
+        """flat <- the elements [start, start + flat.numel()) of a local shard shaped `local` placed at
+        `shard_offsets` in the global tensor (the reading side of RankPieces.add_range)."""
+        for off, sizes, pos in flat_range_boxes(local, start, flat.numel()):
+            self.read(name, tuple(a + b for a, b in zip(shard_offsets, off)),
+                      flat.narrow(0, pos, math.prod(sizes)).view(sizes))
 
     def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = self.shape(name)

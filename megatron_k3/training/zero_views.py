@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..annotations import full_shape, meta, shard_offsets
 from ..optim.zero import ZeroMuon, momentum_offsets
 from ..parallel import state
-from .shards import RankPieces, flat_range_boxes, share
+from .shards import RankPieces, share
 
 
 def zero_optimizer(engine):
@@ -96,10 +96,6 @@ def _gather_experts(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-def _local_experts(t: torch.Tensor) -> torch.Tensor:
-    return t.chunk(state.get_expert_model_parallel_world_size(), 0)[state.get_expert_model_parallel_rank()]
-
-
 MOMENTUM = "momentum_buffer"  # Muon's state key, per matrix in one process, per partition in DeepSpeed's ZeRO
 
 
@@ -140,15 +136,15 @@ class _ZeroLayout:
             dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
         return t
 
-    def load_momentum(self, gi: int, states: dict, name_of: dict) -> None:
-        """This rank's flat momentum of group gi from the per-parameter ones (absent ones: zeros)."""
+    def load_momentum(self, gi: int, momentum_of) -> None:
+        """This rank's flat momentum of group gi from each matrix's whole one, `momentum_of(q)` (None: zeros)."""
         params = self.zero.params_in_partition[gi]
         if not params:
             return
         flat = self.flat[gi]
         parts = []
         for q in params:
-            v = states.get(name_of[id(q)], {}).get(MOMENTUM)
+            v = momentum_of(q)
             parts.append(torch.zeros(q.numel()) if v is None else v.float().flatten())
         old = self.base.state[flat].get(MOMENTUM)
         dtype = old.dtype if old is not None else torch.float32
@@ -290,15 +286,6 @@ def scalars_of(engine, experts=None) -> dict:
     return out
 
 
-def _read_range(index, name: str, local_shape, offsets, start: int, flat: torch.Tensor) -> None:
-    """flat (the elements [start, start + flat.numel()) of a local shard placed at `offsets`) <- the checkpoint."""
-    for off, sizes, pos in flat_range_boxes(local_shape, start, flat.numel()):
-        n = 1
-        for s in sizes:
-            n *= s
-        index.read(name, tuple(a + b for a, b in zip(offsets, off)), flat.narrow(0, pos, n).view(sizes))
-
-
 @torch.no_grad()
 def load_pieces(engine, named_params, index, scalars: dict, experts=None) -> None:
     """Inverse of `owned_pieces` under any layout: every rank reads from a sharded checkpoint (shards.ShardIndex)
@@ -343,26 +330,21 @@ def load_pieces(engine, named_params, index, scalars: dict, experts=None) -> Non
         if hpm is None:
             continue
         start = hpm.lp_fragment_address.start
-        _read_range(index, name, p.shape, O, start, hpm.hp_fragment)
+        index.read_range(name, p.shape, O, start, hpm.hp_fragment)
         for k in states_of.get(name, []):
             if not (layout is not None and gi in layout.muon and k == MOMENTUM):
-                _read_range(index, f"{name}::{k}", p.shape, O, start, hpm.get_optim_state_fragment(k))
+                index.read_range(f"{name}::{k}", p.shape, O, start, hpm.get_optim_state_fragment(k))
     if layout is not None:
+        name_of = {id(p): n for n, p in dense}
+
+        def momentum_of(q):
+            name = name_of[id(q)]
+            if MOMENTUM not in states_of.get(name, []):
+                return None
+            return index.read(f"{name}::{MOMENTUM}", shard_offsets(q), torch.empty(q.shape, dtype=torch.float32))
+
         for gi in sorted(layout.muon):
-            params = layout.zero.params_in_partition[gi]
-            if not params:
-                continue
-            name_of = {id(p): n for n, p in dense}
-            parts = []
-            for q in params:
-                t = torch.zeros(q.shape, dtype=torch.float32)
-                if MOMENTUM in states_of.get(name_of[id(q)], []):
-                    index.read(f"{name_of[id(q)]}::{MOMENTUM}", shard_offsets(q), t)
-                parts.append(t.flatten())
-            flat = layout.flat[gi]
-            old = base.state[flat].get(MOMENTUM)
-            base.state[flat][MOMENTUM] = torch.cat(parts).to(
-                device=flat.device, dtype=old.dtype if old is not None else torch.float32)
+            layout.load_momentum(gi, momentum_of)
     if experts is not None:
         e_keys = {id(m): sorted(states_of.get(n, [])) for n, m in zip(experts.names, experts.masters)}
         _ensure_states(experts.optimizer, e_keys, scalars, "experts")
