@@ -151,7 +151,7 @@ def test_static_dispatch_equals_per_assignment_reference_and_drops_over_capacity
 _SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
-def _static_worker(rank, world):
+def _static_worker(rank, world, overflow="drop"):
     import torch.distributed as dist
 
     from megatron_k3.model.moe import StableLatentMoE
@@ -160,7 +160,7 @@ def _static_worker(rank, world):
 
     ps = state.initialize_model_parallel(ep=world)
     try:
-        cfg = load_model_config("k3_tiny", ["moe_overflow=drop", "moe_capacity_factor=1.25"])
+        cfg = load_model_config("k3_tiny", [f"moe_overflow={overflow}", "moe_capacity_factor=1.25"])
         torch.manual_seed(rank)
         moe = parallelize(StableLatentMoE(cfg), ParallelGroups.from_state(ps))
         for p in moe.parameters():
@@ -199,10 +199,14 @@ def _static_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes():
-    for calls, splits, has_grad in run_distributed(_static_worker, 2, timeout=120):
+@pytest.mark.parametrize("overflow,exchanges", [("drop", 4), ("balanced", 14)])
+def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes(overflow, exchanges):
+    """drop: dispatch and combine, forward and backward. balanced: forward 8 (weights to the relays and on to the
+    replicas, the rows' destinations and the rows through the relays, their outputs back), backward 6 (the
+    differentiable ones reversed)."""
+    for calls, splits, has_grad in run_distributed(_static_worker, 2, overflow, timeout=120):
         assert has_grad
-        assert len(splits) == 4  # dispatch and combine, forward and backward
+        assert len(splits) == exchanges
         assert all(s == (None, None) for s in splits), splits
         assert calls == [], calls
 

@@ -69,8 +69,9 @@ def _resume(rank, world, overrides, ckpt_dir):
     (1, []),
     (2, ["parallel.tp=2"]),
     (2, ["parallel.ep=2"] + STATIC),
+    (2, ["parallel.ep=2", "model.moe_overflow=balanced"]),
     (2, ["parallel.zero_stage=1"]),
-], ids=["one-process", "tp2", "ep2", "dp2-zero1"])
+], ids=["one-process", "tp2", "ep2", "ep2-balanced", "dp2-zero1"])
 def test_resume_is_bitwise_under_every_layout(tmp_path, world, overrides):
     for rank, (straight, resumed, p_straight, p_resumed, bias, r_bias) in enumerate(
             run_distributed(_resume, world, overrides, str(tmp_path), timeout=300)):

@@ -144,3 +144,21 @@ def test_fused_experts_bf16_combine_in_fp32(act, rel):
     assert rel(r, r_ref) < 1e-6
     for a, b in zip(grads, grads_ref):
         assert rel(a, b) < 2 ** -7
+
+
+def test_own_experts_plus_replicas_gradcheck_float64():
+    """GateUpGLU and GroupedDown over row groups of the own experts followed by replicas (balanced dispatch): the
+    gradients of the own weights and of the replicas, each apart, against float64 finite differences."""
+    from megatron_k3.ops.grouped_gemm import GroupedDown
+    g = torch.Generator().manual_seed(5)
+    E, S, L, I = 2, 2, 3, 4
+    offs = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # an empty own group; rows after the last are ignored
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
+    x, w1, w3, r1, r3, w2, r2 = t(6, L), t(E, I, L), t(E, I, L), t(S, I, L), t(S, I, L), t(E, L, I), t(S, L, I)
+
+    def f(x, w1, w3, r1, r3, w2, r2):
+        h = GateUpGLU.apply(x, w1, w3, offs, "situ", 4.0, 25.0, r1, r3)
+        return GroupedDown.apply(h, w2, r2, offs)
+    assert torch.autograd.gradcheck(f, (x, w1, w3, r1, r3, w2, r2))

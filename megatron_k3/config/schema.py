@@ -191,7 +191,7 @@ class ModelConfig:
         if self.router_topk_groups > self.router_num_groups:
             raise ConfigError(_key(prefix, "router_topk_groups"), self.router_topk_groups,
                               f"must be <= router_num_groups={self.router_num_groups}")
-        _require_choice(self, prefix, "moe_overflow", ("auto", "drop", "dropless"))
+        _require_choice(self, prefix, "moe_overflow", ("auto", "drop", "dropless", "balanced"))
         if not self.moe_capacity_factor > 0:
             raise ConfigError(_key(prefix, "moe_capacity_factor"), self.moe_capacity_factor, "must be > 0")
         per_group = self.num_experts // self.router_num_groups
@@ -398,6 +398,14 @@ class MoEConfig:
     sign_rate: float = 1e-3  # sign: bias step per optimizer step
     rescore: bool = False  # quantile: estimate from this step's tokens re-scored by the updated router
     rescore_max_tokens: int = 8192  # rescore: router inputs kept per micro-batch and rank (a strided subset)
+    # model.moe_overflow=balanced: replica slots per EP rank (-1: E/ep, which balances exactly for any routing)
+    redundant_experts: int = -1
+
+    def slots(self, model, parallel) -> int | None:
+        """The replica slots balanced dispatch runs with (None where it does not run)."""
+        if model.moe_overflow != "balanced" or parallel.ep <= 1:
+            return None
+        return model.num_experts // parallel.ep if self.redundant_experts < 0 else self.redundant_experts
 
     def validate(self, prefix: str = "moe") -> "MoEConfig":
         _require_choice(self, prefix, "balancing", ("quantile", "sign", "none"))
@@ -518,6 +526,12 @@ class RunConfig:
                               "i.e. on the first stage")
         if has_moe(m) and p.ep > 1 and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
+        slots = self.moe.slots(m, p) if has_moe(m) else None
+        if slots is not None and not 1 <= slots <= m.num_experts - m.num_experts // p.ep:
+            raise ConfigError("moe.redundant_experts", self.moe.redundant_experts, (
+                f"replica slots per EP rank must lie in [1, {m.num_experts - m.num_experts // p.ep}] "
+                f"(model.num_experts={m.num_experts} minus the {m.num_experts // p.ep} each of parallel.ep={p.ep} "
+                f"ranks owns; -1 = {m.num_experts // p.ep}, exact balance for any routing)"))
         if o.name == "muon" and p.zero_stage == 0 and pr.param_dtype == "bf16":
             raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
                               "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")

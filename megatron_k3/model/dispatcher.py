@@ -13,6 +13,7 @@ they are spread over ranks, so the default path never reads a value on the host)
   shape depends only on N, k, E and C, and nothing between router and combine reads a value on the host.
   C = ceil(capacity_factor * N * k / E).
 - ``dropless``. Rows sorted by expert run through a grouped GEMM with device-side offsets.
+- ``balanced`` (expert parallelism: megatron_k3.parallel.balanced) is ``dropless`` with every expert local.
 
 Late routing weights: each expert's output is multiplied by its fp32 routing weight after the expert's down
 projection and the k outputs are summed in fp32, by one index_add of the weighted rows into an fp32 [N, L] buffer
@@ -28,7 +29,7 @@ import torch
 
 __all__ = ["Dispatcher", "capacity", "slots", "static_buffer", "sorted_rows", "POLICIES"]
 
-POLICIES = ("auto", "drop", "dropless")
+POLICIES = ("auto", "drop", "dropless", "balanced")
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -89,7 +90,8 @@ class Dispatcher:
             raise ValueError(f"model.moe_overflow={overflow!r}; valid: {', '.join(POLICIES)}")
         self.policy = overflow  # model.moe_overflow as asked for; `overflow` is what it resolves to here:
         # auto is one grouped GEMM with device-side offsets (no split sizes, no host synchronisation)
-        self.overflow = "dropless" if overflow == "auto" else overflow
+        # (balanced: one rank computes every pair, which is what dropless does)
+        self.overflow = "dropless" if overflow in ("auto", "balanced") else overflow
         self.capacity_factor = capacity_factor
 
     def local_rows(self, x_ND: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..annotations import annotate
-from ..ops.grouped_gemm import DownCombine, GateUpGLU, experts_reference, grouped_mm
+from ..ops.grouped_gemm import DownCombine, GateUpGLU, GroupedDown, experts_reference, grouped_mm
 
 
 class GroupedExperts(nn.Module):
@@ -38,10 +38,14 @@ class GroupedExperts(nn.Module):
         """The experts this module holds."""
         return self.w1.shape[0]
 
-    def _run(self, x: torch.Tensor, offs_E: torch.Tensor | None, combine=None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, offs_E: torch.Tensor | None, combine=None, replicas=None) -> torch.Tensor:
         w1, w3, w2, q = self.w1, self.w3, self.w2, self.qat
         if q is not None:
             w1, w3, w2, x = q.weight(w1), q.weight(w3), q.weight(w2), q.act(x)
+        if replicas is not None:  # row groups of the own experts, then of the replicas (balanced dispatch)
+            r1, r3, r2 = replicas if q is None else (q.weight(r) for r in replicas)
+            h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, r1, r3)
+            return GroupedDown.apply(h if q is None else q.act(h), w2, r2, offs_E)
         h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up)
         if q is not None:
             h = q.act(h)
@@ -55,6 +59,12 @@ class GroupedExperts(nn.Module):
         combine = (w_M, tok_M, num_rows): return instead the fp32 [num_rows, L] sum of w_M[m] * y_m into row
         tok_M[m] (the down projection fused with the dispatcher's combine)."""
         return self._run(z_ML, offs_E, combine)
+
+    def forward_with(self, z_ML: torch.Tensor, offs_E: torch.Tensor, replicas) -> torch.Tensor:
+        """`forward` over row groups of this module's experts followed by replicas of other experts, given as their
+        (w1, w3, w2) [S, ...] (the balanced dispatch, megatron_k3.parallel.balanced): offs_E has num_local + S
+        entries. Neither the parameters nor the replicas are copied into a tensor kept for the backward."""
+        return self._run(z_ML, offs_E, None, replicas)
 
     def forward_batched(self, x_ECL: torch.Tensor, combine=None) -> torch.Tensor:
         """Static shapes: C rows for each local expert, [E, C, L] -> [E, C, L], as batched GEMMs; `combine` as in

@@ -19,7 +19,8 @@ import torch
 from .glu import glu_backward, glu_forward, glu_reference
 from .numerics import atleast_fp32
 
-__all__ = ["grouped_mm", "rows_mm", "wgrad_mm", "GateUpGLU", "DownCombine", "weighted_combine", "experts_reference"]
+__all__ = ["grouped_mm", "rows_mm", "wgrad_mm", "GateUpGLU", "GroupedDown", "DownCombine", "weighted_combine",
+           "experts_reference"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,28 +84,61 @@ class GateUpGLU(torch.autograd.Function):
     offs_E, or [E, C, L] with offs_E None."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up):
+    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up, r1=None, r3=None):
         I = w1.shape[1]
-        W13 = torch.cat([w1, w3], 1).to(x.dtype)  # [E, 2I, L]
+        W13 = _cat13(w1, w3, r1, r3).to(x.dtype)  # [E, 2I, L]
         gu = rows_mm(x, W13.transpose(1, 2), offs_E)  # [..., 2I]: gate columns, then up
         h, saved = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)
-        ctx.save_for_backward(x, w1, w3, offs_E, *saved)
+        ctx.save_for_backward(x, w1, w3, offs_E, r1, r3, *saved)
         ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype)
         return h
 
     @staticmethod
     def backward(ctx, dh):
         act, beta_gate, beta_up, I, dt1, dt3 = ctx.cfg
-        x, w1, w3, offs_E, *saved = ctx.saved_tensors
+        x, w1, w3, offs_E, r1, r3, *saved = ctx.saved_tensors
         dgu = x.new_empty(*x.shape[:-1], 2 * I)
         glu_backward(dh, saved, act, beta_gate, beta_up, dgate=dgu[..., :I], dup=dgu[..., I:])
-        dx = rows_mm(dgu, torch.cat([w1, w3], 1).to(x.dtype), offs_E) if ctx.needs_input_grad[0] else None
-        dw1 = dw3 = None
-        if ctx.needs_input_grad[1]:  # two GEMMs on the strided halves: contiguous [E, I, L] gradients, no copy
-            dw1 = wgrad_mm(dgu[..., :I], x, offs_E).to(dt1)
-        if ctx.needs_input_grad[2]:
+        dx = rows_mm(dgu, _cat13(w1, w3, r1, r3).to(x.dtype), offs_E) if ctx.needs_input_grad[0] else None
+        E = w1.shape[0]
+        dw1 = dw3 = dr1 = dr3 = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[7]:  # two GEMMs on the strided halves: contiguous
+            dw1 = wgrad_mm(dgu[..., :I], x, offs_E).to(dt1)  # [E, I, L] gradients, no copy
+            if r1 is not None:
+                dw1, dr1 = dw1[:E], dw1[E:]
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[8]:
             dw3 = wgrad_mm(dgu[..., I:], x, offs_E).to(dt3)
-        return dx, dw1, dw3, None, None, None, None
+            if r3 is not None:
+                dw3, dr3 = dw3[:E], dw3[E:]
+        return dx, dw1, dw3, None, None, None, None, dr1, dr3
+
+
+def _cat13(w1, w3, r1, r3):
+    """[E (+ replicas), 2I, L]: gate and up weights of every group, the replicas' after the own experts'."""
+    if r1 is None:
+        return torch.cat([w1, w3], 1)
+    return torch.cat([torch.cat([w1, w3], 1), torch.cat([r1, r3], 1)])
+
+
+class GroupedDown(torch.autograd.Function):
+    """y = h w2_e^T per row group, with the weights of the groups given as the own experts' w2 followed by
+    replicas r2: one grouped GEMM against their transient concatenation, which is not kept (the parameter and the
+    received replicas are), so no copy of the own experts lives until the backward."""
+
+    @staticmethod
+    def forward(ctx, h, w2, r2, offs_E):
+        W = torch.cat([w2, r2]).to(h.dtype)
+        ctx.save_for_backward(h, w2, r2, offs_E)
+        return rows_mm(h, W.transpose(1, 2), offs_E)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w2, r2, offs_E = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh = rows_mm(dy, torch.cat([w2, r2]).to(h.dtype), offs_E) if ctx.needs_input_grad[0] else None
+        dw = wgrad_mm(dy, h, offs_E)  # [E + S, L, I]
+        E = w2.shape[0]
+        return dh, dw[:E].to(w2.dtype), dw[E:].to(r2.dtype), None
 
 
 class DownCombine(torch.autograd.Function):

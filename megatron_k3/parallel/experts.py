@@ -16,6 +16,8 @@ Expert parallelism (EP group of R ranks, inside one supernode):
   GEMM on [El, R*C, L], the reverse all-to-all brings the outputs back and one weighted index_add combines them.
   Every shape depends only on N, k, E, C and R, and nothing between router and combine reads a value on the host.
   The shared experts run while the dispatch exchange is in flight (and their backward while the reverse one is).
+- ``balanced``: redundant experts so every EP rank computes exactly the same number of pairs, nothing dropped, fixed
+  buffers, no host read (megatron_k3.parallel.balanced).
 - ``dropless`` (only when asked for, for comparison): the per-expert counts are exchanged and the all-to-all uses
   split sizes, which torch takes as host lists: one synchronisation per layer and direction, the one place the
   MoE path reads device values on the host.
@@ -32,6 +34,7 @@ from ..annotations import annotate, copy_meta
 from ..model.dispatcher import POLICIES, Dispatcher, capacity, sorted_rows, static_buffer
 from ..model.moe import StableLatentMoE
 from ..ops.grouped_gemm import weighted_combine
+from .balanced import BalancedDispatch, default_slots
 from .mappings import Group, all_to_all, all_to_all_overlapped, gather_rows, split_rows
 from .tensor import TensorParallel, block_copy, mark_partial_grad
 
@@ -48,6 +51,8 @@ def resolve_overflow(policy: str, expert_parallel: bool) -> str:
         raise ValueError(f"model.moe_overflow={policy!r}; valid: {', '.join(POLICIES)}")
     if policy == "auto":
         return "drop" if expert_parallel else "dropless"
+    if policy == "balanced" and not expert_parallel:
+        return "dropless"  # one EP rank computes every pair: balanced by construction
     return policy
 
 
@@ -55,9 +60,14 @@ class ParallelDispatcher(Dispatcher):
     """A MoE layer's dispatch under tensor parallelism (each TP rank routes its rows) and expert parallelism (this
     rank holds experts [rank * E/R, (rank + 1) * E/R); the all-to-all runs over the EP group)."""
 
-    def __init__(self, overflow: str, capacity_factor: float, tp: TensorParallel, ep: Group):
+    def __init__(self, overflow: str, capacity_factor: float, tp: TensorParallel, ep: Group,
+                 redundant_experts: int | None = None, num_experts: int | None = None):
         super().__init__(overflow, capacity_factor)
         self.overflow = resolve_overflow(overflow, expert_parallel=ep.size > 1)
+        self.balanced = None
+        if self.overflow == "balanced":
+            slots = default_slots(num_experts, ep.size) if redundant_experts is None else redundant_experts
+            self.balanced = BalancedDispatch(ep.group, ep.size, ep.rank, slots)
         if overflow == "dropless" and ep.size > 1:
             log.warning("model.moe_overflow=dropless with parallel.ep=%d: the all-to-all needs split sizes on the host "
                         "(one synchronisation per MoE layer and direction); drop or auto keeps shapes static", ep.size)
@@ -82,6 +92,8 @@ class ParallelDispatcher(Dispatcher):
             return super().__call__(z_NL, idx_Nk, weight_Nk, experts, side)
         if self.overflow == "drop":
             r_NL, kept = self._static(z_NL, idx_Nk, weight_Nk, experts, side)
+        elif self.balanced is not None:
+            r_NL, kept = self.balanced(z_NL, idx_Nk, weight_Nk, experts, side), None
         else:
             r_NL, kept = self._dropless(z_NL, idx_Nk, weight_Nk, experts)
         return r_NL.to(z_NL.dtype), kept
@@ -134,9 +146,10 @@ def _shard_experts(experts, ep: Group) -> None:
     experts.expert_offset = ep.rank * experts.num_local
 
 
-def apply_expert_parallel(module: nn.Module, tp: TensorParallel, ep: Group) -> nn.Module:
+def apply_expert_parallel(module: nn.Module, tp: TensorParallel, ep: Group,
+                          redundant_experts: int | None = None) -> nn.Module:
     """Every MoE layer in `module` (a model, or one layer; unsharded experts) under the TP and EP groups, in place;
-    returns it."""
+    returns it. `redundant_experts`: the replica slots per EP rank of model.moe_overflow=balanced (None: E/ep)."""
     for moe in [m for m in module.modules() if isinstance(m, StableLatentMoE)]:
         if ep.size > 1:
             _shard_experts(moe.experts, ep)
@@ -148,5 +161,6 @@ def apply_expert_parallel(module: nn.Module, tp: TensorParallel, ep: Group) -> n
                     mark_partial_grad(p, tp)
         if tp.size > 1 or ep.size > 1:
             d = moe.dispatcher
-            moe.dispatcher = ParallelDispatcher(d.policy, d.capacity_factor, tp, ep)
+            moe.dispatcher = ParallelDispatcher(d.policy, d.capacity_factor, tp, ep, redundant_experts,
+                                                moe.num_experts)
     return module

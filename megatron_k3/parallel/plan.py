@@ -50,29 +50,30 @@ class ParallelGroups:
                    cp=g("cp"), pp=g("pp"))
 
 
-def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
+def parallelize(model: nn.Module, groups: ParallelGroups, redundant_experts: int | None = None) -> nn.Module:
     """`model` parallelised over `groups`, in place; returns it. A K3ForCausalLM takes every kind; a part of one (a
-    decoder layer, a MoE block) takes tensor and expert parallelism, which act on its modules alone."""
+    decoder layer, a MoE block) takes tensor and expert parallelism, which act on its modules alone.
+    `redundant_experts`: moe.redundant_experts (replica slots per EP rank of balanced dispatch; None: E/ep)."""
     whole = isinstance(model, K3ForCausalLM)
     if not whole and (groups.pp.size > 1 or groups.cp.size > 1):
         raise TypeError(f"pipeline and context parallelism cut a whole K3ForCausalLM, not a {type(model).__name__}")
     if whole:
         cut_stage(model, groups.pp.size, groups.pp.rank)
     apply_tensor_parallel(model, groups.tp)
-    apply_expert_parallel(model, groups.tp, groups.ep)
+    apply_expert_parallel(model, groups.tp, groups.ep, redundant_experts)
     if whole:
         apply_context_parallel(model, groups.cp)
     return model
 
 
 def build_model(cfg, groups: ParallelGroups, device="cpu", dtype: torch.dtype | None = None,
-                seed: int | None = 0) -> K3ForCausalLM:
+                seed: int | None = 0, redundant_experts: int | None = None) -> K3ForCausalLM:
     """This rank's model over `groups`: its pipeline stage built on the meta device, parallelised there, then (unless
     `device` is "meta") allocated on `device` with parameters in `dtype` (default fp32) and initialised from `seed`
     shard-locally, so every layout starts from the single-process weights of that seed."""
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, init=False, **stage_part(cfg, groups.pp.size, groups.pp.rank))
-    parallelize(model, groups)
+    parallelize(model, groups, redundant_experts)
     if torch.device(device).type == "meta":
         return model
     return model.materialize(device, dtype, seed)

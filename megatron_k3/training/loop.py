@@ -58,6 +58,7 @@ class _Step:
     loads: torch.Tensor
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    ep_balance: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # RoutingStats
     tokens: int = 0
 
 
@@ -87,7 +88,7 @@ class Trainer:
         # this rank's part only (its stage, shards and experts), built on the meta device and initialised in place
         # from train.seed: the same weights in every layout (parallel.plan.build_model)
         model = build_model(run.model, ParallelGroups.from_state(ps, run.parallel.sequence_parallel), self.device,
-                            seed=t.seed)
+                            seed=t.seed, redundant_experts=run.moe.slots(run.model, run.parallel))
         prepare_model_for_precision(model, run.precision, self.device)
         # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
@@ -100,6 +101,7 @@ class Trainer:
         self.balancers = balancing.install(self.model, run.moe, ps.group("tp-dp-cp"),
                                            t.global_batch_size * t.seq_length)
         self.routing = RoutingStats(self.model)  # expert load, in the rows of every stage's MoE layers
+        self.balanced_ep = bool(self.routing.layer_ids) and run.model.moe_overflow == "balanced" and run.parallel.ep > 1
         self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.pos = Position()
@@ -146,6 +148,7 @@ class Trainer:
         held[micro] = samples
         acc.tokens += n
         acc.dropped += self.routing.add(acc.loads)
+        acc.ep_balance = torch.maximum(acc.ep_balance, self.routing.ep_balance())
         self.stats.accumulate()
         if not self.last_stage:
             return out
@@ -222,6 +225,10 @@ class Trainer:
                                    bias_LE=self.routing.bias(self.pp_group, self.device))
             rec["expert_load"] = st["summary"]
             rec["expert_load_per_layer"] = dict(st["per_layer"], layers=self.routing.layer_ids)
+        if self.balanced_ep:  # the plan's outcome: max over micro-batches, MoE layers and EP groups
+            ep = acc.ep_balance.to(self.device)
+            dist.all_reduce(ep, op=dist.ReduceOp.MAX)
+            rec["expert_load"].update(rank_max_over_mean=float(ep[0]), replicas=int(ep[1]))
         return rec, loads
 
     def _after_backward(self, micro: int, samples):

@@ -89,6 +89,21 @@ class RoutingStats:
         self.layer_ids = [i for i, ty in enumerate(cfg.ffn_types()) if ty == "moe"]
         self.rows = [self.layer_ids.index(layer.layer_idx) for layer in model.model.layers if layer.ffn_type == "moe"]
         self.num_experts = cfg.num_experts
+        # balanced dispatch (model.moe_overflow=balanced under expert parallelism): its per-forward plan statistics
+        self.balanced = [d.balanced for d in (m.dispatcher for m in self.moe) if getattr(d, "balanced", None)]
+
+    def ep_balance(self) -> torch.Tensor:
+        """[2] of the last forward, over this rank's MoE layers (zeros without balanced dispatch): the largest ratio
+        of the pairs one EP rank computed to the mean over its EP group (1 when the plan balanced exactly), and the
+        most replica slots in use in one layer's EP group."""
+        out = torch.zeros(2, dtype=torch.float64)
+        for b in self.balanced:
+            if b.stats is not None:
+                load_R, replicas = b.stats
+                load_R = load_R.double().cpu()
+                out[0] = max(out[0], load_R.max() / load_R.mean().clamp_min(1e-12))
+                out[1] = max(out[1], float(replicas))
+        return out
 
     def add(self, loads_LE: torch.Tensor) -> torch.Tensor:
         """Add the last forward's token counts to their rows of loads_LE; returns the dropped assignments."""

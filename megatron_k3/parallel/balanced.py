@@ -1,0 +1,267 @@
+"""Fully balanced expert parallelism (`model.moe_overflow=balanced`): redundant experts so that every EP rank computes
+exactly the same number of (token, expert) pairs, nothing dropped, every buffer of a fixed size, no value read on
+the host. MODEL.md section 5 (MoonEP); docs/experts.md has the algorithm with a worked example.
+
+Legend: R expert-parallel ranks, E experts, El = E/R owned by each rank, S replica slots per rank
+(`moe.redundant_experts`), N tokens per rank, k experts per token, M = N*k pairs per rank, L latent width,
+P = parameters of one expert (w1, w3, w2).
+
+One MoE layer's forward under balanced dispatch:
+
+1. Counts. Every rank's per-expert counts are all-gathered in the EP group ([R, E] on every rank, on device).
+2. Plan (`alias_plan`, identical on every rank). Rank o's *stream* is every pair routed to its experts, ordered by
+   (its local expert, source rank, the pair's order at the source); its length is the owner load L_o, and the loads
+   sum to R*M. Walker's alias construction over ranks: while some rank holds less than M and another more, the
+   lowest-numbered such receiver takes exactly what it lacks from the front of the lowest-numbered donor's stream,
+   and is done; a donor that falls below M becomes a receiver. Every rank then computes a suffix of its own stream
+   plus at most one range of one donor's stream, and exactly M pairs. A donated range lies inside one rank's El
+   experts, so S = El (= E/R, the default) slots guarantee exact balance for every routing. With S < El a range is
+   cut at the end of its S-th expert: the receiver stays short, its donor computes the rest, nothing is dropped and
+   the step's imbalance is reported (`rank_load_R`).
+3. Weights to replicas, in two static all-to-alls through relays: every owner sends slice x (1/R of the P values) of
+   each of its El experts to rank x (every rank then holds one slice of every expert of the layer), and every rank x
+   sends each host its slice of the S experts that host's plan names. Each rank sends and receives El + S experts'
+   worth (times (R-1)/R), whatever the routing. The owner's first exchange does not depend on the plan and runs while
+   the shared experts compute. The backward of the two exchanges returns every replica's gradient to its owner,
+   where autograd sums it into the owner's own.
+4. Tokens in two static all-to-alls through relays (no split sizes): each source sorts its M pairs by (destination,
+   position there), pads to a multiple of R, and deals the sorted rows round-robin to the R ranks (M/R each); each
+   relay forwards what it holds to the destinations in blocks of B = floor(Cap/R) + R - 1 rows. Dealing a run of F
+   rows round-robin gives each relay at most ceil(F/R) of them, so a destination receives at most
+   sum_s ceil(F_s/R) <= Cap/R + R - 1 rows from one relay: B never overflows.
+5. Each rank runs its Cap rows (own experts then replicas, grouped GEMM with device-side offsets), the outputs go back
+   the way they came, and the source combines its k outputs per token with the late routing weights in fp32.
+
+Cap is M when S >= El (exact balance). Below that it is the most pairs one rank's experts can be routed:
+R * N * min(El, k), the dropless worst case, since the plan cannot promise better.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops.grouped_gemm import weighted_combine
+from .mappings import all_to_all, all_to_all_overlapped
+
+__all__ = ["alias_plan", "pair_destinations", "slot_layout", "compute_capacity", "relay_block", "BalancedDispatch",
+           "default_slots"]
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def default_slots(num_experts: int, ep: int) -> int:
+    """moe.redundant_experts when not set: E/R, the slots that guarantee exact balance for any routing."""
+    return num_experts // ep
+
+
+def compute_capacity(N: int, k: int, R: int, El: int, S: int) -> int:
+    """Rows each rank computes: M = N*k when the slots guarantee exact balance, else the most pairs one rank's
+    experts can be sent (every token of every rank routed to min(El, k) of them)."""
+    M = N * k
+    return M if S >= El else min(R * M, R * N * min(El, k))
+
+
+def relay_block(cap: int, R: int) -> int:
+    """Rows per (relay, destination) block of the second token exchange: never overflows (module docstring)."""
+    return cap // R + R - 1
+
+
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """[1]: index of the first True in a 1-D mask (0 when none), without a host read."""
+    return torch.argmax(mask.to(torch.int8)).view(1)
+
+
+def alias_plan(ends_RE: torch.Tensor, M: int, S: int):
+    """The balanced plan from every owner's expert stream ends (`ends_RE[o, j]`: the inclusive cumulative load of
+    rank o's local experts 0..j, so ends_RE[:, -1] are the owner loads, summing to R*M).
+
+    Returns (given_R, donor_R, dstart_R, damt_R): rank o keeps the suffix [given_R[o], L_o) of its stream; rank r
+    computes also the range [dstart_R[r], dstart_R[r] + damt_R[r]) of donor_R[r]'s stream (donor -1, amount 0:
+    none). R - 1 fixed iterations of device operations, no host read."""
+    R, El = ends_RE.shape
+    dev = ends_RE.device
+    L_R = ends_RE[:, -1]
+    mass = L_R.clone()  # own pairs a rank still keeps
+    given = torch.zeros_like(L_R)
+    donor = torch.full_like(L_R, -1)
+    dstart = torch.zeros_like(L_R)
+    damt = torch.zeros_like(L_R)
+    done = torch.zeros(R, dtype=torch.bool, device=dev)
+    for _ in range(R - 1):
+        recv_mask = (~done) & (mass < M)
+        don_mask = mass > M
+        live = (recv_mask.any() & don_mask.any()).view(1)
+        r, g = _first(recv_mask), _first(don_mask)
+        need = M - mass.index_select(0, r)
+        off = given.index_select(0, g)
+        # the donor's expert holding position `off`, and the end of its S-th expert from there
+        j_a = (ends_RE.index_select(0, g).view(El) <= off).sum().view(1)
+        j_last = torch.clamp(j_a + (S - 1), max=El - 1)
+        limit = ends_RE.index_select(0, g).view(El).index_select(0, j_last)
+        amt = torch.where(live, torch.minimum(need, limit - off), torch.zeros_like(need))
+        donor = donor.index_copy(0, r, torch.where(live, g, donor.index_select(0, r)))
+        dstart = dstart.index_copy(0, r, torch.where(live, off, dstart.index_select(0, r)))
+        damt = damt.index_copy(0, r, torch.where(live, amt, damt.index_select(0, r)))
+        given = given.index_add(0, g, amt)
+        mass = mass.index_add(0, g, -amt).index_add(0, r, amt)
+        done = done.index_copy(0, r, done.index_select(0, r) | live)
+    return given, donor, dstart, damt
+
+
+def _overlap(a0, a1, b0, b1):
+    return torch.clamp(torch.minimum(a1, b1) - torch.maximum(a0, b0), min=0)
+
+
+def slot_layout(ends_RE: torch.Tensor, plan, S: int):
+    """For every rank d: its slots' row counts [R, El + S] (own experts 0..El-1, then replicas) and the global expert
+    of every replica slot [R, S] (a slot without rows names its donor's last expert, or expert 0, and gets 0 rows)."""
+    given, donor, dstart, damt = plan
+    R, El = ends_RE.shape
+    starts_RE = ends_RE - torch.diff(ends_RE, dim=1, prepend=torch.zeros_like(ends_RE[:, :1]))
+    L_R = ends_RE[:, -1:]
+    own = _overlap(given[:, None], L_R, starts_RE, ends_RE)  # [R, El]
+    g = donor.clamp(min=0)
+    g_ends, g_starts = ends_RE.index_select(0, g), starts_RE.index_select(0, g)  # [R, El]: each rank's donor's
+    j_a = (g_ends <= dstart[:, None]).sum(1)  # first donor expert of the range
+    j = torch.clamp(j_a[:, None] + torch.arange(S, device=ends_RE.device), max=El - 1)  # [R, S]
+    in_range = (j_a[:, None] + torch.arange(S, device=ends_RE.device)) < El
+    rep = _overlap(dstart[:, None], (dstart + damt)[:, None], g_starts.gather(1, j), g_ends.gather(1, j))
+    rep = torch.where(in_range & (donor[:, None] >= 0), rep, torch.zeros_like(rep))
+    return torch.cat([own, rep], 1), g[:, None] * El + j
+
+
+def pair_destinations(expert_M: torch.Tensor, cnt_RE: torch.Tensor, rank: int, ends_RE: torch.Tensor, plan):
+    """(dest_M, bufpos_M): the rank that computes each of this rank's pairs and its row there (rows: the kept suffix
+    of the own stream, then the donated range, both in stream order, so grouped by slot)."""
+    given, donor, dstart, damt = plan
+    R, El = ends_RE.shape
+    E = R * El
+    M = expert_M.shape[0]
+    dev = expert_M.device
+    starts_E = (ends_RE - torch.diff(ends_RE, dim=1, prepend=torch.zeros_like(ends_RE[:, :1]))).reshape(E)
+    before_E = (torch.cumsum(cnt_RE, 0) - cnt_RE)[rank]  # pairs of lower source ranks to each expert
+    order = torch.argsort(expert_M, stable=True)
+    counts_E = cnt_RE[rank]
+    first_E = torch.cumsum(counts_E, 0) - counts_E
+    within = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=dev) - first_E[expert_M[order]])
+    pos = starts_E[expert_M] + before_E[expert_M] + within  # in the owner's stream
+    owner = expert_M // El
+    hit = (donor[None, :] == owner[:, None]) & (dstart[None, :] <= pos[:, None]) & \
+        (pos[:, None] < (dstart + damt)[None, :])  # [M, R]
+    received = hit.any(1)
+    recv_by = torch.argmax(hit.to(torch.int8), 1)
+    dest = torch.where(received, recv_by, owner)
+    kept_R = ends_RE[:, -1] - given
+    bufpos = torch.where(received, kept_R[recv_by] + pos - dstart[recv_by], pos - given[owner])
+    return dest, bufpos
+
+
+class BalancedDispatch:
+    """One layer's balanced dispatch over an EP group (see the module docstring); `stats` after each call:
+    (rank_load_R, replicas) on device: the pairs every rank computed and the replica slots in use."""
+
+    def __init__(self, group, R: int, rank: int, slots: int):
+        self.group, self.R, self.rank, self.S = group, R, rank, slots
+        self.stats = None
+
+    def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        out = counts_E.new_empty(self.R * counts_E.numel())
+        _all_gather_single(out, counts_E.contiguous(), group=self.group)
+        return out.view(self.R, -1)
+
+    def _replica_weights(self, experts, side):
+        """(replicas, side()): `replicas(rep_RS)` gives the (w1, w3, w2) [S, ...] of this rank's replica slots once the
+        plan names every rank's; the first exchange does not depend on the plan and runs while side() computes."""
+        R, El = self.R, experts.num_local
+        ws = (experts.w1, experts.w3, experts.w2)
+        flat = torch.cat([w.reshape(El, -1) for w in ws], 1)  # [El, P]
+        P = flat.shape[1]
+        Pp = -(-P // R) * R
+        if Pp != P:
+            flat = torch.cat([flat, flat.new_zeros(El, Pp - P)], 1)
+        send = flat.view(El, R, Pp // R).transpose(0, 1).reshape(R * El, Pp // R)
+        if side is None:
+            store, out = all_to_all(send, self.group), None
+        else:
+            store, out = all_to_all_overlapped(send, self.group, side)
+        # store: slice `rank` of every expert of the layer, in global order [E, Pp/R]
+
+        def replicas(rep_RS: torch.Tensor):
+            S = self.S
+            mine = store.index_select(0, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
+            got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)[:, :P]
+            parts, at = [], 0
+            for w in ws:
+                n = w[0].numel()
+                parts.append(got[:, at:at + n].reshape((S,) + tuple(w.shape[1:])))
+                at += n
+            return tuple(parts)
+        return replicas, out
+
+    def __call__(self, z_NL, idx_Nk, weight_Nk, experts, side=None):
+        R, S, rank, group = self.R, self.S, self.rank, self.group
+        N, k = idx_Nk.shape
+        El, E = experts.num_local, experts.num_experts
+        M, L = N * k, z_NL.shape[-1]
+        dev = z_NL.device
+        cap = compute_capacity(N, k, R, El, S)
+        B = relay_block(cap, R)
+        replicas, _ = self._replica_weights(experts, side)  # side's result reaches the caller through its closure
+        expert_M = idx_Nk.reshape(-1)
+        cnt_RE = self._counts(torch.bincount(expert_M, minlength=E))
+        ends_RE = torch.cumsum(cnt_RE.sum(0).view(R, El), 1)
+        plan = alias_plan(ends_RE, M, S)
+        rows_RX, rep_RS = slot_layout(ends_RE, plan, S)
+        self.stats = (rows_RX.sum(1), (rows_RX[:, El:] > 0).sum())
+        dest, bufpos = pair_destinations(expert_M, cnt_RE, rank, ends_RE, plan)
+        # hop 1: sort by (destination, row there), pad to Mp = a multiple of R, deal round-robin to the relays
+        Mp = -(-M // R) * R
+        code = dest * (cap + 1) + bufpos
+        order = torch.argsort(code)
+        code_s = torch.cat([code.index_select(0, order), code.new_full((Mp - M,), R * (cap + 1))])
+        # the token rows are gathered, and the outputs combined, in expert order (a token's k terms summed in the
+        # order the single-device dropless layer sums them); a permutation takes them to and from the sorted order
+        by_expert = torch.argsort(expert_M, stable=True)
+        z_rows = torch.cat([z_NL.index_select(0, by_expert // k), z_NL.new_zeros(1, L)])
+        inv_e = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(M, device=dev))
+        rows = z_rows.index_select(0, torch.cat([inv_e.index_select(0, order), order.new_full((Mp - M,), M)]))
+
+        def deal(x):  # sorted row i -> relay i % R, row i // R there
+            return x.view(Mp // R, R, *x.shape[1:]).transpose(0, 1).reshape(Mp, *x.shape[1:])
+
+        def undeal(x):
+            return x.view(R, Mp // R, *x.shape[1:]).transpose(0, 1).reshape(Mp, *x.shape[1:])
+
+        code_r = all_to_all(deal(code_s), group)
+        rows_r = all_to_all(deal(rows), group)
+        # hop 2 at the relay: block d holds the rows for destination d, in (destination row) order
+        d_r = code_r // (cap + 1)
+        o2 = torch.argsort(code_r)
+        cnt_d = torch.bincount(d_r, minlength=R + 1)
+        first_d = torch.cumsum(cnt_d, 0) - cnt_d
+        rank_in = torch.arange(Mp, device=dev) - first_d.index_select(0, d_r.index_select(0, o2))
+        slot_sorted = torch.where(d_r.index_select(0, o2) < R, d_r.index_select(0, o2) * B + rank_in,
+                                  torch.full_like(rank_in, R * B))
+        slot_r = torch.empty_like(slot_sorted).scatter_(0, o2, slot_sorted)  # each received row's hop-2 slot
+        src = torch.full((R * B + 1,), Mp, dtype=torch.long, device=dev).scatter_(
+            0, slot_r, torch.arange(Mp, device=dev))[:R * B]
+        bp_send = torch.cat([code_r % (cap + 1), code_r.new_full((1,), cap)]).index_select(0, src)  # cap: empty
+        x2 = torch.cat([rows_r, rows_r.new_zeros(1, L)]).index_select(0, src)
+        bp_d = all_to_all(bp_send, group)
+        x_d = all_to_all(x2, group)
+        # at the destination: row bufpos of the compute buffer from wherever it arrived
+        at = torch.full((cap + 1,), R * B, dtype=torch.long, device=dev).scatter_(
+            0, bp_d, torch.arange(R * B, device=dev))[:cap]
+        X = torch.cat([x_d, x_d.new_zeros(1, L)]).index_select(0, at)
+        offs = torch.cumsum(rows_RX[rank], 0).to(torch.int32)
+        Y = experts.forward_with(X, offs, replicas(rep_RS))  # [cap, L]
+        # back the same way
+        y_d = torch.cat([Y, Y.new_zeros(1, Y.shape[-1])]).index_select(0, bp_d)
+        y_r = all_to_all(y_d, group)
+        y_rows = torch.cat([y_r, y_r.new_zeros(1, y_r.shape[-1])]).index_select(0, slot_r)
+        y_sorted = undeal(all_to_all(y_rows, group))
+        pos_sorted = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=dev))
+        y_e = y_sorted.index_select(0, pos_sorted.index_select(0, by_expert))  # expert order
+        return weighted_combine(y_e, weight_Nk.reshape(-1).index_select(0, by_expert), by_expert // k, N)

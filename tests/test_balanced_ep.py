@@ -1,0 +1,155 @@
+"""Balanced expert parallelism (model.moe_overflow=balanced, megatron_k3.parallel.balanced): the plan on its own
+(every rank exactly M pairs, at most one donor and at most E/R replicas per rank, for any loads), and the dispatch
+over 2 and 4 gloo ranks against the single-process dropless layer, output and every gradient, for random,
+Zipf-skewed and adversarial routing. fp32; the tolerance (1e-6 relative) covers the changed order of the k-term fp32
+combine and of the replica gradients summed into their owner's."""
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from megatron_k3.model.dispatcher import Dispatcher
+from megatron_k3.model.experts import GroupedExperts
+from megatron_k3.parallel.balanced import alias_plan, compute_capacity, slot_layout
+
+RTOL = 1e-6
+
+
+def _check_plan(loads_E, R, M, S):
+    El = loads_E.numel() // R
+    ends = torch.cumsum(loads_E.view(R, El), 1)
+    plan = alias_plan(ends, M, S)
+    rows, rep = slot_layout(ends, plan, S)
+    given, donor, dstart, damt = plan
+    # every expert's pairs are computed exactly once: own kept + donated ranges tile each stream
+    for o in range(R):
+        ranges = sorted([(int(dstart[r]), int(dstart[r] + damt[r])) for r in range(R) if donor[r] == o and damt[r]])
+        ranges.append((int(given[o]), int(ends[o, -1])))
+        at = 0
+        for a, b in ranges:
+            assert a == at, (o, ranges)
+            at = b
+        assert at == int(ends[o, -1])
+    per_expert = torch.zeros(R * El, dtype=torch.long)
+    for d in range(R):
+        per_expert[d * El:(d + 1) * El] += rows[d, :El]
+        per_expert.index_add_(0, rep[d], rows[d, El:])
+    assert torch.equal(per_expert, loads_E)
+    return rows.sum(1), (rows[:, El:] > 0).sum(1)
+
+
+def _loads(kind, R, El, M, g):
+    E = R * El
+    if kind == "uniform_random":  # any nonnegative loads summing to R*M
+        w = torch.rand(E, generator=g) ** 4
+    elif kind == "one_hot":
+        w = torch.zeros(E)
+        w[int(torch.randint(E, (1,), generator=g))] = 1
+    elif kind == "tiny_many":  # many tiny experts beside one giant: a range may span many experts
+        w = torch.full((E,), 1e-4)
+        w[int(torch.randint(E, (1,), generator=g))] = 1
+    else:  # zipf
+        w = 1.0 / torch.arange(1, E + 1).float() ** 1.5
+        w = w[torch.randperm(E, generator=g)]
+    loads = torch.floor(w / w.sum() * R * M).long()
+    loads[int(torch.argmax(loads))] += R * M - int(loads.sum())
+    return loads
+
+
+@pytest.mark.parametrize("R,El", [(2, 4), (4, 2), (4, 8), (8, 3), (16, 1)])
+def test_alias_plan_balances_exactly_with_one_donor_and_at_most_El_replicas(R, El):
+    g = torch.Generator().manual_seed(R * 100 + El)
+    M = 37 * R + 5
+    for kind in ("uniform_random", "one_hot", "tiny_many", "zipf"):
+        for _ in range(20):
+            loads = _loads(kind, R, El, M, g)
+            load_R, replicas_R = _check_plan(loads, R, M, El)
+            assert torch.all(load_R == M), (kind, loads, load_R)
+            assert torch.all(replicas_R <= El)
+
+
+def test_fewer_slots_than_El_drop_nothing_and_report_the_imbalance():
+    R, El, M = 4, 8, 64
+    loads = torch.zeros(R * El, dtype=torch.long)
+    loads[:El] = R * M // El  # every pair on rank 0's experts, spread evenly: each range spans many experts
+    load_R, replicas_R = _check_plan(loads, R, M, 1)  # each receiver can take one expert: 32 of the 64 it lacks
+    assert torch.all(replicas_R <= 1) and int(load_R.sum()) == R * M
+    assert int(load_R.max()) > M  # rank 0 keeps what the slots could not take
+    assert int(load_R.max()) <= compute_capacity(M // 4, 4, R, El, 1)
+    load_R, _ = _check_plan(loads, R, M, El)
+    assert torch.all(load_R == M)
+
+
+def _routing(kind, N, E, k, g):
+    if kind == "random":
+        return torch.rand(N, E, generator=g).topk(k, dim=1).indices
+    if kind == "zipf":
+        logp = -1.2 * torch.log(torch.arange(1, E + 1).float())[torch.randperm(E, generator=g)]
+        gumbel = -torch.log(-torch.log(torch.rand(N, E, generator=g).clamp_min(1e-20)))
+        return (logp + gumbel).topk(k, dim=1).indices
+    if kind == "two_owners":  # every token picks among the experts of EP ranks 0 and 1 only (2 * E/4 experts)
+        return torch.rand(N, E // 2, generator=g).topk(k, dim=1).indices
+    return torch.arange(k).repeat(N, 1)  # adversarial: every token picks the same k experts
+
+
+def _worker(rank, world, kind, S, seed):
+    import torch.distributed as dist
+
+    from megatron_k3.parallel.experts import ParallelDispatcher, _shard_experts
+    from megatron_k3.parallel.mappings import Group
+    from megatron_k3.parallel.tensor import TensorParallel
+    torch.manual_seed(seed)
+    E, k, L, I, N = 16, 4, 8, 12, 24
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(world * N, L, generator=g)
+    idx = _routing(kind, world * N, E, k, g)
+    w = torch.rand(world * N, k, generator=g)
+    gy = torch.randn(world * N, L, generator=g)
+    full = GroupedExperts(E, L, I, "situ")
+    with torch.no_grad():
+        for p in (full.w1, full.w3, full.w2):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    # reference: one process, dropless
+    zr, wr = z.clone().requires_grad_(), w.clone().requires_grad_()
+    ref, _ = Dispatcher("dropless")(zr, idx, wr, full)
+    (ref * gy).sum().backward()
+    # balanced over the EP group
+    ep = Group(dist.group.WORLD, world, rank)
+    local = GroupedExperts(E, L, I, "situ")
+    local.load_state_dict(full.state_dict())
+    _shard_experts(local, ep)
+    disp = ParallelDispatcher("balanced", 1.0, TensorParallel(), ep, S, E)
+    rows = slice(rank * N, (rank + 1) * N)
+    zl, wl = z[rows].clone().requires_grad_(), w[rows].clone().requires_grad_()
+    out, kept = disp(zl, idx[rows], wl, local)
+    assert kept is None
+    (out * gy[rows]).sum().backward()
+    El = E // world
+    block = slice(rank * El, (rank + 1) * El)
+
+    def rel(a, b):
+        a, b = a.detach(), b.detach()
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    errs = {"out": rel(out, ref[rows]), "dz": rel(zl.grad, zr.grad[rows]), "dw": rel(wl.grad, wr.grad[rows])}
+    for n in ("w1", "w3", "w2"):
+        errs[n] = rel(getattr(local, n).grad, getattr(full, n).grad[block])
+    load_R, replicas = disp.balanced.stats
+    return errs, load_R.tolist(), int(replicas)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "zipf", "adversarial"])
+def test_balanced_dispatch_equals_single_process_dropless(world, kind):
+    for rank, (errs, load_R, replicas) in enumerate(run_distributed(_worker, world, kind, None, 7, timeout=120)):
+        assert max(errs.values()) < RTOL, (rank, errs)
+        assert load_R == [24 * 4] * world, load_R  # exactly M = N * k pairs on every rank
+        if kind == "adversarial":
+            assert replicas > 0
+
+
+@pytest.mark.slow
+def test_balanced_dispatch_with_too_few_slots_is_still_exact_and_reports_the_imbalance():
+    for errs, load_R, _ in run_distributed(_worker, 4, "two_owners", 1, 3, timeout=120):
+        assert max(errs.values()) < RTOL, errs
+        assert max(load_R) > 24 * 4 and sum(load_R) == 4 * 24 * 4
