@@ -10,16 +10,16 @@ from dist_utils import run_distributed
 
 from megatron_k3.model.dispatcher import Dispatcher
 from megatron_k3.model.experts import GroupedExperts
-from megatron_k3.parallel.balanced import alias_plan, compute_capacity, slot_layout
+from megatron_k3.parallel.balanced import alias_plan, compute_capacity, slot_layout, streams
 
 RTOL = 1e-6
 
 
 def _check_plan(loads_E, R, M, S):
     El = loads_E.numel() // R
-    ends = torch.cumsum(loads_E.view(R, El), 1)
+    ends, perm = streams(loads_E.view(R, El))
     plan = alias_plan(ends, M, S)
-    rows, rep = slot_layout(ends, plan, S)
+    rows, rep = slot_layout(ends, perm, plan, S)
     given, donor, dstart, damt = plan
     # every expert's pairs are computed exactly once: own kept + donated ranges tile each stream
     for o in range(R):

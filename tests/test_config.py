@@ -46,3 +46,15 @@ def test_bad_overrides_name_the_key(override, key):
 def test_unknown_model_lists_available():
     with pytest.raises(ConfigError, match="available"):
         load_model_config("k9")
+
+
+@pytest.mark.parametrize("slots,limit", [(13, "[1, 12]"), (0, "[1, 12]")])
+def test_bad_redundant_experts_name_the_key_and_the_limit(slots, limit):
+    from megatron_k3.config import compose_run_config
+    with pytest.raises(ConfigError) as e:
+        compose_run_config(["model=k3_tiny", "parallel.ep=4", "train.micro_batch_size=1", "model.moe_overflow=balanced",
+                            f"moe.redundant_experts={slots}"], world_size=4)
+    assert "moe.redundant_experts" in str(e.value) and limit in str(e.value), str(e.value)
+    run, _, _ = compose_run_config(["model=k3_tiny", "parallel.ep=4", "train.micro_batch_size=1",
+                                    "model.moe_overflow=balanced"], world_size=4)
+    assert run.moe.slots(run.model, run.parallel) == 4  # default: E/ep

@@ -10,14 +10,15 @@ One MoE layer's forward under balanced dispatch:
 
 1. Counts. Every rank's per-expert counts are all-gathered in the EP group ([R, E] on every rank, on device).
 2. Plan (`alias_plan`, identical on every rank). Rank o's *stream* is every pair routed to its experts, ordered by
-   (its local expert, source rank, the pair's order at the source); its length is the owner load L_o, and the loads
-   sum to R*M. Walker's alias construction over ranks: while some rank holds less than M and another more, the
-   lowest-numbered such receiver takes exactly what it lacks from the front of the lowest-numbered donor's stream,
-   and is done; a donor that falls below M becomes a receiver. Every rank then computes a suffix of its own stream
-   plus at most one range of one donor's stream, and exactly M pairs. A donated range lies inside one rank's El
-   experts, so S = El (= E/R, the default) slots guarantee exact balance for every routing. With S < El a range is
-   cut at the end of its S-th expert: the receiver stays short, its donor computes the rest, nothing is dropped and
-   the step's imbalance is reported (`rank_load_R`).
+   (its expert, from the most to the least loaded (`streams`), source rank, the pair's order at the source); its
+   length is the owner load L_o, and the loads sum to R*M. Walker's alias construction over ranks: while some rank
+   holds less than M and another more, the lowest-numbered such receiver takes exactly what it lacks from the front
+   of the lowest-numbered donor's stream, and is done; a donor that falls below M becomes a receiver. Every rank then
+   computes a suffix of its own stream plus at most one range of one donor's stream, and exactly M pairs. A donated
+   range lies inside one rank's El experts, so S = El (= E/R, the default) slots guarantee exact balance for every
+   routing. With S < El a range is cut at the end of its S-th expert: the receiver stays short, its donor computes
+   the rest, nothing is dropped and the step's imbalance is reported (`stats`). Streams start with the most loaded
+   experts so that a donor gives its largest first and a short receiver takes as much as S experts can hold.
 3. Weights to replicas, in two static all-to-alls through relays: every owner sends slice x (1/R of the P values) of
    each of its El experts to rank x (every rank then holds one slice of every expert of the layer), and every rank x
    sends each host its slice of the S experts that host's plan names. Each rank sends and receives El + S experts'
@@ -44,8 +45,8 @@ import torch.distributed as dist
 from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
-__all__ = ["alias_plan", "pair_destinations", "slot_layout", "compute_capacity", "relay_block", "BalancedDispatch",
-           "default_slots"]
+__all__ = ["alias_plan", "streams", "pair_destinations", "slot_layout", "compute_capacity", "relay_block",
+           "BalancedDispatch", "default_slots"]
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -74,8 +75,8 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 
 def alias_plan(ends_RE: torch.Tensor, M: int, S: int):
-    """The balanced plan from every owner's expert stream ends (`ends_RE[o, j]`: the inclusive cumulative load of
-    rank o's local experts 0..j, so ends_RE[:, -1] are the owner loads, summing to R*M).
+    """The balanced plan from every owner's stream ends (`ends_RE[o, j]`: the inclusive cumulative load of the
+    first j + 1 experts of rank o's stream (`streams`), so ends_RE[:, -1] are the owner loads, summing to R*M).
 
     Returns (given_R, donor_R, dstart_R, damt_R): rank o keeps the suffix [given_R[o], L_o) of its stream; rank r
     computes also the range [dstart_R[r], dstart_R[r] + damt_R[r]) of donor_R[r]'s stream (donor -1, amount 0:
@@ -114,47 +115,62 @@ def _overlap(a0, a1, b0, b1):
     return torch.clamp(torch.minimum(a1, b1) - torch.maximum(a0, b0), min=0)
 
 
-def slot_layout(ends_RE: torch.Tensor, plan, S: int):
-    """For every rank d: its slots' row counts [R, El + S] (own experts 0..El-1, then replicas) and the global expert
-    of every replica slot [R, S] (a slot without rows names its donor's last expert, or expert 0, and gets 0 rows)."""
+def streams(loads_RE: torch.Tensor):
+    """(ends_RS, perm_RS) of every owner's stream: its local experts from the most to the least loaded (ties by
+    index), perm_RS[o, j] the local expert at stream place j and ends_RS[o, j] the inclusive cumulative load there."""
+    perm = torch.argsort(loads_RE, dim=1, descending=True, stable=True)
+    return torch.cumsum(loads_RE.gather(1, perm), 1), perm
+
+
+def _starts(ends_RS):
+    return ends_RS - torch.diff(ends_RS, dim=1, prepend=torch.zeros_like(ends_RS[:, :1]))
+
+
+def slot_layout(ends_RS: torch.Tensor, perm_RS: torch.Tensor, plan, S: int):
+    """For every rank d: its slots' row counts [R, El + S] (own local experts 0..El-1, then the replicas) and the
+    global expert of every replica slot [R, S] (a slot without rows names some expert and gets 0 rows)."""
     given, donor, dstart, damt = plan
-    R, El = ends_RE.shape
-    starts_RE = ends_RE - torch.diff(ends_RE, dim=1, prepend=torch.zeros_like(ends_RE[:, :1]))
-    L_R = ends_RE[:, -1:]
-    own = _overlap(given[:, None], L_R, starts_RE, ends_RE)  # [R, El]
+    R, El = ends_RS.shape
+    starts_RS = _starts(ends_RS)
+    own_stream = _overlap(given[:, None], ends_RS[:, -1:], starts_RS, ends_RS)  # [R, El] by stream place
+    own = torch.empty_like(own_stream).scatter_(1, perm_RS, own_stream)  # by local expert
     g = donor.clamp(min=0)
-    g_ends, g_starts = ends_RE.index_select(0, g), starts_RE.index_select(0, g)  # [R, El]: each rank's donor's
-    j_a = (g_ends <= dstart[:, None]).sum(1)  # first donor expert of the range
-    j = torch.clamp(j_a[:, None] + torch.arange(S, device=ends_RE.device), max=El - 1)  # [R, S]
-    in_range = (j_a[:, None] + torch.arange(S, device=ends_RE.device)) < El
+    g_ends, g_starts = ends_RS.index_select(0, g), starts_RS.index_select(0, g)  # [R, El]: each rank's donor's
+    j_a = (g_ends <= dstart[:, None]).sum(1)  # the donor's stream place where the range starts
+    at = j_a[:, None] + torch.arange(S, device=ends_RS.device)
+    j = torch.clamp(at, max=El - 1)  # [R, S]
     rep = _overlap(dstart[:, None], (dstart + damt)[:, None], g_starts.gather(1, j), g_ends.gather(1, j))
-    rep = torch.where(in_range & (donor[:, None] >= 0), rep, torch.zeros_like(rep))
-    return torch.cat([own, rep], 1), g[:, None] * El + j
+    rep = torch.where((at < El) & (donor[:, None] >= 0), rep, torch.zeros_like(rep))
+    return torch.cat([own, rep], 1), g[:, None] * El + perm_RS.index_select(0, g).gather(1, j)
 
 
-def pair_destinations(expert_M: torch.Tensor, cnt_RE: torch.Tensor, rank: int, ends_RE: torch.Tensor, plan):
-    """(dest_M, bufpos_M): the rank that computes each of this rank's pairs and its row there (rows: the kept suffix
-    of the own stream, then the donated range, both in stream order, so grouped by slot)."""
+def pair_destinations(expert_M: torch.Tensor, cnt_RE: torch.Tensor, rank: int, ends_RS: torch.Tensor,
+                      perm_RS: torch.Tensor, own_RE: torch.Tensor, plan):
+    """(dest_M, bufpos_M): the rank that computes each of this rank's pairs and its row there. A rank's rows are its
+    kept own pairs by local expert (own_RE[d, j] of them for expert j), then the donated range in its donor's stream
+    order, which is the order of its replica slots."""
     given, donor, dstart, damt = plan
-    R, El = ends_RE.shape
+    R, El = ends_RS.shape
     E = R * El
     M = expert_M.shape[0]
     dev = expert_M.device
-    starts_E = (ends_RE - torch.diff(ends_RE, dim=1, prepend=torch.zeros_like(ends_RE[:, :1]))).reshape(E)
+    starts_E = torch.empty_like(ends_RS).scatter_(1, perm_RS, _starts(ends_RS)).reshape(E)  # by global expert
     before_E = (torch.cumsum(cnt_RE, 0) - cnt_RE)[rank]  # pairs of lower source ranks to each expert
     order = torch.argsort(expert_M, stable=True)
     counts_E = cnt_RE[rank]
     first_E = torch.cumsum(counts_E, 0) - counts_E
     within = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=dev) - first_E[expert_M[order]])
-    pos = starts_E[expert_M] + before_E[expert_M] + within  # in the owner's stream
+    start = starts_E[expert_M]
+    pos = start + before_E[expert_M] + within  # in the owner's stream
     owner = expert_M // El
     hit = (donor[None, :] == owner[:, None]) & (dstart[None, :] <= pos[:, None]) & \
         (pos[:, None] < (dstart + damt)[None, :])  # [M, R]
     received = hit.any(1)
     recv_by = torch.argmax(hit.to(torch.int8), 1)
     dest = torch.where(received, recv_by, owner)
-    kept_R = ends_RE[:, -1] - given
-    bufpos = torch.where(received, kept_R[recv_by] + pos - dstart[recv_by], pos - given[owner])
+    own_before_E = (torch.cumsum(own_RE, 1) - own_RE).reshape(E)  # kept rows of the lower local experts
+    kept = own_before_E[expert_M] + pos - torch.maximum(given[owner], start)
+    bufpos = torch.where(received, own_RE.sum(1)[recv_by] + pos - dstart[recv_by], kept)
     return dest, bufpos
 
 
@@ -211,11 +227,11 @@ class BalancedDispatch:
         replicas, _ = self._replica_weights(experts, side)  # side's result reaches the caller through its closure
         expert_M = idx_Nk.reshape(-1)
         cnt_RE = self._counts(torch.bincount(expert_M, minlength=E))
-        ends_RE = torch.cumsum(cnt_RE.sum(0).view(R, El), 1)
-        plan = alias_plan(ends_RE, M, S)
-        rows_RX, rep_RS = slot_layout(ends_RE, plan, S)
+        ends_RS, perm_RS = streams(cnt_RE.sum(0).view(R, El))
+        plan = alias_plan(ends_RS, M, S)
+        rows_RX, rep_RS = slot_layout(ends_RS, perm_RS, plan, S)
         self.stats = (rows_RX.sum(1), (rows_RX[:, El:] > 0).sum())
-        dest, bufpos = pair_destinations(expert_M, cnt_RE, rank, ends_RE, plan)
+        dest, bufpos = pair_destinations(expert_M, cnt_RE, rank, ends_RS, perm_RS, rows_RX[:, :El], plan)
         # hop 1: sort by (destination, row there), pad to Mp = a multiple of R, deal round-robin to the relays
         Mp = -(-M // R) * R
         code = dest * (cap + 1) + bufpos
