@@ -5,6 +5,7 @@ tests/test_plan_cpu_check.py."""
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,162 @@ def test_bad_bandwidth_is_one_line_naming_the_option(plan_tool, capsys, flag, va
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert len(err) == 1 and flag in err[0] and "positive number" in err[0] and out.out == ""
+
+
+# ------------------------------------------------------------------------------------------------ balanced dispatch
+
+def _tiny_balanced(S=6, recompute="none", **kw):
+    """k3_tiny on tp2 (sequence parallel) x ep4, 8 ranks: N = 2 x 256 / 2 = 256 tokens routed per rank, k = 4,
+    M = 1024 pairs, E = 16, El = 4, L = 64, P = 3 x 64 x 64 = 12288 (a multiple of R = 4: Pp = P), bf16."""
+    cfg = load_model_config("k3_tiny")
+    lay = Layout(world=8, tp=2, ep=4, recompute=recompute)
+    w = Workload(256, 2, 16, "bf16", "adamw", **{"moe_overflow": "balanced", "redundant_experts": S, **kw})
+    return cfg, lay, w
+
+
+def test_balanced_dispatch_shapes_by_hand():
+    from megatron_k3.planning.memory import BalancedMoE
+
+    b = BalancedMoE(R=3, E=6, S=2, N=5, k=2, L=7, P=10)
+    assert (b.El, b.M, b.Mp, b.Pp, b.exact, b.cap, b.block) == (2, 10, 12, 12, True, 10, 10 // 3 + 2)
+    assert b.weight_exchange_bytes(2) == pytest.approx((2 + 2) * 12 * 2 / 3 * 2)  # El + S experts, padded P
+    assert b.token_bytes(2) == pytest.approx(2 * (12 + 3 * 5) * 2 / 3 * 7 * 2)  # dispatch + combine, two hops
+    assert b.metadata_bytes() == pytest.approx(2 * 6 * 8 + 27 * 2 / 3 * 8)  # counts all-gather + int64 codes
+    assert b.replica_bytes(2) == 2 * 12 * 2 and b.exchange_buffer_bytes(2) == 2 * (2 + 2) * 12 * 2
+    assert b.token_buffer_bytes(2) == 2 * 27 * (7 * 2 + 8)
+    assert b.drop_rows(1.25) == 6 * 3  # E x ceil(1.25 x 10 / 6)
+    short = BalancedMoE(R=3, E=6, S=1, N=5, k=2, L=7, P=10)  # S < El: worst case R N min(El, k) rows
+    assert not short.exact and short.cap == 3 * 5 * 2 and short.block == 30 // 3 + 2
+
+
+def test_balanced_dispatch_memory_and_traffic_by_hand():
+    from megatron_k3.planning.comm import training_comm
+    from megatron_k3.planning.memory import balanced_moe
+
+    cfg, lay, w = _tiny_balanced()
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    b = balanced_moe(cfg, lay, w)
+    assert (b.R, b.E, b.El, b.S, b.N, b.k, b.L, b.P) == (4, 16, 4, 6, 256, 4, 64, 12288)
+    assert (b.M, b.Mp, b.Pp, b.cap, b.block) == (1024, 1024, 12288, 1024, 1024 // 4 + 3)
+    n_moe = cfg.ffn_types().count("moe")
+    assert n_moe == 7
+    # memory (pp = 1: one micro-batch in flight): the kept replicas S x P x 2 B per MoE layer in the activations;
+    # the exchange buffers 2 (El + S) P x 2 B and both hops' token buffers replace drop's 2 M L x 2 B
+    drop = training_memory(cfg, cl, lay, replace(w, moe_overflow="drop"))[0]
+    bal = training_memory(cfg, cl, lay, w)[0]
+    kept = 6 * 12288 * 2
+    assert bal.activations - drop.activations == pytest.approx(n_moe * kept)
+    assert bal.activation_detail["moe_replicas"] == bal.moe_replicas == n_moe * kept
+    exchange = 2 * (4 + 6) * 12288 * 2 + 2 * (1024 + 1036) * (64 * 2 + 8)
+    assert bal.moe_exchange == exchange
+    assert bal.transient - drop.transient == pytest.approx(exchange - 2 * 1024 * 64 * 2)
+    assert (bal.weights, bal.gradients, bal.optimizer) == (drop.weights, drop.gradients, drop.optimizer)
+    # full recomputation: one layer's replicas, as a transient
+    full = training_memory(cfg, cl, replace(lay, recompute="full"), w)[0]
+    full_drop = training_memory(cfg, cl, replace(lay, recompute="full"), replace(w, moe_overflow="drop"))[0]
+    assert full.activations == full_drop.activations and full.moe_replicas == kept
+    assert full.transient - full_drop.transient == pytest.approx(kept + exchange - 2 * 1024 * 64 * 2)
+    # S = 3 < El: the compute buffer's worst case, R N min(El, k) = 4096 rows, pads 3072 rows of the experts'
+    # kept terms (fused, bf16: inputs 64 x 2, gate/up 128 x 2, hidden 64 x 2, outputs 65 x 2 = 642 B per row)
+    short = training_memory(cfg, cl, lay, replace(w, redundant_experts=3))[0]
+    assert short.activation_detail["moe_capacity_padding"] == pytest.approx(n_moe * 3072 * 642)
+    # traffic per step, m = 16 / (2 x dp 4) = 2 micro-batches: per MoE layer and micro-batch the weights out
+    # (El + S) P (R-1)/R x 2 B in the forward, the gradients back the same in the backward, the tokens two hops
+    # each way per pass, the int64 counts and codes in the forward
+    wout = (4 + 6) * 12288 * 3 / 4 * 2
+    tokens = 2 * (1024 + 1036) * 3 / 4 * 64 * 2
+    meta = 3 * 16 * 8 + (1024 + 1036) * 3 / 4 * 8
+    c = training_comm(cfg, cl, lay, w)
+    d = {k: v[0] for k, v in c.ep_detail.items()}
+    assert d == pytest.approx({"replica_weights": 2 * 7 * wout, "replica_grads": 2 * 7 * wout,
+                               "tokens": 2 * 7 * 2 * tokens, "metadata": 2 * 7 * meta})
+    assert c.bytes_by_kind["ep"] == pytest.approx(sum(d.values()))
+    assert c.ep_detail["replica_weights"][1] == pytest.approx(2 * 7 * wout / (cl.intra_supernode_gbps * GB))
+    assert c.time_by_kind["ep"] == pytest.approx(sum(v[1] for v in c.ep_detail.values()))
+    # full recomputation runs the forward (replica exchange included) twice, the backward once
+    cf = training_comm(cfg, cl, replace(lay, recompute="full"), w).ep_detail
+    assert cf["replica_weights"][0] == pytest.approx(2 * d["replica_weights"])
+    assert cf["replica_grads"][0] == pytest.approx(d["replica_grads"])
+    assert cf["tokens"][0] == pytest.approx(1.5 * d["tokens"])
+    # the plan carries them, and refuses slots outside [1, E - El]
+    p = plan_training(cfg, replace(cl, devices_per_node=8), lay, w)
+    assert p.moe_dispatch["replica_weights_bytes_per_step"] == pytest.approx(2 * 7 * wout)
+    assert p.moe_dispatch["exact_balance"] and p.moe_dispatch["drop_rows"] == 16 * 80  # ceil(1.25 x 1024 / 16)
+    assert p.as_dict()["moe_dispatch"] == p.moe_dispatch
+    with pytest.raises(ValueError, match="moe.redundant_experts"):
+        plan_training(cfg, replace(cl, devices_per_node=8), lay, replace(w, redundant_experts=13))
+
+
+def test_drop_and_default_plans_are_unchanged_by_the_dispatch_fields():
+    from megatron_k3.planning.comm import training_comm
+    from megatron_k3.planning.run import workload
+
+    cfg, lay, w = _tiny_balanced()
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    base = Workload(256, 2, 16, "bf16", "adamw")
+    assert (base.moe_overflow, base.redundant_experts) == ("auto", -1)
+    ref_mem, ref_comm = training_memory(cfg, cl, lay, base), training_comm(cfg, cl, lay, base)
+    assert ref_comm.ep_detail == {} and all(s.moe_replicas == s.moe_exchange == 0 for s in ref_mem)
+    rows = 256 * 4 * 64 * 2 * 3 / 4  # this rank's top-4 latent rows, bf16, the share bound for other ranks
+    assert ref_comm.bytes_by_kind["ep"] == pytest.approx(2 * 7 * 2 * 2 * rows)
+    others = [replace(base, moe_overflow=o) for o in ("drop", "dropless")]
+    others.append(replace(w, redundant_experts=-1))  # balanced on ep = 1: not run
+    for other, ep in zip(others, (4, 4, 1)):
+        lay_o = replace(lay, ep=ep)
+        assert training_memory(cfg, cl, lay_o, other) == training_memory(cfg, cl, lay_o, replace(base))
+        assert training_comm(cfg, cl, lay_o, other) == training_comm(cfg, cl, lay_o, base)
+    # the run's own resolution: moe.slots(model, parallel) is the planner's S
+    from megatron_k3.planning.memory import balanced_slots
+
+    for extra, slots in (([], None), (["model.moe_overflow=balanced"], 4),
+                         (["model.moe_overflow=balanced", "moe.redundant_experts=9"], 9)):
+        run = compose_config(["model=k3_tiny", "cluster=cpu", "parallel.ep=4", *extra])[0]
+        wr = workload(run)
+        assert run.moe.slots(run.model, run.parallel) == balanced_slots(run.model, 4, wr) == slots
+        assert wr.moe_overflow == run.model.moe_overflow
+
+
+def test_check_fits_names_redundant_experts_when_the_replicas_push_it_over():
+    from megatron_k3.config import ConfigError
+    from megatron_k3.planning.run import check_fits, layout, workload
+
+    over = ["model=k3_tiny", "cluster=cpu", "parallel.ep=4", "model.moe_overflow=balanced", "moe.redundant_experts=12",
+            "train.micro_batch_size=2", "train.global_batch_size=8"]
+    run = compose_config(over)[0]
+    w, lay = workload(run), layout(run, 4)
+
+    def gb(**kw):
+        return max(s.total for s in training_memory(run.model, run.cluster, lay, replace(w, **kw))) / GB
+
+    mem = {S: gb(redundant_experts=S) for S in range(1, 13)}
+    assert mem[4] < mem[3]  # at S = E/ep the compute buffer drops from its worst case to M rows
+    assert all(mem[S] < mem[S + 1] for S in range(4, 12)) and gb(moe_overflow="drop") < mem[4]
+    # each slot: the replica kept by every MoE layer (one micro-batch in flight) + 2 exchange buffers, fp32
+    assert (mem[9] - mem[8]) * GB == pytest.approx((7 + 2) * 12288 * 4)
+    for capacity, fix in (((mem[8] + mem[9]) / 2, "the largest that fits is moe.redundant_experts=8"),
+                          ((mem[4] + gb(moe_overflow="drop")) / 2, "no value fits this layout")):
+        small = compose_config(over + [f"cluster.device_memory_gb={capacity}"])[0]
+        with pytest.raises(ConfigError, match="moe.redundant_experts=12") as e:
+            check_fits(small, 4)
+        assert fix in str(e.value) and "model.moe_overflow=balanced" in str(e.value)
+    tight = compose_config(over + [f"cluster.device_memory_gb={gb(moe_overflow='drop') / 2}"])[0]
+    with pytest.raises(ConfigError, match="parallel") as e:  # over even without the replicas: the layout's error
+        check_fits(tight, 4)
+    assert "redundant_experts" not in str(e.value)
+    assert check_fits(run, 4)  # 24 GB: fits
+
+
+def test_plan_reports_balanced_dispatch(plan_tool, capsys):
+    args = ["model=k3_tiny", "cluster=cpu", "cluster.devices_per_node=8", "parallel.tp=2", "parallel.ep=4",
+            "model.moe_overflow=balanced", "moe.redundant_experts=6", "train.micro_batch_size=2",
+            "train.global_batch_size=16", "precision=bf16", "optim=adamw", "--kernels", "fused", "--recompute", "none"]
+    text = run_plan(plan_tool, capsys, *args)
+    assert "MoE dispatch balanced: moe.redundant_experts=6" in text and "replica slot memory per device" in text
+    assert "replica weights out" in text and "gradients back" in text
+    got = plan_json(plan_tool, capsys, *args)
+    d = got["moe_dispatch"]
+    wout = 2 * 7 * (4 + 6) * 12288 * 3 / 4 * 2
+    assert d["replica_weights_bytes_per_step"] == pytest.approx(wout) == d["replica_grads_bytes_per_step"]
+    assert d["replica_memory_gb"] * GB == pytest.approx(7 * 6 * 12288 * 2)
+    assert got["workload"]["moe_overflow"] == "balanced" and "moe_dispatch" not in plan_json(
+        plan_tool, capsys, "model=k3_tiny", "cluster=cpu")

@@ -6,11 +6,15 @@
     python tools/plan.py model=k3 cluster=supernode_64 --search                 # why training does not fit
     python tools/plan.py model=k3 cluster=supernode_64 --mode infer --batch 64 --context 131072
     python tools/plan.py model=k3_tiny cluster=cpu --json                         # the CPU run, checked in tests
+    python tools/plan.py model=k3 cluster=supernodes_8x64 model.moe_overflow=balanced --search  # replica slots
 
 Overrides are the training entry point's (Hydra): model=, cluster=, train=, precision=, optim=adamw|muon,
 parallel.tp/pp/ep/cp=, train.seq_length=, train.micro_batch_size=, train.global_batch_size=,
 model.KEY=, cluster.KEY= (e.g. cluster.inter_supernode_gbps=100). On accelerator clusters the defaults are
 train=pretrain (4096 x 4K tokens) and precision=bf16 unless given; on cluster=cpu they are the run's defaults.
+model.moe_overflow=balanced (with moe.redundant_experts=S, default -1: E/ep) plans the balanced MoE dispatch: the
+report adds the replica slots' memory per device and the replica weights out / gradients back per step with their
+time on the EP links (docs/planning.md, "Balanced MoE dispatch").
 
 Flags:
   --search                 list the layouts that fit, best first (or why none does, and how many accelerators would)
@@ -108,8 +112,9 @@ def main(argv):
     cfg, cluster, t, par = run.model, run.cluster, run.train, run.parallel
     counts = count_parameters(cfg)
     kernels = flags.get("--kernels") or ("eager" if cluster.device_kind == "cpu" else "fused")
+    # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
-                 int(flags["--zero"]), flags["--grad-dtype"], kernels)
+                 int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts)
     as_json = flags.get("--json", False)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])

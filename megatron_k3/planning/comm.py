@@ -11,7 +11,10 @@ Kinds:
   (+ the forward again under full recomputation).
 * cp: the MLA latent all-gather (and its gradient reduce-scatter) and the KDA state hand-off.
 * ep: the dispatcher's all-to-all of the top-k latent rows to the expert ranks and back (combine), forward
-  and backward; inside the supernode by construction.
+  and backward; inside the supernode by construction. Under balanced dispatch (model.moe_overflow=balanced,
+  memory.BalancedMoE) every layer and micro-batch: the tokens in two hops each way through relays, the int64
+  counts and codes (forward), the replica weights out ((El + S) x P x (R-1)/R per forward) and their gradients
+  back (the same bytes, in the backward); `StepComm.ep_detail` gives the four parts and their times.
 * dp: gradient reduce-scatter and parameter all-gather (ZeRO-1/2; all-reduce with ZeRO-0) over the
   data-parallel group (dense) and expert-DP group (routed experts); with Muon, the momentum all-gather for
   the whole-matrix Newton-Schulz; across supernodes when the group spans them.
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .layout import Layout, group_span, stage_layers
-from .memory import Workload
+from .memory import Workload, balanced_moe
 from .params import model_params
 
 __all__ = ["StepComm", "training_comm", "collective_time"]
@@ -37,6 +40,9 @@ class StepComm:
     bytes_by_kind: dict = field(default_factory=dict)  # per device per step
     time_by_kind: dict = field(default_factory=dict)  # seconds per step if not overlapped
     per_micro_time: dict = field(default_factory=dict)  # tp/cp/ep/pp seconds per micro-batch (critical path)
+    # balanced dispatch only: the ep kind's parts per step, {part: (bytes, seconds)} for tokens, metadata,
+    # replica_weights (out, forward) and replica_grads (back, backward)
+    ep_detail: dict = field(default_factory=dict)
 
 
 def collective_time(nbytes: float, size: int, stride: int, cluster) -> float:
@@ -108,7 +114,16 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     # ---- expert parallelism, per micro-batch: dispatch + combine, forward and backward
     ep_bytes = 0.0
     n_moe = ffns.count("moe")
-    if lay.ep > 1 and n_moe:
+    bal = balanced_moe(cfg, lay, w)
+    ep_parts = {}
+    if lay.ep > 1 and n_moe and bal is not None:
+        forwards = passes - 1  # the forward, again under full recomputation (the replicas are exchanged again)
+        ep_parts = {"tokens": n_moe * passes * bal.token_bytes(a),
+                    "metadata": n_moe * forwards * bal.metadata_bytes(),
+                    "replica_weights": n_moe * forwards * bal.weight_exchange_bytes(w.weight_bytes),
+                    "replica_grads": n_moe * bal.weight_exchange_bytes(w.weight_bytes)}
+        ep_bytes = sum(ep_parts.values())
+    elif lay.ep > 1 and n_moe:
         rows = n_rank * cfg.top_k * cfg.expert_width * a * (lay.ep - 1) / lay.ep
         ep_bytes = n_moe * 2 * passes * rows
     ep_time = ep_bytes / (cluster.intra_supernode_gbps * GB) if ep_bytes else 0.0
@@ -159,4 +174,5 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time, "pp": m * pp_time,
                         "dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon}
     out.per_micro_time = {"tp": tp_time, "cp": cp_time, "ep": ep_time, "pp": pp_time}
+    out.ep_detail = {k: (m * v, m * v / (cluster.intra_supernode_gbps * GB)) for k, v in ep_parts.items()}
     return out

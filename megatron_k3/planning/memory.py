@@ -11,18 +11,26 @@ Precision recipes (bytes per parameter):
 * AdamW keeps two fp32 moments (8); Muon one fp32 momentum (4) for matrices and AdamW's two for the rest.
 * ZeRO-1 shards master weights and optimizer states over the data-parallel group (dense parameters over
   DP x CP, routed experts over expert-DP); ZeRO-2 shards the gradients too; ZeRO-0 shards nothing.
+
+MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
+buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
+the replica weights each MoE layer receives, kept for its backward (S x P per layer and micro-batch in flight; one
+layer's worth, transient, under full recomputation), the weight-exchange buffers and the two-hop token buffers,
+and below S = E/ep the rows the worst-case compute buffer pads beyond M.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes
 from .layout import Layout, stage_layers
 from .params import cfg_key, model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",
-           "MXFP4_BYTES_PER_PARAM"]
+           "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots"]
 
 GB = 1e9
 MXFP4_BYTES_PER_PARAM = 4.25 / 8  # E2M1 codes (4 bits) + one E8M0 scale per 32 values
@@ -40,6 +48,8 @@ class Workload:
     zero_stage: int = 1
     grad_dtype: str = "fp32"  # gradient accumulation buffers under mixed precision: fp32 or bf16
     kernels: str = "fused"  # eager (the torch paths) or fused (flash attention, fla KDA, fused norms)
+    moe_overflow: str = "auto"  # model.moe_overflow: auto, drop, dropless (one model: M rows each way) or balanced
+    redundant_experts: int = -1  # moe.redundant_experts (balanced): replica slots per EP rank; -1: E/ep of the layout
 
     @property
     def weight_bytes(self) -> int:
@@ -58,6 +68,114 @@ class Workload:
         return 4 if self.precision in MIXED or self.zero_stage >= 1 else 0
 
 
+def balanced_slots(cfg, ep: int, w: Workload) -> int | None:
+    """S, the replica slots per EP rank balanced dispatch runs with on a layout of `ep` (as MoEConfig.slots: None
+    unless model.moe_overflow=balanced, ep > 1 and the model has MoE layers; moe.redundant_experts=-1 -> E/ep)."""
+    if w.moe_overflow != "balanced" or ep <= 1 or "moe" not in cfg.ffn_types():
+        return None
+    return cfg.num_experts // ep if w.redundant_experts < 0 else w.redundant_experts
+
+
+@dataclass(frozen=True)
+class BalancedMoE:
+    """One MoE layer's balanced dispatch on one device, per micro-batch (megatron_k3.parallel.balanced, whose
+    legend this is): R EP ranks, E experts, El = E/R owned, S replica slots, N tokens this rank routes (1/tp of the
+    micro-batch's), k experts per token, M = N k pairs, L expert width, P parameters of
+    one expert (w1, w3, w2: 3 x moe_intermediate_size x L; exchanged as R slices, so padded to Pp, a multiple
+    of R). Byte counts are what one device sends or holds; `frac` = (R-1)/R is the share bound for other ranks."""
+    R: int
+    E: int
+    S: int
+    N: int
+    k: int
+    L: int
+    P: int
+
+    @property
+    def El(self) -> int:
+        return self.E // self.R
+
+    @property
+    def M(self) -> int:
+        return self.N * self.k
+
+    @property
+    def Mp(self) -> int:  # the sorted pairs, padded to a multiple of R and dealt round-robin to the relays
+        return -(-self.M // self.R) * self.R
+
+    @property
+    def Pp(self) -> int:
+        return -(-self.P // self.R) * self.R
+
+    @property
+    def exact(self) -> bool:  # S >= El: every rank computes exactly M pairs, whatever the routing
+        return self.S >= self.El
+
+    @property
+    def cap(self) -> int:  # rows of the compute buffer: M, or below E/ep slots the worst case R N min(El, k)
+        return compute_capacity(self.N, self.k, self.R, self.El, self.S)
+
+    @property
+    def block(self) -> int:  # rows per (relay, destination) block of the second token hop
+        return relay_block(self.cap, self.R)
+
+    @property
+    def frac(self) -> float:
+        return (self.R - 1) / self.R
+
+    def weight_exchange_bytes(self, weight_bytes: int) -> float:
+        """Sent per forward: the own El experts' slices to the relays, then S replicas from the relays to their
+        hosts. The backward returns the replicas' gradients (in the weights' dtype) the same way, same bytes."""
+        return (self.El + self.S) * self.Pp * self.frac * weight_bytes
+
+    def token_bytes(self, act_bytes: int) -> float:
+        """Sent per pass (forward or backward): dispatch and combine, each two hops (Mp rows to the relays, then
+        R blocks of `block` rows to the destinations) of L values."""
+        return 2 * (self.Mp + self.R * self.block) * self.frac * self.L * act_bytes
+
+    def metadata_bytes(self) -> float:
+        """Sent per forward: the counts all-gather ([E] int64 from every rank) and the int64 destination codes of
+        both dispatch hops."""
+        return (self.R - 1) * self.E * 8 + (self.Mp + self.R * self.block) * self.frac * 8
+
+    def replica_bytes(self, weight_bytes: int) -> float:
+        """The S received replicas ([S, Pp] in the weights' dtype), kept for the layer's backward."""
+        return self.S * self.Pp * weight_bytes
+
+    def exchange_buffer_bytes(self, weight_bytes: int) -> float:
+        """Weight-exchange buffers of one layer: the send buffer and the relay store (El x Pp each), the outgoing
+        and the received replicas (S x Pp each); the backward's gradients of the same sizes."""
+        return 2 * (self.El + self.S) * self.Pp * weight_bytes
+
+    def token_buffer_bytes(self, act_bytes: int) -> float:
+        """Token buffers of one layer's dispatch, alive until it returns: both hops' send and receive rows (Mp at
+        the source and the relay, R x block at the relay and the destination) with their int64 codes."""
+        return 2 * (self.Mp + self.R * self.block) * (self.L * act_bytes + 8)
+
+    def drop_rows(self, capacity_factor: float) -> int:
+        """For comparison: the rows the drop dispatcher computes per rank (E x its capacity, padding included)."""
+        return self.E * max(1, math.ceil(capacity_factor * self.M / self.E))
+
+
+def balanced_moe(cfg, lay: Layout, w: Workload) -> BalancedMoE | None:
+    """The balanced dispatch of a layout's MoE layers (None when it does not run: another policy, ep = 1)."""
+    S = balanced_slots(cfg, lay.ep, w)
+    if S is None:
+        return None
+    # every TP rank routes its own 1/tp of the tokens, with or without sequence parallelism (parallel.experts)
+    n_rank = w.micro_batch_size * w.seq_length / lay.cp / lay.tp
+    W = cfg.expert_width
+    return BalancedMoE(lay.ep, cfg.num_experts, S, math.ceil(n_rank), cfg.top_k, W, 3 * cfg.moe_intermediate_size * W)
+
+
+def _expert_row_bytes(cfg, lay: Layout, w: Workload, i: int, sources, skip_cheap: bool) -> float:
+    """Bytes the routed experts keep per computed row of MoE layer i (their per-token terms over top_k)."""
+    nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
+    return sum(t.per_token / cfg.top_k * nbytes[t.dtype]
+               for t in layer_terms(cfg, i, lay.tp, w.kernels, sources[i], lay.cp)
+               if t.name.startswith("expert_") and not (skip_cheap and t.cheap))
+
+
 @dataclass
 class StageMemory:
     """Bytes per device on one pipeline stage, by kind, with the activation detail beside it."""
@@ -73,6 +191,8 @@ class StageMemory:
     transient: float  # loss gradient, all-to-all buffers, recompute workspace, Newton-Schulz workspace
     reserved: float
     activation_detail: dict = field(default_factory=dict)  # category -> bytes (all micro-batches in flight)
+    moe_replicas: float = 0.0  # balanced dispatch: replica weights kept (in activations, or transient under full)
+    moe_exchange: float = 0.0  # balanced dispatch: weight-exchange + token-hop buffers of one layer (in transient)
 
     @property
     def total(self) -> float:
@@ -161,6 +281,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     grad_shard_experts = shard_experts if w.zero_stage >= 2 else 1
     n = w.micro_batch_size * w.seq_length / lay.cp
     n_rank = n / lay.tp if lay.sp else n
+    bal = balanced_moe(cfg, lay, w)
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
@@ -198,13 +319,33 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         if last:
             _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
             transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
-        if "moe" in cfg.ffn_types()[a:b] and lay.ep > 1:  # all-to-all send + receive buffers of one layer
+        moe_layers = [i for i in range(a, b) if cfg.ffn_types()[i] == "moe"]
+        replicas = exchange = 0.0
+        if moe_layers and bal is not None:  # balanced dispatch (BalancedMoE)
+            pad = 0.0
+            if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
+                pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], sources,
+                                                            lay.recompute == "selective")
+            per_layer = bal.replica_bytes(w.weight_bytes)
+            if lay.recompute == "full":  # one layer's replicas (and padding) live, during its recomputed pass
+                replicas = per_layer
+                transient += per_layer + pad
+            else:
+                held = in_flight * len(moe_layers)
+                replicas = held * per_layer
+                acts += replicas + held * pad
+                detail["moe_replicas"] = replicas
+                if pad:
+                    detail["moe_capacity_padding"] = held * pad
+            exchange = bal.exchange_buffer_bytes(w.weight_bytes) + bal.token_buffer_bytes(w.act_bytes)
+            transient += exchange
+        elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer
             transient += 2 * n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
             big = max(dense.largest_matrix, experts.largest_matrix)
             transient += 3 * big * 4
         out.append(StageMemory(s, (a, b), dense.total, int(e_total), in_flight, weights, grads, optimizer, acts,
-                               transient, cluster.reserved_memory_gb * GB, detail))
+                               transient, cluster.reserved_memory_gb * GB, detail, replicas, exchange))
     return out
 
 

@@ -10,6 +10,10 @@ Time model (training), for the slowest pipeline stage:
                    all-gather the first one's forward; what does not fit is exposed; the Muon momentum
                    gather and Newton-Schulz are exposed
   MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
+
+Balanced MoE dispatch (model.moe_overflow=balanced): its token hops, replica weights out and gradients back are
+the ep kind (comm.py), on the critical path like the rest; `TrainPlan.moe_dispatch` gives the replica slots, their
+memory and that traffic on its own. Its FLOPs are the drop model's (M pairs per rank: exact with S >= E/ep).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .memory import (
     MXFP4_BYTES_PER_PARAM,
     InferenceMemory,
     Workload,
+    balanced_moe,
     inference_memory,
     kda_state_bytes_per_sequence,
     mla_cache_bytes_per_token,
@@ -36,7 +41,7 @@ from .memory import (
 from .params import cfg_key, model_params
 
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
-           "SearchResult", "min_world_for_training", "model_state_bytes"]
+           "SearchResult", "min_world_for_training", "model_state_bytes", "dispatch_problems"]
 
 CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
 _CHEAP_FLOPS = ("kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve",
@@ -70,15 +75,21 @@ class TrainPlan:
     capacity_gb: float
     notes: list = field(default_factory=list)
     stage_params: list = field(default_factory=list)  # parameters one device of each pipeline stage holds
+    moe_dispatch: dict = field(default_factory=dict)  # balanced dispatch only (_balanced_summary)
 
     def as_dict(self) -> dict:
+        workload = {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
+                    "global_batch_size": self.workload.global_batch_size, "precision": self.workload.precision,
+                    "optimizer": self.workload.optimizer, "zero_stage": self.workload.zero_stage,
+                    "kernels": self.workload.kernels}
+        extra = {}
+        if self.moe_dispatch:
+            workload.update(moe_overflow=self.workload.moe_overflow,
+                            redundant_experts=self.workload.redundant_experts)
+            extra["moe_dispatch"] = self.moe_dispatch
         return {
             "mode": "train", "model": self.model, "cluster": self.cluster, "total_params": self.total_params,
-            "active_params": self.active_params, "layout": self.layout.as_dict(),
-            "workload": {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
-                         "global_batch_size": self.workload.global_batch_size, "precision": self.workload.precision,
-                         "optimizer": self.workload.optimizer, "zero_stage": self.workload.zero_stage,
-                         "kernels": self.workload.kernels},
+            "active_params": self.active_params, "layout": self.layout.as_dict(), "workload": workload,
             "fits": self.fits, "device_memory_gb": self.capacity_gb,
             "memory_per_device_gb": self.memory_per_device / GB, "memory_breakdown_gb": self.memory_breakdown,
             "activation_breakdown_gb": self.activation_breakdown, "stage_memory_gb": self.stage_memory_gb,
@@ -87,7 +98,7 @@ class TrainPlan:
             "pipeline_bubble": self.bubble, "model_flops_per_step": self.model_flops_per_step,
             "device_flops_per_step": self.device_flops_per_step, "comm_bytes_per_step": self.comm_bytes,
             "comm_time_s": self.comm_time, "time_breakdown_s": self.time_breakdown, "step_time_s": self.step_time,
-            "mfu": self.mfu, "tokens_per_s": self.tokens_per_s, "notes": self.notes,
+            "mfu": self.mfu, "tokens_per_s": self.tokens_per_s, "notes": self.notes, **extra,
         }
 
 
@@ -161,9 +172,41 @@ def model_state_bytes(cfg, w: Workload) -> float:
     return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt
 
 
+def dispatch_problems(cfg, lay: Layout, w: Workload) -> list:
+    """Why balanced dispatch cannot run on a layout: replica slots outside [1, E - E/ep] (RunConfig.validate's
+    rule, here per planned layout)."""
+    bal = balanced_moe(cfg, lay, w)
+    if bal is None or 1 <= bal.S <= bal.E - bal.El:
+        return []
+    return [f"moe.redundant_experts={w.redundant_experts}: {bal.S} replica slots per EP rank must lie in "
+            f"[1, {bal.E - bal.El}] (model.num_experts={bal.E} minus the {bal.El} each of ep={bal.R} ranks owns)"]
+
+
+def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> dict:
+    """The balanced dispatch of a plan: slots, rows computed, replica memory on the largest stage, and the replica
+    weights out / gradients back per step with their time on the EP links (the slowest stage's)."""
+    bal = balanced_moe(cfg, lay, w)
+    if bal is None:
+        return {}
+    a, b = worst.layers
+    n_moe = cfg.ffn_types()[a:b].count("moe")
+    d = comm.ep_detail
+    return {"policy": "balanced", "redundant_experts": bal.S, "own_experts": bal.El, "exact_balance": bal.exact,
+            "expert_params": bal.P, "pairs_per_rank": bal.M, "compute_rows": bal.cap,
+            "drop_rows": bal.drop_rows(cfg.moe_capacity_factor), "capacity_factor": cfg.moe_capacity_factor,
+            "moe_layers_on_largest_stage": n_moe,
+            "replica_bytes_per_layer": bal.replica_bytes(w.weight_bytes),
+            "replica_memory_gb": worst.moe_replicas / GB, "exchange_buffers_gb": worst.moe_exchange / GB,
+            "replica_weights_bytes_per_step": d["replica_weights"][0], "replica_weights_s": d["replica_weights"][1],
+            "replica_grads_bytes_per_step": d["replica_grads"][0], "replica_grads_s": d["replica_grads"][1],
+            "token_bytes_per_step": d["tokens"][0], "token_s": d["tokens"][1],
+            "metadata_bytes_per_step": d["metadata"][0], "link_gbps": cluster.intra_supernode_gbps}
+
+
 def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
     """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
     problems = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
+    problems += dispatch_problems(cfg, lay, w)
     if problems:
         raise ValueError("; ".join(problems))
     if counts is None:
@@ -208,6 +251,16 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     notes = []
     if lay.tp > 1 and not lay.sp:
         notes.append("sequence parallelism off: the routed MoE branch runs redundantly on every TP rank")
+    moe_dispatch = _balanced_summary(cfg, cluster, lay, w, worst, comm)
+    if moe_dispatch:
+        notes.append("balanced dispatch: the replica weight exchanges and the two-hop token all-to-alls are counted "
+                     "on the critical path (the first weight exchange overlaps the shared experts in the code; "
+                     "not modelled)")
+    if moe_dispatch and not moe_dispatch["exact_balance"]:
+        notes.append(f"moe.redundant_experts={moe_dispatch['redundant_experts']} < E/ep = "
+                     f"{moe_dispatch['own_experts']}: balance is not exact (a donor computes what its receiver "
+                     f"cannot take; FLOPs assume balanced routing), and the compute buffer is sized for the worst "
+                     f"case, {moe_dispatch['compute_rows']} rows instead of {moe_dispatch['pairs_per_rank']}")
     return TrainPlan(
         model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
         active_params=counts["active"], fits=worst.total <= capacity, memory_per_device=worst.total,
@@ -217,7 +270,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
         comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
         mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
-        stage_params=[s.params_dense + s.params_experts for s in mem])
+        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch)
 
 
 # ------------------------------------------------------------------------------------------------ search
@@ -280,9 +333,10 @@ def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) 
     fits, over, invalid, n = [], [], {}, 0
     for lay in candidate_layouts(cfg, cluster, w):
         probs = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
+        probs += dispatch_problems(cfg, lay, w)
         if probs:
             key = probs[0]
-            for word in ("does not divide", "must divide", "cross", "spans", "exceeds", "not a multiple",
+            for word in ("does not divide", "must divide", "cross", "spans", "exceeds", "not a multiple", "must lie",
                          "must be a multiple", "must be divisible"):
                 if word in key:
                     key = _reason_class(key)
@@ -323,7 +377,8 @@ def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernode
         capacity = c.device_memory_gb * GB
         fits = False
         for lay in candidate_layouts(cfg, c, w, recomputes=("full",)):
-            if layout_problems(cfg, c, lay, w.micro_batch_size, w.global_batch_size, w.seq_length):
+            if (layout_problems(cfg, c, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
+                    or dispatch_problems(cfg, lay, w)):
                 continue
             if max(s.total for s in training_memory(cfg, c, lay, w)) <= capacity:  # memory alone decides
                 fits = True

@@ -8,7 +8,7 @@ from .memory import GB, MXFP4_BYTES_PER_PARAM, Workload
 from .planner import InferPlan, SearchResult, TrainPlan
 
 __all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search",
-           "render_checkpoint"]
+           "render_checkpoint", "render_balanced"]
 
 
 def _h(n: float) -> str:
@@ -51,9 +51,43 @@ def _workload(w: Workload) -> str:
               + (", fp32 master" if mixed else ""))
     opt = ("Muon (one fp32 momentum per matrix, AdamW for the rest)" if w.optimizer == "muon"
            else "AdamW (two fp32 moments)")
+    moe = ""
+    if w.moe_overflow == "balanced":
+        slots = "E/ep in each layout" if w.redundant_experts < 0 else f"{w.redundant_experts}"
+        moe = (f"; balanced MoE dispatch, moe.redundant_experts={w.redundant_experts} (replica slots per EP rank: "
+               f"{slots})")
     return (f"workload: {w.global_batch_size} sequences x {w.seq_length} tokens per step "
             f"({_h(w.global_batch_size * w.seq_length)} tokens), micro-batch {w.micro_batch_size}; {recipe}; "
-            f"{opt}, ZeRO-{w.zero_stage}; {w.kernels} kernels")
+            f"{opt}, ZeRO-{w.zero_stage}; {w.kernels} kernels{moe}")
+
+
+def render_balanced(p: TrainPlan) -> list:
+    """Balanced MoE dispatch of a plan: replica slots, their memory per device, and the replica weights out /
+    gradients back per step with their time on the EP links (empty under the other policies)."""
+    d = p.moe_dispatch
+    if not d:
+        return []
+    S, El = d["redundant_experts"], d["own_experts"]
+    bal = (f"exact balance: every EP rank computes M = {d['pairs_per_rank']:,} pairs per MoE layer and micro-batch"
+           if d["exact_balance"] else
+           f"balance not exact (S < E/ep); compute buffer {d['compute_rows']:,} rows (worst case) for M = "
+           f"{d['pairs_per_rank']:,} pairs")
+    gbps = d["link_gbps"]
+    held = ("one layer's, transient under full recomputation" if p.layout.recompute == "full" else
+            "x the micro-batches in flight, in activations")
+    return [
+        f"MoE dispatch balanced: moe.redundant_experts={S} replica slots per EP rank beside its {El} own experts "
+        f"({d['expert_params']:,} parameters each); {bal} (drop: {d['drop_rows']:,} rows at "
+        f"model.moe_capacity_factor={d['capacity_factor']:g}, padding included)",
+        f"  replica slot memory per device: {_bytes(d['replica_bytes_per_layer'])} per MoE layer and micro-batch "
+        f"(S x P weights), {_bytes(d['replica_memory_gb'] * GB)} held on the largest stage "
+        f"({d['moe_layers_on_largest_stage']} MoE layers; {held}) + {_bytes(d['exchange_buffers_gb'] * GB)} exchange "
+        f"buffers (transient)",
+        f"  replica weights out {_bytes(d['replica_weights_bytes_per_step'])} per step "
+        f"({_t(d['replica_weights_s'])} at {gbps:g} GB/s), gradients back {_bytes(d['replica_grads_bytes_per_step'])}"
+        f" ({_t(d['replica_grads_s'])}); tokens, two hops each way, {_bytes(d['token_bytes_per_step'])} "
+        f"({_t(d['token_s'])}); all in ep",
+    ]
 
 
 def _row(i, p: TrainPlan) -> str:
@@ -88,6 +122,7 @@ def render_train(p: TrainPlan) -> list:
            + f" -> {p.step_time:.3g} s",
            f"pipeline bubble {p.bubble:.1%}; model FLOPs per step {p.model_flops_per_step:.3e}; "
            f"MFU {p.mfu:.1%}; {p.tokens_per_s:,.0f} tokens/s"]
+    out += render_balanced(p)
     out += [f"note: {n}" for n in p.notes]
     return out
 

@@ -3,14 +3,18 @@
 `compose_for_planning` is the composition tools/plan.py and tools/build_rank.py share (accelerator clusters
 default to train=pretrain and precision=bf16 unless given). `workload` and `layout` turn a RunConfig into the
 planner's Workload and Layout; `check_fits` refuses, before the model is built, a layout whose largest pipeline
-stage the planner puts over the device's memory, naming the layout keys and values.
+stage the planner puts over the device's memory, naming the layout keys and values, or, under balanced MoE
+dispatch when the layout fits without its replica slots, naming moe.redundant_experts and the largest value that
+fits.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import CONF_DIR, ConfigError, compose_config
 from .layout import Layout
-from .memory import GB, Workload, training_memory
+from .memory import GB, Workload, balanced_slots, training_memory
 
 __all__ = ["compose_for_planning", "workload", "layout", "check_fits"]
 
@@ -39,11 +43,16 @@ def compose_for_planning(overrides, optimizer: str | None = None):
 
 def workload(run, optimizer: str | None = None, zero_stage: int | None = None, grad_dtype: str = "fp32",
              kernels: str | None = None) -> Workload:
-    """The planner's Workload of a run (kernels: eager on CPU clusters, fused on accelerators, unless given)."""
+    """The planner's Workload of a run (kernels: eager on CPU clusters, fused on accelerators, unless given). The MoE
+    dispatch: model.moe_overflow, and under balanced dispatch moe.redundant_experts as the run resolves it
+    (run.moe.slots: S for its own layout); where balanced dispatch does not run, the value as configured (-1:
+    E/ep of whichever layout is planned)."""
     t = run.train
+    slots = run.moe.slots(run.model, run.parallel)
     return Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name,
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
-                    grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"))
+                    grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
+                    run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots)
 
 
 def layout(run, world: int, recompute: str = "none", sequence_parallel: bool | None = None) -> Layout:
@@ -58,14 +67,59 @@ def _layout_keys(run) -> str:
     return " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "pp", "ep", "cp"))
 
 
+def _largest_fitting_slots(run, lay: Layout, w: Workload, S: int, capacity: float) -> int | None:
+    """The largest moe.redundant_experts below S whose plan fits `capacity` (None: none does). Memory grows with
+    the slots within [1, El) and within [El, E - El], and drops at El (the compute buffer shrinks from its worst
+    case to M rows): a bisection on each range, the upper first."""
+    El = run.model.num_experts // lay.ep
+
+    def fits(s):
+        mem = training_memory(run.model, run.cluster, lay, replace(w, redundant_experts=s))
+        return max(m.total for m in mem) <= capacity
+
+    for lo, hi in ((El, min(S - 1, run.model.num_experts - El)), (1, min(S - 1, El - 1))):
+        if lo > hi or not fits(lo):
+            continue
+        while lo < hi:  # fits(lo) holds
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+    return None
+
+
 def check_fits(run, world: int, recompute: str = "none", w: Workload | None = None) -> list:
     """The planner's StageMemory of every pipeline stage of this run's layout; ConfigError (naming the layout keys
     and values, the stage, its memory and cluster.device_memory_gb) when the largest does not fit. The trainer runs
-    without activation recomputation (`recompute="none"`)."""
-    stages = training_memory(run.model, run.cluster, layout(run, world, recompute), w or workload(run))
+    without activation recomputation (`recompute="none"`). Under balanced MoE dispatch, when the layout fits with
+    the drop dispatcher's buffers instead, the replica slots are what push it over: the ConfigError names
+    moe.redundant_experts, its value and the largest that fits."""
+    w = w or workload(run)
+    lay = layout(run, world, recompute)
+    stages = training_memory(run.model, run.cluster, lay, w)
     worst = max(stages, key=lambda s: s.total)
     capacity = run.cluster.device_memory_gb * GB
     if worst.total > capacity:
+        S = balanced_slots(run.model, lay.ep, w)
+        if S is not None:
+            base = max(m.total for m in training_memory(run.model, run.cluster, lay, replace(w, moe_overflow="drop")))
+            if base <= capacity:
+                El = run.model.num_experts // lay.ep
+                best = _largest_fitting_slots(run, lay, w, S, capacity)
+                cfg_value = run.moe.redundant_experts
+                said = f"{S} replica slots per EP rank" + (f" (-1: E/ep = {El})" if cfg_value < 0 else "")
+                if best is None:
+                    fix = (f"no value fits this layout: model.moe_overflow=drop fits ({base / GB:.4g} GB), or a "
+                           f"layout with more recomputation or more ranks (tools/plan.py model={run.model.name} "
+                           f"cluster={run.cluster.name} model.moe_overflow=balanced --search)")
+                else:
+                    fix = (f"the largest that fits is moe.redundant_experts={best}"
+                           + (f" (below E/ep = {El} the balance is not exact)" if best < El else ""))
+                raise ConfigError("moe.redundant_experts", cfg_value, (
+                    f"{said} of model.moe_overflow=balanced ({worst.moe_replicas / GB:.3g} GB of kept replica "
+                    f"weights, {worst.moe_exchange / GB:.3g} GB of exchange buffers) put pipeline stage "
+                    f"{worst.stage} at {worst.total / GB:.4g} GB per device (recompute={recompute}; "
+                    f"{base / GB:.4g} GB with the drop dispatcher), over cluster.device_memory_gb="
+                    f"{run.cluster.device_memory_gb}: {fix}"))
         parts = ", ".join(f"{k} {v:.1f}" for k, v in worst.breakdown_gb().items())
         raise ConfigError("parallel", _layout_keys(run), (
             f"pipeline stage {worst.stage} needs {worst.total / GB:.1f} GB per device ({parts} GB; recompute="
