@@ -232,52 +232,47 @@ class BalancedDispatch:
         rows_RX, rep_RS = slot_layout(ends_RS, perm_RS, plan, S)
         self.stats = (rows_RX.sum(1), (rows_RX[:, El:] > 0).sum())
         dest, bufpos = pair_destinations(expert_M, cnt_RE, rank, ends_RS, perm_RS, rows_RX[:, :El], plan)
-        # hop 1: sort by (destination, row there), pad to Mp = a multiple of R, deal round-robin to the relays
+        # hop 1: sort by (destination, row there), pad to Mp = a multiple of R, deal round-robin to the relays:
+        # sorted row i goes to relay i % R as its row i // R. One gather builds the dealt rows straight from z.
         Mp = -(-M // R) * R
         code = dest * (cap + 1) + bufpos
         order = torch.argsort(code)
-        code_s = torch.cat([code.index_select(0, order), code.new_full((Mp - M,), R * (cap + 1))])
-        # the token rows are gathered, and the outputs combined, in expert order (a token's k terms summed in the
-        # order the single-device dropless layer sums them); a permutation takes them to and from the sorted order
-        by_expert = torch.argsort(expert_M, stable=True)
-        z_rows = torch.cat([z_NL.index_select(0, by_expert // k), z_NL.new_zeros(1, L)])
-        inv_e = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(M, device=dev))
-        rows = z_rows.index_select(0, torch.cat([inv_e.index_select(0, order), order.new_full((Mp - M,), M)]))
+        dummy = (R * (cap + 1), N)  # the padding rows: no destination, token N (a row the combine discards)
 
-        def deal(x):  # sorted row i -> relay i % R, row i // R there
-            return x.view(Mp // R, R, *x.shape[1:]).transpose(0, 1).reshape(Mp, *x.shape[1:])
-
-        def undeal(x):
-            return x.view(R, Mp // R, *x.shape[1:]).transpose(0, 1).reshape(Mp, *x.shape[1:])
-
-        code_r = all_to_all(deal(code_s), group)
-        rows_r = all_to_all(deal(rows), group)
+        def deal(x_s):
+            return x_s.view(Mp // R, R).t().reshape(Mp)
+        tok_d = deal(torch.cat([order // k, order.new_full((Mp - M,), dummy[1])]))
+        code_d = deal(torch.cat([code.index_select(0, order), code.new_full((Mp - M,), dummy[0])]))
+        w_d = deal(torch.cat([weight_Nk.reshape(-1).index_select(0, order), weight_Nk.new_zeros(Mp - M)]))
+        code_r = all_to_all(code_d, group)
+        # padding rows gather some real row (clamp): their results are never read, no gradient reaches them
+        rows_r = all_to_all(z_NL.index_select(0, tok_d.clamp(max=N - 1)), group)
         # hop 2 at the relay: block d holds the rows for destination d, in (destination row) order
         d_r = code_r // (cap + 1)
         o2 = torch.argsort(code_r)
+        d_sorted = d_r.index_select(0, o2)
         cnt_d = torch.bincount(d_r, minlength=R + 1)
-        first_d = torch.cumsum(cnt_d, 0) - cnt_d
-        rank_in = torch.arange(Mp, device=dev) - first_d.index_select(0, d_r.index_select(0, o2))
-        slot_sorted = torch.where(d_r.index_select(0, o2) < R, d_r.index_select(0, o2) * B + rank_in,
-                                  torch.full_like(rank_in, R * B))
+        rank_in = torch.arange(Mp, device=dev) - (torch.cumsum(cnt_d, 0) - cnt_d).index_select(0, d_sorted)
+        slot_sorted = torch.where(d_sorted < R, d_sorted * B + rank_in, torch.full_like(rank_in, R * B))
         slot_r = torch.empty_like(slot_sorted).scatter_(0, o2, slot_sorted)  # each received row's hop-2 slot
         src = torch.full((R * B + 1,), Mp, dtype=torch.long, device=dev).scatter_(
-            0, slot_r, torch.arange(Mp, device=dev))[:R * B]
+            0, slot_r, torch.arange(Mp, device=dev))[:R * B]  # Mp: an empty slot
         bp_send = torch.cat([code_r % (cap + 1), code_r.new_full((1,), cap)]).index_select(0, src)  # cap: empty
-        x2 = torch.cat([rows_r, rows_r.new_zeros(1, L)]).index_select(0, src)
         bp_d = all_to_all(bp_send, group)
-        x_d = all_to_all(x2, group)
-        # at the destination: row bufpos of the compute buffer from wherever it arrived
-        at = torch.full((cap + 1,), R * B, dtype=torch.long, device=dev).scatter_(
+        x_d = all_to_all(rows_r.index_select(0, src.clamp(max=Mp - 1)), group)  # empty slots: never read
+        # at the destination: row bufpos of the compute buffer from wherever it arrived (every row of the first
+        # `load` is filled exactly once; rows past the load, only below E/ep slots, are not computed)
+        at = torch.full((cap + 1,), R * B - 1, dtype=torch.long, device=dev).scatter_(
             0, bp_d, torch.arange(R * B, device=dev))[:cap]
-        X = torch.cat([x_d, x_d.new_zeros(1, L)]).index_select(0, at)
         offs = torch.cumsum(rows_RX[rank], 0).to(torch.int32)
+        X = x_d.index_select(0, at)
+        if cap > M:  # rows past the load: zero, and so is their gradient (the grouped GEMM leaves them unwritten)
+            live = (torch.arange(cap, device=dev) < offs[-1])[:, None]
+            X = torch.where(live, X, torch.zeros((), dtype=X.dtype))
         Y = experts.forward_with(X, offs, replicas(rep_RS))  # [cap, L]
-        # back the same way
-        y_d = torch.cat([Y, Y.new_zeros(1, Y.shape[-1])]).index_select(0, bp_d)
-        y_r = all_to_all(y_d, group)
-        y_rows = torch.cat([y_r, y_r.new_zeros(1, y_r.shape[-1])]).index_select(0, slot_r)
-        y_sorted = undeal(all_to_all(y_rows, group))
-        pos_sorted = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=dev))
-        y_e = y_sorted.index_select(0, pos_sorted.index_select(0, by_expert))  # expert order
-        return weighted_combine(y_e, weight_Nk.reshape(-1).index_select(0, by_expert), by_expert // k, N)
+        if cap > M:
+            Y = torch.where(live, Y, torch.zeros((), dtype=Y.dtype))
+        # back the same way, and the combine straight from the dealt rows (late routing weights, fp32)
+        y_r = all_to_all(Y.index_select(0, bp_d.clamp(max=cap - 1)), group)
+        y_back = all_to_all(y_r.index_select(0, slot_r.clamp(max=R * B - 1)), group)
+        return weighted_combine(y_back, w_d, tok_d, N + 1)[:N]
