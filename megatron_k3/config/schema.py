@@ -390,7 +390,8 @@ class OptimConfig:
 
 @dataclass
 class MoEConfig:
-    """How the routers' selection bias is balanced (megatron_k3.training.balancing)."""
+    """How the routers' selection bias is balanced (megatron_k3.training.balancing), and the replica slots of balanced
+    dispatch (megatron_k3.parallel.balanced)."""
     balancing: str = "quantile"  # quantile (K3's Quantile Balancing), sign (DeepSeek-V3's +-rate), none
     quantile_estimator: str = "auto"  # exact (gather every margin), histogram (pooled counts), auto (by size)
     exact_max_margins: int = 4_000_000  # auto: exact while tokens x experts per layer and step stay below this

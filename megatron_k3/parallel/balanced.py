@@ -220,7 +220,7 @@ class BalancedDispatch:
         R, S, rank, group = self.R, self.S, self.rank, self.group
         N, k = idx_Nk.shape
         El, E = experts.num_local, experts.num_experts
-        M, L = N * k, z_NL.shape[-1]
+        M = N * k
         dev = z_NL.device
         cap = compute_capacity(N, k, R, El, S)
         B = relay_block(cap, R)
