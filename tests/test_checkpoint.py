@@ -69,7 +69,7 @@ def _resume(rank, world, overrides, ckpt_dir):
     (1, []),
     (2, ["parallel.tp=2"]),
     (2, ["parallel.ep=2"] + STATIC),
-    (2, ["parallel.ep=2", "model.moe_overflow=balanced"]),
+    (2, ["parallel.ep=2", "model.moe_overflow=balanced", "moe.replica_exchange=step"]),
     (2, ["parallel.zero_stage=1"]),
 ], ids=["one-process", "tp2", "ep2", "ep2-balanced", "dp2-zero1"])
 def test_resume_is_bitwise_under_every_layout(tmp_path, world, overrides):

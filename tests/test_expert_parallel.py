@@ -50,27 +50,22 @@ def reference_dropless(tmp_path_factory):
 
 @pytest.mark.parametrize("world,overrides", [
     (2, ["parallel.ep=2"]),
-    (4, ["parallel.tp=2", "parallel.ep=2"]),
-], ids=["ep2", "tp2xep2"])
+    (4, ["parallel.tp=2", "parallel.ep=2", "moe.replica_exchange=step"]),
+], ids=["ep2", "tp2xep2-step-exchange"])
 def test_balanced_expert_parallel_equals_single_process_dropless(reference_dropless, tmp_path, world, overrides):
     """model.moe_overflow=balanced: every EP rank computes exactly the same number of pairs (the logged
     expert_load.rank_max_over_mean is 1), nothing is dropped, and the run equals one process with dropless routing
-    after 5 steps of the default optimizer, QB on: losses 1e-5 relative (measured <= 8e-8), every parameter but the
-    AttnRes queries 1e-5 per tensor in norm (measured <= 3.3e-6; the MoE layers' router, latent projections, shared
-    and routed experts <= 1e-6), and the AttnRes queries (`*_res.proj`, vectors AdamW updates) within test_engine's
-    2e-5 for the default optimizer: its docstring explains why they are the noisiest, and expert parallelism without
-    balanced dispatch measures the same (ep2 with drop at capacity factor 4, which drops nothing: 9.4e-6 on
-    layers.0.mlp_res.proj, balanced 1.0e-5; tp2 x ep2 balanced 0.8e-5-1.4e-5 over runs)."""
+    after 5 steps of the default optimizer, QB on: losses 1e-5 relative (measured <= 8e-8), every parameter 1e-5 per
+    tensor in norm. Measured: ep2 2.2e-6, tp2 x ep2 8.6e-6 (with moe.replica_exchange=step or without), the MoE
+    layers' router, latent projections, shared and routed experts <= 6.5e-7; the worst tensor is always an AttnRes
+    query (`*_res.proj`, a vector AdamW updates), the noisiest for the reason test_engine's docstring gives: the
+    dense tp2 layout alone measures 1.05e-5 there, so these layouts sit near that floor, not below it by design."""
     from test_engine import _train_default_optimizer
     ref_steps = reference_dropless[3]["steps"]
     results = run_distributed(_train_default_optimizer, world, ["model.moe_overflow=balanced"] + overrides,
                               str(tmp_path), timeout=300)
     for rank, (_, _, _, extra) in enumerate(results):
-        assert compare(ref_steps, extra["steps"], RTOL, 2e-5, f"rank {rank}") == len(ref_steps)
-        got, ref = extra["steps"][-1].params, ref_steps[-1].params
-        for name, p in ref.items():
-            if "_res.proj" not in name and p.norm() > 0:
-                assert (got[name] - p).norm() / p.norm() <= 1e-5, (rank, name)
+        assert compare(ref_steps, extra["steps"], RTOL, 1e-5, f"rank {rank}") == len(ref_steps)
         assert extra["dropped"] == [0.0] * len(extra["dropped"])
         for s in extra["steps"]:
             load = s.record["expert_load"]

@@ -409,26 +409,36 @@ def test_balanced_dispatch_memory_and_traffic_by_hand():
     short = training_memory(cfg, cl, lay, replace(w, redundant_experts=3))[0]
     assert short.activation_detail["moe_capacity_padding"] == pytest.approx(n_moe * 3072 * 642)
     # traffic per step, m = 16 / (2 x dp 4) = 2 micro-batches: per MoE layer and micro-batch the weights out
-    # (El + S) P (R-1)/R x 2 B in the forward, the gradients back the same in the backward, the tokens two hops
-    # each way per pass, the int64 counts and codes in the forward
-    wout = (4 + 6) * 12288 * 3 / 4 * 2
+    # (El + S) P (R-1)/R x 2 B in the forward (the owners' El experts' slices to the relays, the S replicas to
+    # their hosts), the gradients back the same in the backward, the tokens two hops each way per pass, the int64
+    # counts and codes in the forward
+    own, host = 4 * 12288 * 3 / 4 * 2, 6 * 12288 * 3 / 4 * 2
+    wout = 2 * 7 * (own + host)
     tokens = 2 * (1024 + 1036) * 3 / 4 * 64 * 2
     meta = 3 * 16 * 8 + (1024 + 1036) * 3 / 4 * 8
     c = training_comm(cfg, cl, lay, w)
     d = {k: v[0] for k, v in c.ep_detail.items()}
-    assert d == pytest.approx({"replica_weights": 2 * 7 * wout, "replica_grads": 2 * 7 * wout,
+    assert d == pytest.approx({"replica_weights": wout, "replica_grads": wout,
                                "tokens": 2 * 7 * 2 * tokens, "metadata": 2 * 7 * meta})
     assert c.bytes_by_kind["ep"] == pytest.approx(sum(d.values()))
-    assert c.ep_detail["replica_weights"][1] == pytest.approx(2 * 7 * wout / (cl.intra_supernode_gbps * GB))
+    assert c.ep_detail["replica_weights"][1] == pytest.approx(wout / (cl.intra_supernode_gbps * GB))
     assert c.time_by_kind["ep"] == pytest.approx(sum(v[1] for v in c.ep_detail.values()))
-    # full recomputation runs the forward (replica exchange included) twice, the backward once
+    # full recomputation runs the forward (the replica exchange included) twice, the backward once
     cf = training_comm(cfg, cl, replace(lay, recompute="full"), w).ep_detail
     assert cf["replica_weights"][0] == pytest.approx(2 * d["replica_weights"])
     assert cf["replica_grads"][0] == pytest.approx(d["replica_grads"])
     assert cf["tokens"][0] == pytest.approx(1.5 * d["tokens"])
+    # moe.replica_exchange=step: the owners' part once per step, in fp32 (the relay's store), the replicas' per
+    # micro-batch; each relay keeps its fp32 store and gradient (El x P x 4 B each) per MoE layer for the step
+    ws = replace(w, replica_exchange="step")
+    cs = {k: v[0] for k, v in training_comm(cfg, cl, lay, ws).ep_detail.items()}
+    assert cs["replica_weights"] == pytest.approx(2 * 7 * host + 7 * own * 2) == cs["replica_grads"]
+    step = training_memory(cfg, cl, lay, ws)[0]
+    assert step.activation_detail["moe_relay_stores"] == pytest.approx(n_moe * 2 * 4 * 12288 * 4)
+    assert step.activations - bal.activations == pytest.approx(n_moe * 2 * 4 * 12288 * 4)
     # the plan carries them, and refuses slots outside [1, E - El]
     p = plan_training(cfg, replace(cl, devices_per_node=8), lay, w)
-    assert p.moe_dispatch["replica_weights_bytes_per_step"] == pytest.approx(2 * 7 * wout)
+    assert p.moe_dispatch["replica_weights_bytes_per_step"] == pytest.approx(wout)
     assert p.moe_dispatch["exact_balance"] and p.moe_dispatch["drop_rows"] == 16 * 80  # ceil(1.25 x 1024 / 16)
     assert p.as_dict()["moe_dispatch"] == p.moe_dispatch
     with pytest.raises(ValueError, match="moe.redundant_experts"):

@@ -114,7 +114,8 @@ def main(argv):
     kernels = flags.get("--kernels") or ("eager" if cluster.device_kind == "cpu" else "fused")
     # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
-                 int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts)
+                 int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
+                 run.moe.replica_exchange)
     as_json = flags.get("--json", False)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])

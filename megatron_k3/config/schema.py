@@ -401,6 +401,9 @@ class MoEConfig:
     rescore_max_tokens: int = 8192  # rescore: router inputs kept per micro-batch and rank (a strided subset)
     # model.moe_overflow=balanced: replica slots per EP rank (-1: E/ep, which balances exactly for any routing)
     redundant_experts: int = -1
+    # balanced: the owners' experts go to the relays once per micro-batch (micro_batch) or once per step (step: less
+    # traffic; each rank keeps an fp32 relay store of E/ep experts and its gradient per MoE layer for the step)
+    replica_exchange: str = "micro_batch"
 
     def slots(self, model, parallel) -> int | None:
         """The replica slots balanced dispatch runs with (None where it does not run)."""
@@ -411,6 +414,7 @@ class MoEConfig:
     def validate(self, prefix: str = "moe") -> "MoEConfig":
         _require_choice(self, prefix, "balancing", ("quantile", "sign", "none"))
         _require_choice(self, prefix, "quantile_estimator", ("auto", "exact", "histogram"))
+        _require_choice(self, prefix, "replica_exchange", ("micro_batch", "step"))
         if self.histogram_bins < 2:
             raise ConfigError(f"{prefix}.histogram_bins", self.histogram_bins, "must be >= 2")
         return self

@@ -24,7 +24,8 @@ One MoE layer's forward under balanced dispatch:
    sends each host its slice of the S experts that host's plan names. Each rank sends and receives El + S experts'
    worth (times (R-1)/R), whatever the routing. The owner's first exchange does not depend on the plan and runs while
    the shared experts compute. The backward of the two exchanges returns every replica's gradient to its owner,
-   where autograd sums it into the owner's own.
+   where autograd sums it into the owner's own. With `moe.replica_exchange=step` the first exchange runs once per
+   step instead (`cache_weights`, `flush`): each relay keeps its fp32 store and the store's gradient for the step.
 4. Tokens in two static all-to-alls through relays (no split sizes): each source sorts its M pairs by (destination,
    position there), pads to a multiple of R, and deals the sorted rows round-robin to the R ranks (M/R each); each
    relay forwards what it holds to the destinations in blocks of B = floor(Cap/R) + R - 1 rows. Dealing a run of F
@@ -39,6 +40,8 @@ R * N * min(El, k), the dropless worst case, since the plan cannot promise bette
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -46,7 +49,7 @@ from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
 __all__ = ["alias_plan", "streams", "pair_destinations", "slot_layout", "compute_capacity", "relay_block",
-           "BalancedDispatch", "default_slots"]
+           "BalancedDispatch", "default_slots", "balanced_layers", "flush_replica_gradients"]
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -181,6 +184,32 @@ class BalancedDispatch:
     def __init__(self, group, R: int, rank: int, slots: int):
         self.group, self.R, self.rank, self.S = group, R, rank, slots
         self.stats = None
+        # moe.replica_exchange=step (the trainer sets it, and calls `flush` at the step's boundary): the first weight
+        # exchange (owner -> relays) is reused by every micro-batch of the step, as an fp32 store whose gradient
+        # accumulates on the relay and goes back to the owners once, by `flush`.
+        self.cache_weights = False
+        self._store = None
+
+    def flush(self, experts) -> None:
+        """End of a step under `cache_weights`: the replicas' gradients accumulated on this relay go back to their
+        owners (one all-to-all, the reverse of the first weight exchange) and are added to the experts' gradients;
+        the cached exchange is dropped (the optimizer changes the weights next). Every rank of the EP group calls it
+        at the same point (the trainer's gradient-accumulation boundary)."""
+        store, self._store = self._store, None
+        if store is None:
+            return
+        R, El = self.R, experts.num_local
+        ws = (experts.w1, experts.w3, experts.w2)
+        P = sum(w[0].numel() for w in ws)
+        g = store.grad if store.grad is not None else torch.zeros_like(store)
+        back = all_to_all(g.contiguous(), self.group)  # [R relays * El, Pp/R]: slice x of each own expert from x
+        flat = back.view(R, El, -1).transpose(0, 1).reshape(El, -1)[:, :P]
+        at = 0
+        for w in ws:
+            n = w[0].numel()
+            gw = flat[:, at:at + n].reshape(w.shape).to(w.dtype)
+            w.grad = gw.clone() if w.grad is None else w.grad.add_(gw)
+            at += n
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         out = counts_E.new_empty(self.R * counts_E.numel())
@@ -189,20 +218,33 @@ class BalancedDispatch:
 
     def _replica_weights(self, experts, side):
         """(replicas, side()): `replicas(rep_RS)` gives the (w1, w3, w2) [S, ...] of this rank's replica slots once the
-        plan names every rank's; the first exchange does not depend on the plan and runs while side() computes."""
+        plan names every rank's; the first exchange does not depend on the plan and runs while side() computes.
+        With `cache_weights` (training) the first exchange runs once per step (`flush` ends it)."""
         R, El = self.R, experts.num_local
         ws = (experts.w1, experts.w3, experts.w2)
-        flat = torch.cat([w.reshape(El, -1) for w in ws], 1)  # [El, P]
-        P = flat.shape[1]
+        P = sum(w[0].numel() for w in ws)
         Pp = -(-P // R) * R
-        if Pp != P:
-            flat = torch.cat([flat, flat.new_zeros(El, Pp - P)], 1)
-        send = flat.view(El, R, Pp // R).transpose(0, 1).reshape(R * El, Pp // R)
-        if side is None:
+        cached = self.cache_weights and torch.is_grad_enabled()
+        if cached and self._store is not None:
+            return self._replicas(self._store, ws, P, Pp), (side() if side is not None else None)
+        with torch.no_grad() if cached else contextlib.nullcontext():
+            flat = torch.cat([w.reshape(El, -1) for w in ws], 1)  # [El, P]
+            if Pp != P:
+                flat = torch.cat([flat, flat.new_zeros(El, Pp - P)], 1)
+            send = flat.view(El, R, Pp // R).transpose(0, 1).reshape(R * El, Pp // R)
+        if cached:  # an fp32 leaf: every micro-batch's replica gradients accumulate in its .grad until `flush`
+            out = None if side is None else side()
+            with torch.no_grad():
+                store = self._store = all_to_all(send, self.group).float().requires_grad_(True)
+        elif side is None:
             store, out = all_to_all(send, self.group), None
         else:
             store, out = all_to_all_overlapped(send, self.group, side)
-        # store: slice `rank` of every expert of the layer, in global order [E, Pp/R]
+        return self._replicas(store, ws, P, Pp), out
+
+    def _replicas(self, store, ws, P: int, Pp: int):
+        """`replicas(rep_RS)` from the store (slice `rank` of every expert of the layer, in global order [E, Pp/R])."""
+        R = self.R
 
         def replicas(rep_RS: torch.Tensor):
             S = self.S
@@ -214,7 +256,7 @@ class BalancedDispatch:
                 parts.append(got[:, at:at + n].reshape((S,) + tuple(w.shape[1:])))
                 at += n
             return tuple(parts)
-        return replicas, out
+        return replicas
 
     def __call__(self, z_NL, idx_Nk, weight_Nk, experts, side=None):
         R, S, rank, group = self.R, self.S, self.rank, self.group
@@ -276,3 +318,19 @@ class BalancedDispatch:
         y_r = all_to_all(Y.index_select(0, bp_d.clamp(max=cap - 1)), group)
         y_back = all_to_all(y_r.index_select(0, slot_r.clamp(max=R * B - 1)), group)
         return weighted_combine(y_back, w_d, tok_d, N + 1)[:N]
+
+
+def balanced_layers(model):
+    """(dispatch, experts) of every MoE layer of `model` that runs balanced dispatch."""
+    out = []
+    for m in model.modules():
+        b = getattr(getattr(m, "dispatcher", None), "balanced", None)
+        if isinstance(b, BalancedDispatch):
+            out.append((b, m.experts))
+    return out
+
+
+def flush_replica_gradients(model) -> None:
+    """`BalancedDispatch.flush` of every balanced MoE layer of `model` (the trainer's step boundary)."""
+    for b, experts in balanced_layers(model):
+        b.flush(experts)

@@ -41,7 +41,8 @@ class StepComm:
     time_by_kind: dict = field(default_factory=dict)  # seconds per step if not overlapped
     per_micro_time: dict = field(default_factory=dict)  # tp/cp/ep/pp seconds per micro-batch (critical path)
     # balanced dispatch only: the ep kind's parts per step, {part: (bytes, seconds)} for tokens, metadata,
-    # replica_weights (out, forward) and replica_grads (back, backward)
+    # replica_weights (out, forward) and replica_grads (back, backward); under moe.replica_exchange=step the owners'
+    # part once per step
     ep_detail: dict = field(default_factory=dict)
 
 
@@ -115,14 +116,19 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     ep_bytes = 0.0
     n_moe = ffns.count("moe")
     bal = balanced_moe(cfg, lay, w)
-    ep_parts = {}
+    ep_parts, ep_step = {}, {}
     if lay.ep > 1 and n_moe and bal is not None:
         forwards = passes - 1  # the forward, again under full recomputation (the replicas are exchanged again)
+        own = n_moe * bal.owner_exchange_bytes(w.weight_bytes)
+        per_micro = w.replica_exchange != "step"  # the owners' slices to the relays, out and their gradient back
         ep_parts = {"tokens": n_moe * passes * bal.token_bytes(a),
                     "metadata": n_moe * forwards * bal.metadata_bytes(),
-                    "replica_weights": n_moe * forwards * bal.weight_exchange_bytes(w.weight_bytes),
-                    "replica_grads": n_moe * bal.weight_exchange_bytes(w.weight_bytes)}
+                    "replica_weights": n_moe * forwards * bal.host_exchange_bytes(w.weight_bytes)
+                    + (forwards * own if per_micro else 0.0),
+                    "replica_grads": n_moe * bal.host_exchange_bytes(w.weight_bytes) + (own if per_micro else 0.0)}
         ep_bytes = sum(ep_parts.values())
+        if not per_micro:  # moe.replica_exchange=step: once per step (in fp32, the relay's store)
+            ep_step = {"replica_weights": own * 4 / w.weight_bytes, "replica_grads": own * 4 / w.weight_bytes}
     elif lay.ep > 1 and n_moe:
         rows = n_rank * cfg.top_k * cfg.expert_width * a * (lay.ep - 1) / lay.ep
         ep_bytes = n_moe * 2 * passes * rows
@@ -168,11 +174,15 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
         muon_bytes = md + me
         t_muon = collective_time(md, g_dense, lay.tp, cluster) + collective_time(me, g_exp, lay.ep, cluster)
 
-    out.bytes_by_kind = {"tp": m * tp_bytes, "cp": m * cp_bytes, "ep": m * ep_bytes, "pp": m * pp_bytes,
+    ep_once = sum(ep_step.values())
+    out.bytes_by_kind = {"tp": m * tp_bytes, "cp": m * cp_bytes, "ep": m * ep_bytes + ep_once, "pp": m * pp_bytes,
                          "dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
                          "dp_muon_gather": muon_bytes}
-    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time, "pp": m * pp_time,
+    ep_once_time = ep_once / (cluster.intra_supernode_gbps * GB)
+    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time + ep_once_time, "pp": m * pp_time,
                         "dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon}
     out.per_micro_time = {"tp": tp_time, "cp": cp_time, "ep": ep_time, "pp": pp_time}
-    out.ep_detail = {k: (m * v, m * v / (cluster.intra_supernode_gbps * GB)) for k, v in ep_parts.items()}
+    gbps = cluster.intra_supernode_gbps * GB
+    step_bytes = {k: m * v + ep_step.get(k, 0.0) for k, v in ep_parts.items()}
+    out.ep_detail = {k: (v, v / gbps) for k, v in step_bytes.items()}
     return out

@@ -50,6 +50,7 @@ class Workload:
     kernels: str = "fused"  # eager (the torch paths) or fused (flash attention, fla KDA, fused norms)
     moe_overflow: str = "auto"  # model.moe_overflow: auto, drop, dropless (one model: M rows each way) or balanced
     redundant_experts: int = -1  # moe.redundant_experts (balanced): replica slots per EP rank; -1: E/ep of the layout
+    replica_exchange: str = "micro_batch"  # moe.replica_exchange (balanced): owners' experts out per micro-batch|step
 
     @property
     def weight_bytes(self) -> int:
@@ -123,10 +124,19 @@ class BalancedMoE:
     def frac(self) -> float:
         return (self.R - 1) / self.R
 
+    def owner_exchange_bytes(self, weight_bytes: int) -> float:
+        """The first weight exchange (the own El experts' slices to the relays): the trainer runs it once per step
+        (BalancedDispatch.cache_weights) and returns its gradient once, at the step's boundary (`flush`)."""
+        return self.El * self.Pp * self.frac * weight_bytes
+
+    def host_exchange_bytes(self, weight_bytes: int) -> float:
+        """The second (S replicas from the relays to their hosts), per forward; the backward returns the replicas'
+        gradients (in the weights' dtype) the same way, same bytes."""
+        return self.S * self.Pp * self.frac * weight_bytes
+
     def weight_exchange_bytes(self, weight_bytes: int) -> float:
-        """Sent per forward: the own El experts' slices to the relays, then S replicas from the relays to their
-        hosts. The backward returns the replicas' gradients (in the weights' dtype) the same way, same bytes."""
-        return (self.El + self.S) * self.Pp * self.frac * weight_bytes
+        """Both exchanges of one forward (El + S experts' worth): a step with one micro-batch."""
+        return self.owner_exchange_bytes(weight_bytes) + self.host_exchange_bytes(weight_bytes)
 
     def token_bytes(self, act_bytes: int) -> float:
         """Sent per pass (forward or backward): dispatch and combine, each two hops (Mp rows to the relays, then
@@ -141,6 +151,11 @@ class BalancedMoE:
     def replica_bytes(self, weight_bytes: int) -> float:
         """The S received replicas ([S, Pp] in the weights' dtype), kept for the layer's backward."""
         return self.S * self.Pp * weight_bytes
+
+    def step_store_bytes(self) -> float:
+        """moe.replica_exchange=step: the relay's fp32 store (slices of E experts, El x Pp values) and its fp32
+        gradient, kept for the whole step per MoE layer."""
+        return 2 * self.El * self.Pp * 4
 
     def exchange_buffer_bytes(self, weight_bytes: int) -> float:
         """Weight-exchange buffers of one layer: the send buffer and the relay store (El x Pp each), the outgoing
@@ -339,6 +354,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
                     detail["moe_capacity_padding"] = held * pad
             exchange = bal.exchange_buffer_bytes(w.weight_bytes) + bal.token_buffer_bytes(w.act_bytes)
             transient += exchange
+            if w.replica_exchange == "step":  # the relay stores of every MoE layer, for the whole step
+                acts += len(moe_layers) * bal.step_store_bytes()
+                detail["moe_relay_stores"] = len(moe_layers) * bal.step_store_bytes()
         elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer
             transient += 2 * n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)

@@ -85,7 +85,8 @@ class TrainPlan:
         extra = {}
         if self.moe_dispatch:
             workload.update(moe_overflow=self.workload.moe_overflow,
-                            redundant_experts=self.workload.redundant_experts)
+                            redundant_experts=self.workload.redundant_experts,
+                            replica_exchange=self.workload.replica_exchange)
             extra["moe_dispatch"] = self.moe_dispatch
         return {
             "mode": "train", "model": self.model, "cluster": self.cluster, "total_params": self.total_params,

@@ -55,7 +55,7 @@ def _workload(w: Workload) -> str:
     if w.moe_overflow == "balanced":
         slots = "E/ep in each layout" if w.redundant_experts < 0 else f"{w.redundant_experts}"
         moe = (f"; balanced MoE dispatch, moe.redundant_experts={w.redundant_experts} (replica slots per EP rank: "
-               f"{slots})")
+               f"{slots}), moe.replica_exchange={w.replica_exchange}")
     return (f"workload: {w.global_batch_size} sequences x {w.seq_length} tokens per step "
             f"({_h(w.global_batch_size * w.seq_length)} tokens), micro-batch {w.micro_batch_size}; {recipe}; "
             f"{opt}, ZeRO-{w.zero_stage}; {w.kernels} kernels{moe}")

@@ -52,7 +52,8 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
     return Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name,
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
                     grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
-                    run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots)
+                    run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots,
+                    run.moe.replica_exchange)
 
 
 def layout(run, world: int, recompute: str = "none", sequence_parallel: bool | None = None) -> Layout:

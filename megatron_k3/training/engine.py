@@ -30,6 +30,7 @@ from ..config import ConfigError, RunConfig
 from ..optim import Muon, build_optimizer
 from ..optim.zero import ZeroMuon, attach
 from ..parallel import state
+from ..parallel.balanced import flush_replica_gradients
 from ..parallel.mappings import Group
 from ..parallel.mpu import get_mpu
 from .expert_optimizer import ExpertOptimizer
@@ -203,6 +204,7 @@ def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, last:
         engine.step()
         return None, None
     zero0 = run.parallel.zero_stage == 0
+    flush_replica_gradients(engine.module)  # balanced dispatch: the step's replica gradients to their owners
     if experts is not None:
         experts.reduce_gradients()
     norm0 = grad_norm_without_zero(engine.module) if zero0 else None

@@ -24,6 +24,7 @@ from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
 from ..optim.schedule import lr_at
 from ..parallel import ParallelGroups, build_model, pipeline, state
+from ..parallel.balanced import balanced_layers
 from ..planning.run import check_fits
 from ..precision import forward_context, prepare_model_for_precision
 from . import balancing, faults
@@ -102,6 +103,8 @@ class Trainer:
                                            t.global_batch_size * t.seq_length)
         self.routing = RoutingStats(self.model)  # expert load, in the rows of every stage's MoE layers
         self.balanced_ep = bool(self.routing.layer_ids) and run.model.moe_overflow == "balanced" and run.parallel.ep > 1
+        for b, _ in balanced_layers(self.model):  # moe.replica_exchange=step: once per step (engine.boundary_step)
+            b.cache_weights = run.moe.replica_exchange == "step"
         self.stats = ModelStats(self.model)  # router entropy / bias, AttnRes depth weights
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.pos = Position()
