@@ -67,7 +67,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
@@ -78,13 +77,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from machine import timed_fwd_bwd  # noqa: E402  (bench/machine.py)
 
 POLICIES = ("balanced", "drop", "dropless")
 CAPACITY_FACTOR = 1.25
 BIAS_SCALE = 0.125
 PERM_SEED = 1234
 MODEL = ["moe_capacity_factor=1.25"]  # k3_tiny as it is otherwise
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def zipf_bias(num_experts: int, zipf: float) -> torch.Tensor:
@@ -219,14 +218,7 @@ def run_rank(rank, a):
     x = torch.randn(1, N, cfg.hidden_size)
 
     def step(pol):
-        moe = layers[pol]
-        moe.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        y = moe(xi)
-        y.square().mean().backward()
-        return time.perf_counter() - t0, y.detach(), xi.grad
+        return timed_fwd_bwd(layers[pol], x)
 
     # one untimed checking step per policy: bytes, loads, drops, equality
     check = {}
@@ -237,9 +229,9 @@ def run_rank(rank, a):
         moe = layers[pol]
         grads = [gx] + [p.grad for p in moe.parameters()]
         cnt = moe.tokens_per_expert_E.detach().to(torch.long).contiguous()
-        cnt_RE = torch.empty(R * E, dtype=torch.long)
-        _all_gather_single(cnt_RE, cnt)
-        cnt_RE = cnt_RE.view(R, E)
+        parts = [torch.empty_like(cnt) for _ in range(R)]
+        dist.all_gather(parts, cnt)
+        cnt_RE = torch.stack(parts)
         dropped = moe.dropped_assignments.detach().clone().double()
         dist.all_reduce(dropped)
         if pol == "balanced":

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from machine import timed_fwd_bwd  # noqa: E402  (bench/machine.py)
 
 
 def worker(rank, a, q):
@@ -54,15 +55,10 @@ def worker(rank, a, q):
 
     def step(mode):
         dispatcher.all_to_all_overlapped = overlapped if mode == "overlapped" else sequential
-        moe.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        y = moe(xi)
-        y.square().mean().backward()
-        dt = time.perf_counter() - t0
-        dispatcher.all_to_all_overlapped = overlapped
-        return dt, y.detach(), xi.grad
+        try:
+            return timed_fwd_bwd(moe, x)
+        finally:
+            dispatcher.all_to_all_overlapped = overlapped
 
     def shared_only():
         xi = x.clone().requires_grad_(True)

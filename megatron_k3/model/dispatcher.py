@@ -27,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["Dispatcher", "capacity", "slots", "static_buffer", "sorted_rows", "POLICIES"]
+__all__ = ["Dispatcher", "capacity", "positions", "slots", "static_buffer", "sorted_rows", "POLICIES"]
 
 POLICIES = ("auto", "drop", "dropless", "balanced")
 
@@ -37,15 +37,20 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: flo
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def slots(expert_M: torch.Tensor, num_experts: int, cap: int):
-    """(slot_M, kept_M): the buffer row e * cap + position of every assignment, or num_experts * cap (a row that is
-    thrown away) when its position within the expert is >= cap. Device-only, static shapes."""
+def positions(expert_M: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """pos_M: each assignment's rank among the assignments to its expert, in assignment (token) order."""
     M = expert_M.shape[0]
     order = torch.argsort(expert_M, stable=True)  # assignments grouped by expert, token order inside
     counts_E = torch.bincount(expert_M, minlength=num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     pos_sorted = torch.arange(M, device=expert_M.device) - start_E[expert_M[order]]
-    pos_M = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+    return torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+
+
+def slots(expert_M: torch.Tensor, num_experts: int, cap: int):
+    """(slot_M, kept_M): the buffer row e * cap + position of every assignment, or num_experts * cap (a row that is
+    thrown away) when its position within the expert is >= cap. Device-only, static shapes."""
+    pos_M = positions(expert_M, num_experts)
     kept_M = pos_M < cap
     slot_M = torch.where(kept_M, expert_M * cap + pos_M, torch.full_like(pos_M, num_experts * cap))
     return slot_M, kept_M

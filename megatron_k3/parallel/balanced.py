@@ -45,6 +45,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..model.dispatcher import positions
 from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
@@ -114,6 +115,16 @@ def alias_plan(ends_RE: torch.Tensor, M: int, S: int):
     return given, donor, dstart, damt
 
 
+def _unflatten(flat: torch.Tensor, ws) -> tuple:
+    """[n, >= P] rows of experts flattened as (w1, w3, w2) -> views shaped [n, ...] like each of `ws`."""
+    parts, at = [], 0
+    for w in ws:
+        size = w[0].numel()
+        parts.append(flat[:, at:at + size].reshape((flat.shape[0],) + tuple(w.shape[1:])))
+        at += size
+    return tuple(parts)
+
+
 def _overlap(a0, a1, b0, b1):
     return torch.clamp(torch.minimum(a1, b1) - torch.maximum(a0, b0), min=0)
 
@@ -155,16 +166,10 @@ def pair_destinations(expert_M: torch.Tensor, cnt_RE: torch.Tensor, rank: int, e
     given, donor, dstart, damt = plan
     R, El = ends_RS.shape
     E = R * El
-    M = expert_M.shape[0]
-    dev = expert_M.device
     starts_E = torch.empty_like(ends_RS).scatter_(1, perm_RS, _starts(ends_RS)).reshape(E)  # by global expert
     before_E = (torch.cumsum(cnt_RE, 0) - cnt_RE)[rank]  # pairs of lower source ranks to each expert
-    order = torch.argsort(expert_M, stable=True)
-    counts_E = cnt_RE[rank]
-    first_E = torch.cumsum(counts_E, 0) - counts_E
-    within = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=dev) - first_E[expert_M[order]])
     start = starts_E[expert_M]
-    pos = start + before_E[expert_M] + within  # in the owner's stream
+    pos = start + before_E[expert_M] + positions(expert_M, E)  # in the owner's stream
     owner = expert_M // El
     hit = (donor[None, :] == owner[:, None]) & (dstart[None, :] <= pos[:, None]) & \
         (pos[:, None] < (dstart + damt)[None, :])  # [M, R]
@@ -200,16 +205,11 @@ class BalancedDispatch:
             return
         R, El = self.R, experts.num_local
         ws = (experts.w1, experts.w3, experts.w2)
-        P = sum(w[0].numel() for w in ws)
         g = store.grad if store.grad is not None else torch.zeros_like(store)
         back = all_to_all(g.contiguous(), self.group)  # [R relays * El, Pp/R]: slice x of each own expert from x
-        flat = back.view(R, El, -1).transpose(0, 1).reshape(El, -1)[:, :P]
-        at = 0
-        for w in ws:
-            n = w[0].numel()
-            gw = flat[:, at:at + n].reshape(w.shape).to(w.dtype)
+        for w, gw in zip(ws, _unflatten(back.view(R, El, -1).transpose(0, 1).reshape(El, -1), ws)):
+            gw = gw.to(w.dtype)
             w.grad = gw.clone() if w.grad is None else w.grad.add_(gw)
-            at += n
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         out = counts_E.new_empty(self.R * counts_E.numel())
@@ -226,7 +226,7 @@ class BalancedDispatch:
         Pp = -(-P // R) * R
         cached = self.cache_weights and torch.is_grad_enabled()
         if cached and self._store is not None:
-            return self._replicas(self._store, ws, P, Pp), (side() if side is not None else None)
+            return self._replicas(self._store, ws, Pp), (side() if side is not None else None)
         with torch.no_grad() if cached else contextlib.nullcontext():
             flat = torch.cat([w.reshape(El, -1) for w in ws], 1)  # [El, P]
             if Pp != P:
@@ -240,22 +240,17 @@ class BalancedDispatch:
             store, out = all_to_all(send, self.group), None
         else:
             store, out = all_to_all_overlapped(send, self.group, side)
-        return self._replicas(store, ws, P, Pp), out
+        return self._replicas(store, ws, Pp), out
 
-    def _replicas(self, store, ws, P: int, Pp: int):
+    def _replicas(self, store, ws, Pp: int):
         """`replicas(rep_RS)` from the store (slice `rank` of every expert of the layer, in global order [E, Pp/R])."""
         R = self.R
 
         def replicas(rep_RS: torch.Tensor):
             S = self.S
             mine = store.index_select(0, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
-            got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)[:, :P]
-            parts, at = [], 0
-            for w in ws:
-                n = w[0].numel()
-                parts.append(got[:, at:at + n].reshape((S,) + tuple(w.shape[1:])))
-                at += n
-            return tuple(parts)
+            got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)
+            return _unflatten(got, ws)
         return replicas
 
     def __call__(self, z_NL, idx_Nk, weight_Nk, experts, side=None):
