@@ -286,14 +286,18 @@ def decode(tensors: dict, dtype=torch.float64) -> dict:
 
 
 @torch.no_grad()
-def forward(tensors: dict, ids_BT: torch.Tensor, c: dict = TEXT_CONFIG, dtype=torch.float64) -> torch.Tensor:
-    """Logits [B, T, V] of the K3 text model in `tensors` (checkpoint names, prefix stripped), computed in dtype."""
+def forward(tensors: dict, ids_BT: torch.Tensor | None, c: dict = TEXT_CONFIG, dtype=torch.float64,
+            embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of the K3 text model in `tensors` (checkpoint names, prefix stripped), computed in dtype.
+    `embeds` [B, T, D] (optional, in place of ids_BT): start from these input embeddings instead of the token
+    lookup (the vision-language reference, tests/k3_vl_reference.py, passes text and media rows merged)."""
     t = decode(tensors, dtype)
     eps, bs = c["rms_norm_eps"], c["attn_res_block_size"]
     b1, b2 = c["activation_situ_beta"], c["activation_situ_linear_beta"]
+    rows = [t["model.embed_tokens.weight"][ids] for ids in ids_BT] if embeds is None else embeds.to(dtype)
     out = []
-    for ids in ids_BT:
-        blocks, p = [], t["model.embed_tokens.weight"][ids]
+    for x in rows:
+        blocks, p = [], x
         for i, mixer in enumerate(_layer_types(c)):  # MODEL.md section 1, line by line
             pre = f"model.layers.{i}."
             x_attn = p if not blocks else _attn_res(blocks + [p], t[pre + "self_attention_res_proj.weight"][0],

@@ -119,6 +119,37 @@ def k3(tmp_path_factory):
     return SimpleNamespace(d=d, tensors=tensors, ids=ids, logits=ref.forward(tensors, ids), model=model)
 
 
+def test_k3_export_keeps_the_imported_encoding_only_where_values_did_not_change(k3):
+    """Blocks the reference encoded at a non-canonical scale keep it; a changed block gets the canonical encoding."""
+    import copy
+
+    from megatron_k3.interop.k3_experts import quantize_k3_weight
+
+    theirs = _files(k3.d / "ref")
+    experts = next(m for n, m in k3.model.named_modules() if n.endswith("mlp.experts"))
+    layer = next(n for n, m in k3.model.named_modules() if m is experts).split(".")[2]
+    key = f"{ref.PREFIX}model.layers.{layer}.block_sparse_moe.experts.0.w1"
+    canonical = quantize_k3_weight(experts.w1[0])[1]
+    differs = canonical != theirs[key + ".weight_scale"]
+    assert differs.any()  # the reference did encode some blocks differently: the case is exercised
+    model = copy.deepcopy(k3.model)
+    moved = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    # a block the reference encoded at scale s (top code 3) that holds a zero: set that zero to 2^(s-2), which
+    # scale s cannot encode but the canonical s-1 can (code 0.5): the block changed and is re-encoded
+    r, b, j = next((int(r), int(b), int(z[0])) for r, b in differs.nonzero()
+                   for z in [(moved.w1[0, r, 32 * b:32 * b + 32] == 0).nonzero().flatten()] if len(z))
+    s_ref = int(theirs[key + ".weight_scale"][r, b]) - 127
+    with torch.no_grad():
+        moved.w1[0, r, 32 * b + j] = 2.0 ** (s_ref - 2)
+    save_hf(model, k3.d / "export_changed", layout="k3")
+    got = _files(k3.d / "export_changed")[key + ".weight_scale"]
+    want = quantize_k3_weight(moved.w1[0])[1]
+    assert got[r, b] == want[r, b] != theirs[key + ".weight_scale"][r, b]
+    keep = torch.ones_like(differs)
+    keep[r, b] = False
+    assert torch.equal(got[keep], theirs[key + ".weight_scale"][keep])
+
+
 def test_k3_import_reproduces_independent_logits(k3, rel):
     assert dataclasses.asdict(k3.model.cfg) == dataclasses.asdict(load_hf(k3.d / "ref", "k3").cfg)
     with torch.no_grad():
@@ -146,18 +177,14 @@ def test_k3_export_reimports_bit_identically(k3):
     assert sorted(ta) == sorted(tb)
     for k in ta:  # packed MXFP4 bytes and E8M0 scales included
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
-    # against the independent writer: same names, dtypes and shapes; the same bytes except that MXFP4 blocks the
-    # writer encoded with a non-canonical scale (ceil rule, top code 3) hold the same values under another scale
+    # against the independent writer: the same bytes, MXFP4 included. Its ceil rule encodes some blocks at another
+    # scale than ours would (top code 3 or 4, the same values as 6 or 8 at half the scale); import keeps each block's
+    # scale and export reuses it while it still encodes the block exactly (interop.k3_experts)
     theirs = {k[len(ref.PREFIX):]: v for k, v in _files(k3.d / "ref").items()}
     ours = {k[len(ref.PREFIX):]: v for k, v in ta.items()}
     assert sorted(ours) == sorted(theirs)
     for k, v in theirs.items():
-        assert ours[k].dtype == v.dtype and ours[k].shape == v.shape, k
-        if not k.endswith(("weight_packed", "weight_scale")):
-            assert torch.equal(ours[k], v), k
-        elif k.endswith("weight_packed"):
-            s = k.replace("_packed", "_scale")
-            assert torch.equal(ref.mxfp4_unpack(ours[k], ours[s]), ref.mxfp4_unpack(v, theirs[s])), k
+        assert ours[k].dtype == v.dtype and ours[k].shape == v.shape and torch.equal(ours[k], v), k
     cfg_a = json.loads((a / "config.json").read_text())
     assert "megatron_k3" not in cfg_a["text_config"]
     assert config_differences(k3.model.cfg, k3_config_to(cfg_a)) == {}

@@ -565,7 +565,7 @@ def test_k3_configs_use_the_released_mla_latent_norm_eps():
     """Every conf/model/k3*.yaml: the q_a / kv_a layernorm eps of the released implementation (1e-6), so a K3
     export needs no megatron_k3 extension entry for it."""
     names = sorted(p.stem for p in (ROOT / "megatron_k3" / "conf" / "model").glob("k3*.yaml"))
-    assert names == ["k3", "k3_small", "k3_tiny"]
+    assert names == ["k3", "k3_small", "k3_tiny", "k3_vl_tiny"]
     for name in names:
         cfg = load_model_config(name)
         assert cfg.mla_latent_norm_eps == k3_layout.MLA_LATENT_NORM_EPS == 1e-6, name

@@ -1,4 +1,5 @@
-"""tools/param_count.py: K3 at full size is 2.78T total / 104.2B active; meta counts equal real ones."""
+"""tools/param_count.py: K3 at full size is 2.78T total / 104.2B active (with its vision tower and projector,
+0.447B more of both); meta counts equal real ones."""
 
 import json
 import subprocess
@@ -6,8 +7,9 @@ import sys
 from pathlib import Path
 
 from megatron_k3.config import load_model_config
-from megatron_k3.model import K3ForCausalLM
+from megatron_k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from megatron_k3.model.params import count_parameters
+from megatron_k3.planning.params import count_parameters as count_with_vision
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +41,31 @@ def test_bad_override_exits_nonzero():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "param_count.py"), "model=k3", "model.top_k=0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "model.top_k" in out.stderr
+
+
+def test_vision_tower_count_equals_the_built_model():
+    """k3_vl_tiny: the tower and projector are breakdown entries of their own, in total and active; the total is the
+    built K3ForConditionalGeneration's; the text part is unchanged."""
+    cfg = load_model_config("k3_vl_tiny")
+    d = count_with_vision(cfg)
+    model = K3ForConditionalGeneration(cfg)
+    assert d["total"] == sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.vision_tower.parameters())
+    proj = sum(p.numel() for p in model.mm_projector.parameters())
+    assert (d["breakdown"]["vision_tower"], d["breakdown"]["mm_projector"]) == (tower, proj) == (107584, 98432)
+    text = count_parameters(cfg)
+    assert d["total"] - text["total"] == d["active"] - text["active"] == tower + proj
+    assert count_with_vision(load_model_config("k3_vl_tiny", ["model.vision.enabled=false"])) == text
+
+
+def test_k3_vision_tower_counts():
+    """The released tower (27 blocks, width 1024, q/k/v 1536, MLP 4096, 64 x 64 position table, 14 x 14 patches):
+    patch embedding 1024 x 588 + table 64 x 64 x 1024 + 27 x (4608 x 1024 + 1024 x 1536 + 2 x 4096 x 1024 + 2 x
+    1024) + final norm; projector 4096^2 + 7168 x 4096 + 7168."""
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "param_count.py"), "model=k3",
+                          "model.vision.enabled=true"], capture_output=True, text=True, timeout=120, check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    tower = 1024 * 588 + 64 * 64 * 1024 + 27 * (4608 * 1024 + 1024 * 1536 + 2 * 4096 * 1024 + 2 * 1024) + 1024
+    proj = 4096 * 4096 + 7168 * 4096 + 7168
+    assert (d["breakdown"]["vision_tower"], d["breakdown"]["mm_projector"]) == (tower, proj) == (401214464, 46144512)
+    assert d["total"] == 2779484393568 + tower + proj and d["active"] == 104189530208 + tower + proj

@@ -228,10 +228,11 @@ def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
 def _checkpoint_bytes_of_a_built_model(name, optimizer):
     """fp32 master (4 B) + optimizer states of every parameter of the real model (AdamW: 8 B; Muon: 4 B for the
     parameters its rule updates, 8 B for the rest) + its persistent buffers, counted on the module itself."""
-    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.model import causal_lm_class
     from megatron_k3.optim.grouping import muon_rule
 
-    model = K3ForCausalLM(load_model_config(name), init=False)
+    cfg = load_model_config(name)
+    model = causal_lm_class(cfg)(cfg, init=False)  # with the vision tower and projector where the model has them
     params = dict(model.named_parameters())  # a tied tensor once
     total = 0
     for p in params.values():
@@ -243,7 +244,7 @@ def _checkpoint_bytes_of_a_built_model(name, optimizer):
     return total + sum(v.numel() * v.element_size() for v in buffers.values())
 
 
-@pytest.mark.parametrize("name", ["k3_tiny", "kimi_linear_tiny"])
+@pytest.mark.parametrize("name", ["k3_tiny", "kimi_linear_tiny", "k3_vl_tiny"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_checkpoint_shares_sum_to_the_models_masters_and_states(name, optimizer):
     from megatron_k3.planning.checkpoint import checkpoint_bytes, checkpoint_plan, rank_shares
@@ -518,3 +519,210 @@ def test_plan_reports_balanced_dispatch(plan_tool, capsys):
     assert d["replica_memory_gb"] * GB == pytest.approx(7 * 6 * 12288 * 2)
     assert got["workload"]["moe_overflow"] == "balanced" and "moe_dispatch" not in plan_json(
         plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
+
+
+# ------------------------------------------------------------------------------------------------ vision tower
+
+def _vl(*overrides):
+    return load_model_config("k3_vl_tiny", list(overrides))
+
+
+def test_vision_tower_sits_on_the_first_stage_whole_on_every_tp_rank():
+    """pp2: stage 0 holds the tower and projector (exactly their bytes more than without vision: weights, fp32
+    gradients, master + Adam moments sharded over dp), stage 1 exactly what it held before; TP does not split it."""
+    on, off = _vl(), _vl("model.vision.enabled=false")
+    vis = model_params(on, 1).vision
+    assert vis.total == 107584 + 98432  # the tower and projector of k3_vl_tiny (test_param_count)
+    assert model_params(on, 2).vision == vis and model_params(off, 1).vision.total == 0
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    lay = Layout(world=4, tp=2, pp=2)  # dp 1
+    w = Workload(64, 1, 2, "bf16", "adamw", image_share=0.25)
+    m_on, m_off = training_memory(on, cl, lay, w), training_memory(off, cl, lay, w)
+    assert m_on[1] == m_off[1]
+    s0, t0 = m_on[0], m_off[0]
+    assert s0.params_dense - t0.params_dense == vis.total
+    assert s0.weights - t0.weights == vis.total * 2
+    assert s0.gradients - t0.gradients == vis.total * 4
+    assert s0.optimizer - t0.optimizer == pytest.approx(vis.total * (4 + 8))
+    assert (s0.weights - m_on[1].weights) - (t0.weights - m_off[1].weights) == vis.total * 2
+    assert s0.vision["weights"] == vis.total * 2 and s0.vision["activations"] > 0
+    assert s0.activations - t0.activations == s0.vision["activations"] == s0.activation_detail["vision"]
+    assert m_on[1].vision == {} and t0.vision == {}
+    # ZeRO-1 over dp shards the tower's master and states like the other dense parameters'
+    wide = Layout(world=16, tp=2, pp=2)  # dp 4
+    d_on, d_off = training_memory(on, cl, wide, w)[0], training_memory(off, cl, wide, w)[0]
+    assert d_on.optimizer - d_off.optimizer == pytest.approx(vis.total * 12 / 4)
+    # Muon: one momentum for the tower's matrices (wqkv and wo per head, the MLP, the projector), AdamW the rest
+    mu_on, mu_off = (training_memory(c, cl, lay, replace(w, optimizer="muon"))[0] for c in (on, off))
+    states = vis.muon * 4 + (vis.total - vis.muon) * 8
+    assert mu_on.optimizer - mu_off.optimizer == pytest.approx(vis.total * 4 + states)
+    assert 0 < vis.muon < vis.total
+
+
+def test_frozen_vision_keeps_weights_only():
+    on, frozen, off = _vl(), _vl("model.freeze_vision=true"), _vl("model.vision.enabled=false")
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    lay = Layout(world=4, tp=2, pp=2)
+    w = Workload(64, 1, 2, "bf16", "muon")
+    s_on, s_fr, s_off = (training_memory(c, cl, lay, w)[0] for c in (on, frozen, off))
+    assert s_fr.weights == s_on.weights and s_fr.params_dense == s_on.params_dense
+    assert s_fr.gradients == s_off.gradients and s_fr.optimizer == s_off.optimizer
+    assert s_fr.vision["gradients"] == s_fr.vision["optimizer"] == s_fr.vision["activations"] == 0
+    assert "vision" not in s_fr.activation_detail and s_fr.activations == s_off.activations
+    # FLOPs: the forward only (autograd skips a tower nothing upstream of which needs a gradient)
+    from megatron_k3.planning.flops import model_flops
+
+    f_on, f_fr, f_off = (model_flops(c, 64) for c in (on, frozen, off))
+    assert f_fr.forward_per_token == f_on.forward_per_token > f_off.forward_per_token
+    assert f_fr.backward_per_token == f_off.backward_per_token < f_on.backward_per_token
+    assert set(f_on.by_category) - set(f_off.by_category) == {"vision_tower", "mm_projector"}
+    from megatron_k3.planning.checkpoint import checkpoint_bytes
+
+    mp = model_params(on, 1)
+    assert checkpoint_bytes(frozen, "adamw") == checkpoint_bytes(off, "adamw") + mp.vision.total * 4
+
+
+def test_vision_flops_match_torch_flop_counter():
+    """The tower's analytic FLOPs (patch embedding, per block q/k/v/o, MLP and 4 L^2 Q attention, projector) are
+    exactly what torch's counter sees for one image of the position table's grid, forward and backward."""
+    import torch
+
+    from megatron_k3.model import K3ForConditionalGeneration
+    from megatron_k3.planning.flops import vision_flop_terms, vision_image_patches
+    from megatron_k3.planning.measure import count_flops
+
+    torch.manual_seed(0)
+    cfg = _vl()
+    model = K3ForConditionalGeneration(cfg)
+    T, share = 64, 0.25  # 16 image features per 64-token sequence: 64 patches, the 8 x 8 table
+    assert vision_image_patches(cfg, T, share) == 64
+    px, grid = torch.randn(64, 3, 14, 14), torch.tensor([[1, 8, 8]])
+    fwd = count_flops(lambda: model.vision_features(px, grid))
+    both = count_flops(lambda: model.vision_features(px, grid).sum().backward())
+    terms = vision_flop_terms(cfg, T, share)
+    assert sum(t.forward for t in terms) * T == pytest.approx(fwd, rel=1e-9)
+    assert sum(t.forward + t.backward for t in terms) * T == pytest.approx(both, rel=1e-9)
+    # actual media (what a step's grid_thws would give the metrics): an image and a two-frame video chunk
+    from megatron_k3.planning.flops import media_flops
+
+    grids = [(1, 8, 8), (2, 4, 6)]
+    px = torch.randn(64 + 48, 3, 14, 14)
+    g = torch.tensor(grids)
+    f, b = media_flops(cfg, grids)
+    assert f == pytest.approx(count_flops(lambda: model.vision_features(px, g)), rel=1e-9)
+    assert f + b == pytest.approx(count_flops(lambda: model.vision_features(px, g).sum().backward()), rel=1e-9)
+
+
+def test_vision_work_splits_over_tp_by_whole_media():
+    """The tower's parameters are replicated over TP, its work is not (model/multimodal.py): each TP rank encodes a
+    contiguous share of the micro-batch's media, whole media each (model.vision.media_shares). Two images per
+    micro-batch at tp2: the tower's FLOPs and activations on a stage-0 device are half of tp1's; one image per
+    micro-batch: one rank encodes all of it (the busiest rank is what the planner counts)."""
+    from megatron_k3.planning.flops import vision_media, vision_tp_share
+    from megatron_k3.planning.planner import _stage_flops
+
+    cfg = _vl()
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    two = Workload(64, 2, 4, "bf16", "adamw", image_share=0.25)  # 64 patches per sequence: one 8 x 8 image each
+    one = replace(two, micro_batch_size=1, global_batch_size=2)
+    assert vision_media(cfg, 64, 2) == [64, 64] and vision_media(cfg, 64, 1) == [64]
+    assert vision_tp_share(cfg, 64, 2, 0.25, 2) == 0.5 and vision_tp_share(cfg, 64, 1, 0.25, 2) == 1.0
+    assert vision_tp_share(cfg, 64, 2, 0.25, 1) == 1.0 and vision_tp_share(cfg, 64, 2, 0.0, 2) == 1.0
+
+    def tower(w, tp):
+        """(tower FLOPs per micro-batch, tower activations per micro-batch) on a stage-0 device at `tp`."""
+        lay = Layout(world=2 * tp, tp=tp, pp=2)  # dp 1
+        a, b = stage_layers(cfg, 2)[0]
+        with_, without = (_stage_flops(cfg, lay, w, a, b, False, first) for first in (True, False))
+        s0 = training_memory(cfg, cl, lay, w)[0]
+        return sum(with_) - sum(without), s0.vision["activations"] / s0.in_flight
+
+    f1, a1 = tower(two, 1)
+    f2, a2 = tower(two, 2)
+    assert f1 > 0 and a1 > 0
+    assert f2 == pytest.approx(f1 / 2) and a2 == pytest.approx(a1 / 2)
+    assert tower(one, 2) == pytest.approx(tower(one, 1))  # one image: the busiest rank encodes it whole
+    # the parameters stay whole on every TP rank: weights, gradients and optimizer states as at tp1
+    s1, s2 = (training_memory(cfg, cl, Layout(world=2 * tp, tp=tp, pp=2), two)[0].vision for tp in (1, 2))
+    assert all(s1[k] == s2[k] for k in ("params", "weights", "gradients", "optimizer"))
+
+
+def test_vision_tp_traffic_gathers_features_and_all_reduces_the_towers_gradients():
+    """On stage 0 under TP, per micro-batch: the features' all-gather (forward; each rank's part padded to the
+    largest share), the all-reduce of every tower and projector gradient (weights' dtype), and under SP the
+    features' gradient all-gather; frozen, the all-gather only; none on other stages or without TP."""
+    from megatron_k3.planning.comm import training_comm, vision_tp_bytes
+
+    cl = compose_config(["cluster=cpu"])[0].cluster
+    on, frozen, off = _vl(), _vl("model.freeze_vision=true"), _vl("model.vision.enabled=false")
+    lay = Layout(world=4, tp=2, pp=2)  # dp 1, sequence parallelism on
+    assert lay.sp
+    w = Workload(64, 2, 4, "bf16", "adamw", image_share=0.25)  # 2 micro-batches, 2 images each
+    m, K, P = 2, on.hidden_size, model_params(on, 2).vision.total
+    parts = vision_tp_bytes(on, lay, w)
+    assert parts["grad_all_reduce"] == pytest.approx(2 * P * 2 * 0.5)  # ring all-reduce of bf16 gradients
+    assert parts["feature_gather"] == pytest.approx(2 * 16 * K * 2 * 0.5)  # 32 features [N, K], bf16
+    assert parts["feature_grad_gather"] == pytest.approx(2 * 64 * K * 2 * 0.5)  # the [B, T, K] gradient
+    c_on, c_fr, c_off = (training_comm(c, cl, lay, w, 0) for c in (on, frozen, off))
+    assert c_on.bytes_by_kind["tp"] - c_off.bytes_by_kind["tp"] == pytest.approx(m * sum(parts.values()))
+    assert {k: b for k, (b, _) in c_on.vision_tp.items()} == pytest.approx({k: m * v for k, v in parts.items()})
+    assert c_on.time_by_kind["tp"] > c_off.time_by_kind["tp"]
+    assert set(c_fr.vision_tp) == {"feature_gather"}  # frozen: no gradient to reduce or gather
+    assert c_fr.vision_tp["feature_gather"][0] == pytest.approx(m * parts["feature_gather"])
+    assert training_comm(on, cl, lay, w, 1).vision_tp == {} == c_off.vision_tp
+    assert vision_tp_bytes(on, Layout(world=2, tp=1, pp=2), w) == {}
+    # one image per micro-batch: one rank's part is all N = 16 rows and the other's is padded to it, so half the
+    # rows cost what the two images' 32 rows did
+    one = replace(w, micro_batch_size=1, global_batch_size=2)
+    assert vision_tp_bytes(on, lay, one)["feature_gather"] == pytest.approx(16 * K * 2)
+    assert vision_tp_bytes(on, lay, one)["feature_gather"] == pytest.approx(parts["feature_gather"])
+
+
+def test_vision_activations_follow_the_image_share():
+    from megatron_k3.planning.memory import vision_activations
+
+    cfg = load_model_config("k3", ["model.vision.enabled=true"])
+    w = Workload(4096, 1, 4096, "bf16", "muon")
+    assert w.image_share == 0.25
+    quarter, half = vision_activations(cfg, w, "none"), vision_activations(cfg, replace(w, image_share=0.5), "none")
+    assert half[0] == pytest.approx(2 * quarter[0])  # images of the 64 x 64 table either way: linear in patches
+    assert vision_activations(cfg, replace(w, image_share=0.0), "none") == (0.0, 0.0)
+    sel, full = vision_activations(cfg, w, "selective"), vision_activations(cfg, w, "full")
+    assert quarter[0] > sel[0] > full[0] > 0 and full[1] > 0
+
+
+def test_plan_reports_the_vision_tower(plan_tool, capsys):
+    args = ["model=k3", "cluster=supernodes_8x64", "model.vision.enabled=true", "parallel.tp=8", "parallel.pp=8",
+            "parallel.ep=64"]
+    text = run_plan(plan_tool, capsys, *args)
+    assert "vision tower + projector: 447.4M parameters (401,214,464 tower + 46,144,512 projector)" in text
+    assert "per stage-0 device" in text and "of the model FLOPs" in text
+    got = plan_json(plan_tool, capsys, *args)
+    v = got["vision"]
+    assert v["params"] == 447358976 and v["stage"] == 0 and not v["frozen"]
+    # parameters whole on every TP rank, work split by whole media: one 64 x 64 image per micro-batch at micro-batch
+    # 1, so one of the 8 TP ranks encodes all of it; the TP traffic includes the per-micro-batch gradient all-reduce
+    assert v["params_replicated_over_tp"] and v["work_split_over_tp"] and "replicated_over_tp" not in v
+    assert v["images_per_micro_batch"] == 1 and v["tp_work_share"] == 1.0
+    tp_comm = v["tp_comm_bytes_per_step"]
+    assert set(tp_comm) == {"feature_gather", "feature_grad_gather", "grad_all_reduce"}
+    assert tp_comm["grad_all_reduce"] == pytest.approx(512 * 2 * 447358976 * 2 * 7 / 8)  # 512 micro-batches, bf16
+    assert sum(tp_comm.values()) < got["comm_bytes_per_step"]["tp"] and v["tp_comm_time_s"] > 0
+    assert "TP traffic per stage-0 device" in text and "the busiest encodes 100.0%" in text
+    eight = plan_json(plan_tool, capsys, *args, "train.micro_batch_size=8")["vision"]  # 8 images: 1/8 each
+    assert eight["images_per_micro_batch"] == 8 and eight["tp_work_share"] == 1 / 8
+    assert eight["device_flops_per_step"] == pytest.approx(v["device_flops_per_step"] / 8)
+    assert got["total_params"] == 2779484393568 + 447358976
+    assert got["stage_params"][0] - v["params"] == plan_json(plan_tool, capsys, *args[:2], *args[3:])["stage_params"][0]
+    assert 0 < v["model_flops_share"] < 0.02 and v["compute_time_s"] > 0
+    assert sum(v["bytes_per_device"].values()) / GB == pytest.approx(v["gb_per_device"])
+    assert got["workload"]["image_share"] == 0.25
+    shared = plan_json(plan_tool, capsys, *args, "--image-share", "0.5")["vision"]
+    assert shared["model_flops_per_step"] == pytest.approx(2 * v["model_flops_per_step"])  # 64 x 64 images still
+    assert "vision" not in plan_json(plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
+    rc = plan_tool.main([*args, "--image-share", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--image-share" in err and len(err.strip().splitlines()) == 1
+    probs = layout_problems(load_model_config("k3", ["model.vision.enabled=true"]), compose_config(
+        ["cluster=supernodes_8x64"])[0].cluster, Layout(world=512, tp=8, pp=8, ep=64, cp=2), 1, 4096, 8192)
+    assert any("context parallelism does not take media" in p for p in probs)

@@ -5,7 +5,8 @@
 
 `active` is the number of parameters touched per token (routed experts at top_k/num_experts, the input
 embedding excluded, as in the published 104B figure). The counts come from the model built on the meta
-device, not from a formula.
+device, not from a formula. With model.vision.enabled=true the vision tower and projector are `breakdown` entries
+of their own (`vision_tower`, `mm_projector`), in `total` and in `active` (an image token goes through all of them).
 """
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_k3.config import ConfigError, load_model_config  # noqa: E402
-from megatron_k3.model.params import count_parameters  # noqa: E402
+from megatron_k3.planning.params import count_parameters  # noqa: E402
 
 
 def main(argv):

@@ -14,7 +14,9 @@ model.KEY=, cluster.KEY= (e.g. cluster.inter_supernode_gbps=100). On accelerator
 train=pretrain (4096 x 4K tokens) and precision=bf16 unless given; on cluster=cpu they are the run's defaults.
 model.moe_overflow=balanced (with moe.redundant_experts=S, default -1: E/ep) plans the balanced MoE dispatch: the
 report adds the replica slots' memory per device and the replica weights out / gradients back per step with their
-time on the EP links (docs/planning.md, "Balanced MoE dispatch").
+time on the EP links (docs/planning.md, "Balanced MoE dispatch"). model.vision.enabled=true adds K3's vision tower
+and projector (model.freeze_vision=true: frozen) on the first pipeline stage: a line item with its parameters, memory
+per device, FLOPs, time and TP traffic (its work split over TP by whole media).
 
 Flags:
   --search                 list the layouts that fit, best first (or why none does, and how many accelerators would)
@@ -25,6 +27,9 @@ Flags:
   --zero 0|1|2             ZeRO stage (default 1: optimizer states sharded over data parallelism)
   --kernels eager|fused    activation model (default: eager on cpu clusters, fused on accelerators)
   --grad-dtype fp32|bf16   gradient accumulation buffers under mixed precision (default fp32)
+  --image-share F          with model.vision.enabled: the share of each sequence's tokens that are image features
+                           (default 0.25; 4 patches each, images of the position table's grid); the vision tower's
+                           activations and FLOPs scale with it (docs/planning.md, "Vision tower")
   --top N                  rows in the search table (default 10)
   --fs-bandwidth GB/s      checkpoint save/load: the filesystem's aggregate bandwidth over the cluster (default 100,
                            a parallel filesystem); --node-fs-bandwidth GB/s: one node's storage NIC (default 50);
@@ -41,7 +46,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
-from megatron_k3.model.params import count_parameters  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
 from megatron_k3.planning.checkpoint import (  # noqa: E402
     DEFAULT_FS_GBPS,
@@ -50,15 +54,17 @@ from megatron_k3.planning.checkpoint import (  # noqa: E402
     Storage,
     checkpoint_plan,
 )
+from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
 from megatron_k3.planning.layout import Layout  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
+from megatron_k3.planning.params import count_parameters  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
 from megatron_k3.planning.run import compose_for_planning  # noqa: E402
 
 BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
               "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
 FLAGS_WITH_VALUE = {"--mode", "--batch", "--context", "--optimizer", "--recompute", "--zero", "--kernels",
-                    "--grad-dtype", "--top", *BANDWIDTHS}
+                    "--grad-dtype", "--top", "--image-share", *BANDWIDTHS}
 CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
            "--recompute": ("none", "selective", "full", "auto"), "--zero": ("0", "1", "2"),
            "--kernels": ("eager", "fused"), "--grad-dtype": ("fp32", "bf16")}
@@ -68,7 +74,8 @@ def parse(argv):
     overrides, flags = split_tool_args(
         argv, ("--search", "--json"), FLAGS_WITH_VALUE, choices=CHOICES,
         defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto", "--zero": "1",
-                  "--top": "10", "--grad-dtype": "fp32", **{k: str(v) for k, v in BANDWIDTHS.items()}})
+                  "--top": "10", "--grad-dtype": "fp32", "--image-share": str(DEFAULT_IMAGE_SHARE),
+                  **{k: str(v) for k, v in BANDWIDTHS.items()}})
     for k in ("--batch", "--context", "--top"):
         if not flags[k].isdigit() or int(flags[k]) <= 0:
             raise ConfigError(k, flags[k], "must be a positive integer")
@@ -80,6 +87,13 @@ def parse(argv):
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(k, flags[k], "must be a positive number of GB/s")
         flags[k] = v
+    try:
+        share = float(flags["--image-share"])
+    except ValueError:
+        share = float("nan")
+    if not 0 <= share < 1:
+        raise ConfigError("--image-share", flags["--image-share"], "must be a share of the tokens in [0, 1)")
+    flags["--image-share"] = share
     return overrides, flags
 
 
@@ -115,7 +129,7 @@ def main(argv):
     # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
                  int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
-                 run.moe.replica_exchange)
+                 run.moe.replica_exchange, flags["--image-share"])
     as_json = flags.get("--json", False)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])

@@ -25,11 +25,12 @@ from .schema import (
                       PrecisionConfig,
                       RunConfig,
                       TrainConfig,
+                      VisionConfig,
                       WandbConfig,
                       parse_split,
 )
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
-           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "ConfigError",
-           "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict", "available_models", "CONF_DIR",
-           "replace", "compose_run_config", "compose_config", "parse_split", "split_tool_args"]
+           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
+           "ConfigError", "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict", "available_models",
+           "CONF_DIR", "replace", "compose_run_config", "compose_config", "parse_split", "split_tool_args"]

@@ -15,7 +15,7 @@ from typing import Iterable
 from omegaconf import OmegaConf
 
 from ..errors import ConfigError
-from .schema import ModelConfig, RunConfig
+from .schema import ModelConfig, RunConfig, VisionConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # megatron_k3/conf (the repository's conf/ links to it)
 
@@ -61,7 +61,14 @@ def model_config_from_dict(d: dict, prefix: str = "model") -> ModelConfig:
     unknown = sorted(set(d) - names)
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}", d[unknown[0]], "unknown key for the model config")
-    cfg = ModelConfig(**{k: (list(v) if k == "mla_layers" else v) for k, v in d.items()})
+    d = {k: (list(v) if k == "mla_layers" else v) for k, v in d.items()}
+    if isinstance(d.get("vision"), dict):
+        vnames = {f.name for f in dataclasses.fields(VisionConfig)}
+        bad = sorted(set(d["vision"]) - vnames)
+        if bad:
+            raise ConfigError(f"{prefix}.vision.{bad[0]}", d["vision"][bad[0]], "unknown key for the vision config")
+        d["vision"] = VisionConfig(**{k: (list(v) if k == "merge_kernel_size" else v) for k, v in d["vision"].items()})
+    cfg = ModelConfig(**d)
     return cfg.validate(prefix)
 
 

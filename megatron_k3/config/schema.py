@@ -40,6 +40,58 @@ def _require_choice(obj, prefix: str, k: str, choices) -> None:
 
 
 @dataclass
+class VisionConfig:
+    """K3's vision tower (MoonViT-3D) and projector (patchmergerv2), `model.vision.*`; the defaults are the released
+    K3's `vision_config` (vt_* keys there). Off (`enabled: false`) in the text-only models. The fixed choices of the
+    released tower (divided fixed position embedding, RMSNorm, GELU-tanh MLP without biases, 2D RoPE, sd2_tpool
+    merge, patchmergerv2 projector) are not keys: a checkpoint that differs is refused on load."""
+    enabled: bool = False
+    patch_size: int = 14  # pixels per patch side; pixel_values are [patches, 3, patch_size, patch_size]
+    hidden_size: int = 1024  # vt_hidden_size
+    num_layers: int = 27  # vt_num_hidden_layers
+    num_heads: int = 12  # vt_num_attention_heads
+    qkv_hidden_size: int = 1536  # width of q, k and v (heads x head dim; head dim 128 in K3)
+    intermediate_size: int = 4096  # vt_intermediate_size
+    pos_emb_height: int = 64  # init_pos_emb_height: the learned 2D position table, interpolated to each grid
+    pos_emb_width: int = 64  # init_pos_emb_width
+    pos_emb_time: int = 4  # init_pos_emb_time: frames per video chunk (fixed sin-cos time embedding)
+    pos_emb_interpolation: str = "bilinear"  # pos_emb_interpolation_mode (bilinear or bicubic)
+    merge_kernel_size: list = field(default_factory=lambda: [2, 2])  # patches merged into one feature (h, w)
+    rope_max_grid: int = 512  # largest patch grid side the 2D rotary table covers
+    rope_theta: float = 10000.0
+    projector_eps: float = 1e-5  # projector_ln_eps: the projector's output RMSNorm
+    placeholder_token_id: int = 163605  # media_placeholder_token_id
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_heads
+
+    @property
+    def merge_size(self) -> int:
+        return int(self.merge_kernel_size[0]) * int(self.merge_kernel_size[1])
+
+    def validate(self, prefix: str = "model.vision", vocab_size: int | None = None) -> "VisionConfig":
+        if not self.enabled:
+            return self
+        _require_ints(self, prefix, ("patch_size", "hidden_size", "num_layers", "num_heads", "qkv_hidden_size",
+                                     "intermediate_size", "pos_emb_height", "pos_emb_width", "pos_emb_time",
+                                     "rope_max_grid"), 1)
+        if self.qkv_hidden_size % self.num_heads or self.head_dim % 4:
+            raise ConfigError(_key(prefix, "qkv_hidden_size"), self.qkv_hidden_size,
+                              f"must be num_heads={self.num_heads} x a head dim divisible by 4 (2D rotary)")
+        _require_choice(self, prefix, "pos_emb_interpolation", ("bilinear", "bicubic"))
+        mk = list(self.merge_kernel_size)
+        if len(mk) != 2 or any(not isinstance(v, int) or v < 1 for v in mk):
+            raise ConfigError(_key(prefix, "merge_kernel_size"), mk, "two positive integers [height, width]")
+        if vocab_size is not None and not 0 <= self.placeholder_token_id < vocab_size:
+            raise ConfigError(_key(prefix, "placeholder_token_id"), self.placeholder_token_id,
+                              f"must be a token id below model.vocab_size={vocab_size}")
+        if self.projector_eps <= 0:
+            raise ConfigError(_key(prefix, "projector_eps"), self.projector_eps, "must be > 0")
+        return self
+
+
+@dataclass
 class ModelConfig:
     """Every architectural knob of the K3 / Kimi Linear family; the defaults are K3's (conf/model/k3.yaml).
 
@@ -116,6 +168,10 @@ class ModelConfig:
     attn_res: bool = True
     attn_res_block_size: int = 12  # decoder layers per block
 
+    # ---- vision (K3ForConditionalGeneration): the tower and projector, off in text-only models
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    freeze_vision: bool = field(default=False, metadata=RUNTIME)  # the tower and projector take no updates
+
     # ------------------------------------------------------------------ derived
     def mla_layer_set(self) -> set:
         """0-based indices of the Gated MLA layers."""
@@ -176,6 +232,10 @@ class ModelConfig:
                               f"must be <= num_layers={self.num_layers}")
         if has_moe(self):
             self._validate_moe(prefix)
+        self.vision.validate(_key(prefix, "vision"), self.vocab_size)
+        if self.freeze_vision and not self.vision.enabled:
+            raise ConfigError(_key(prefix, "freeze_vision"), True, "the model has no vision tower "
+                              "(model.vision.enabled=false)")
         return self
 
     def _validate_moe(self, prefix: str) -> None:
@@ -304,20 +364,35 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "embedded"  # embedded (the Python standard library, no download) or indexed
-    paths: list = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]
+    """data=embedded, indexed or multimodal (docs/data.md)."""
+    # embedded (the Python standard library, no download), indexed (Megatron .bin/.idx) or multimodal (image-text)
+    name: str = "embedded"
+    # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]; multimodal: JSONL files in the same forms
+    # (empty: the embedded procedurally drawn image-text set)
+    paths: list = field(default_factory=list)
     split: str = "98,2,0"  # train,valid,test proportions over contiguous document ranges (Megatron style)
-    tokenizer: str = ""  # indexed: the tokenizer.json the data was made with (checks model.vocab_size)
-    cache_dir: str = ""  # embedded: where the tokenizer and token cache live ('' = <repo>/.cache)
-    tokenizer_vocab_size: int = 8192  # embedded: BPE vocabulary trained on the corpus
+    # indexed: the tokenizer.json the data was made with (checks model.vocab_size); multimodal: one to use instead of
+    # the embedded BPE
+    tokenizer: str = ""
+    cache_dir: str = ""  # embedded, multimodal: where the tokenizer and token cache live ('' = <repo>/.cache)
+    tokenizer_vocab_size: int = 8192  # embedded, multimodal: BPE vocabulary trained on the corpus
     reset_at_document_boundaries: bool = True  # KDA state, conv and MLA attention restart per document
+    # multimodal: a document with a missing/unreadable image, markers that do not match its media, video frames of
+    # different sizes or media longer than a sample: skip (logged, left out) or stop (an error naming file:line)
+    on_bad_sample: str = "skip"
+    # multimodal: an image or video frame of more patches (model.vision.patch_size squares) is scaled down to about
+    # this many (the released processor's in_patch_limit), and to at most image_max_side_patches per side
+    image_max_patches: int = 256
+    image_max_side_patches: int = 512
 
     def validate(self, prefix: str = "data") -> "DataConfig":
-        if self.name not in ("embedded", "indexed"):
-            raise ConfigError(prefix, self.name, "valid: embedded, indexed")
+        if self.name not in ("embedded", "indexed", "multimodal"):
+            raise ConfigError(prefix, self.name, "valid: embedded, indexed, multimodal")
         if self.name == "indexed" and not self.paths:
             raise ConfigError(f"{prefix}.paths", list(self.paths),
                               "data=indexed needs Megatron .bin/.idx prefixes: [prefix, ...] or [weight, prefix, ...]")
+        _require_choice(self, prefix, "on_bad_sample", ("skip", "stop"))
+        _require_ints(self, prefix, ("image_max_patches", "image_max_side_patches"), 1)
         try:
             parse_split(self.split)
         except ValueError as e:
@@ -549,5 +624,6 @@ class RunConfig:
 
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
-           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "RUNTIME_MODEL_KEYS",
+           "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
+           "RUNTIME_MODEL_KEYS",
            "parse_split"]

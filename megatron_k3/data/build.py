@@ -1,5 +1,6 @@
-"""The datasets of a run from its config: data=embedded (the standard library corpus) or data=indexed (Megatron
-.bin/.idx prefixes, blended by weight), split into train and valid document ranges and packed into samples."""
+"""The datasets of a run from its config: data=embedded (the standard library corpus), data=indexed (Megatron
+.bin/.idx prefixes, blended by weight) or data=multimodal (image-text JSONL files or the embedded drawn set, with the
+embedded tokenizer), split into train and valid document ranges and packed into samples."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from ..errors import ConfigError
 from .corpus import EmbeddedCorpus
 from .dataset import BlendedDataset, IndexedDocuments, PackedDataset, split_documents
 from .indexed import IndexedDataset, IndexedDatasetError
-from .tokenizer import load_tokenizer
+from .multimodal import build_multimodal_datasets, tokenizer_encoder
+from .tokenizer import EOD_TOKEN, load_tokenizer
 
 __all__ = ["build_data"]
 
@@ -33,16 +35,43 @@ def _parse_paths(paths) -> list:
         raise ConfigError("data.paths", items, "weighted form needs pairs: [weight, prefix, ...]") from None
 
 
+def _embedded_corpus(d, rank: int) -> EmbeddedCorpus:
+    """The cached embedded corpus; rank 0 builds it (once) while the others wait."""
+    if rank == 0:
+        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, progress=False)
+    return corpus
+
+
+def _multimodal(run: RunConfig, rank: int):
+    """data=multimodal: the embedded tokenizer (or data.tokenizer) and the JSONL files of data.paths."""
+    d = run.data
+    if not run.model.vision.enabled:  # before the tokenizer is built: the mistake is reported at once
+        raise ConfigError("model.vision.enabled", False, "data=multimodal needs a model with a vision tower "
+                          "(e.g. model=k3_vl_tiny)")
+    if d.tokenizer:
+        try:
+            tok = load_tokenizer(d.tokenizer)
+        except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
+            raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
+        eod = tok.token_to_id(EOD_TOKEN)
+    else:
+        corpus = _embedded_corpus(d, rank)
+        tok, eod = corpus.tokenizer(), corpus.eod_id
+    paths = _parse_paths(d.paths) if d.paths else []
+    return build_multimodal_datasets(run, paths, tokenizer_encoder(tok), tok.get_vocab_size(), eod, report=rank == 0)
+
+
 def build_data(run: RunConfig, rank: int):
-    """(train dataset, valid dataset, eod id or None) for data=embedded or data=indexed."""
+    """(train dataset, valid dataset) for data=embedded, indexed or multimodal."""
     d, T, seed = run.data, run.train.seq_length, run.train.seed
+    if d.name == "multimodal":
+        return _multimodal(run, rank)
     if d.name == "embedded":
-        if rank == 0:
-            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size)
-        if dist.is_initialized():
-            dist.barrier()
-        if rank != 0:
-            corpus = EmbeddedCorpus(d.cache_dir, d.tokenizer_vocab_size, progress=False)
+        corpus = _embedded_corpus(d, rank)
         vocab, sources = corpus.vocab_size, [(1.0, corpus.documents)]
     else:
         sources = []

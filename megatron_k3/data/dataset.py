@@ -7,6 +7,8 @@ share one boundary token, as in Megatron's GPT dataset. Every sample carries the
 document starts, which become `cu_seqlens`, so KDA states, short convolutions and MLA attention restart at
 each document. Sample number c of the run (counted over all epochs) is a pure function of (seed, c): any
 data-parallel layout reads the same global sequence, and a run resumes from `consumed_samples` alone.
+Samples of data=multimodal (multimodal.py) also carry their media (pixel_values, grid_thws) and a loss mask;
+`make_batch` concatenates the media and turns masked labels into -100.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class IndexedDocuments:
 class Sample:
     tokens: np.ndarray  # [T + 1] int64
     doc_starts: np.ndarray  # positions in [0, T] where a document begins (always includes 0)
+    # media (data=multimodal; None for text): the sample's media in the order of their placeholder runs
+    pixel_values: np.ndarray | None = None  # [P, 3, patch, patch] float32, normalised
+    grid_thws: np.ndarray | None = None  # [M, 3] int64: (t, h, w) in patches, one row per medium
+    loss_mask: np.ndarray | None = None  # [T] bool, aligned with the labels tokens[1:]: False = label ignored
 
 
 class PackedDataset:
@@ -179,21 +185,34 @@ def rank_sample_ids(consumed: int, micro: int, rank: int, dp: int, micro_batch_s
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T], or [1, B*T] when packed with cu_seqlens
-    labels: torch.Tensor
+    labels: torch.Tensor  # -100 where a sample's loss_mask is False (media, padding)
     cu_seqlens: torch.Tensor | None
     num_tokens: int
+    pixel_values: torch.Tensor | None = None  # [P, 3, patch, patch] float32: every sample's media, in sample order
+    grid_thws: torch.Tensor | None = None  # [M, 3] int64; None (both) when no sample carries media
 
 
 def make_batch(samples: list, reset_at_documents: bool) -> Batch:
     """Stack samples; with document resets, flatten the micro-batch into one packed row whose cu_seqlens
     mark both row and document boundaries (a boundary at position T of a sample belongs to its labels
-    only and is dropped)."""
+    only and is dropped). Media are concatenated in sample order, which is the order of their placeholder runs
+    in the rows; labels are -100 where a sample's loss_mask is False."""
     x = torch.from_numpy(np.stack([s.tokens for s in samples]))
     inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     B, T = inputs.shape
+    if any(s.loss_mask is not None for s in samples):
+        keep = np.stack([np.ones(T, dtype=bool) if s.loss_mask is None else np.asarray(s.loss_mask, dtype=bool)
+                         for s in samples])
+        labels = labels.masked_fill(torch.from_numpy(~keep), -100)
+    media = [s for s in samples if s.pixel_values is not None]
+    pixels = grids = None
+    if media:
+        pixels = torch.from_numpy(np.concatenate([s.pixel_values for s in media]).astype(np.float32, copy=False))
+        grids = torch.from_numpy(np.concatenate([np.asarray(s.grid_thws, dtype=np.int64).reshape(-1, 3)
+                                                 for s in media]))
     if not reset_at_documents:
-        return Batch(inputs, labels, None, B * T)
+        return Batch(inputs, labels, None, B * T, pixels, grids)
     starts = sorted({r * T + int(p) for r, s in enumerate(samples) for p in s.doc_starts if p < T}
                     | {r * T for r in range(B)})
     cu = torch.tensor(starts + [B * T], dtype=torch.long)
-    return Batch(inputs.reshape(1, B * T), labels.reshape(1, B * T), cu, B * T)
+    return Batch(inputs.reshape(1, B * T), labels.reshape(1, B * T), cu, B * T, pixels, grids)

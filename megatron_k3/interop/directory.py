@@ -66,6 +66,8 @@ def _architecture(cfg) -> dict:
                    "v_head_dim", "mla_output_gate", "mla_latent_norm_eps"]
     for k in unused:
         d.pop(k, None)
+    if not cfg.vision.enabled:
+        d["vision"] = {"enabled": False}
     return d
 
 

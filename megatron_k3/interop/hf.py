@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..annotations import meta
-from ..model import K3ForCausalLM
+from ..model import causal_lm_class
 from ..model.experts import GroupedExperts
 from . import k3_layout, kimi_linear
 from .directory import (
@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ model API
-def load_hf(path, layout: str = "auto", config=None):
-    """A K3ForCausalLM with the weights of a Hugging Face directory. `config`: the ModelConfig the caller expects
-    (its non-architectural knobs, e.g. moe_overflow, are kept); it must agree with config.json, or
-    ConfigMismatchError names every differing key. Without it the model is built from config.json.
+def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None):
+    """A K3ForCausalLM with the weights of a Hugging Face directory, or a K3ForConditionalGeneration where the K3
+    directory has a vision tower (config.json `vision_config`). `config`: the ModelConfig the caller expects (its
+    non-architectural knobs, e.g. moe_overflow, are kept); it must agree with config.json, or ConfigMismatchError
+    names every differing key. Without it the model is built from config.json. `vision`: None = as the directory
+    (or `config`) says; False = the text model only, the vision tensors skipped with one log line.
 
     The tensors stream into the model (interop.sharded.load_hf_sharded: a memory map per shard file, never a whole
     state dict in memory); a Kimi Linear directory in transformers' in-memory naming is read whole."""
@@ -54,12 +56,16 @@ def load_hf(path, layout: str = "auto", config=None):
     if layout == "auto":
         layout = detect_layout(hf_config)
     file_cfg = config_from_hf(hf_config, layout)
+    if vision is False or (config is not None and not config.vision.enabled and vision is None):
+        file_cfg.vision = type(file_cfg.vision)()  # the text model of a vision-language directory
     if config is not None:
         diffs = config_differences(config, file_cfg)
         if diffs:
             raise ConfigMismatchError(path, diffs)
     cfg = config or file_cfg
-    model = K3ForCausalLM(cfg, init=False)
+    if vision and not cfg.vision.enabled:
+        raise ValueError(f"{path}: vision=True but {CONFIG} has no vision_config")
+    model = causal_lm_class(cfg)(cfg, init=False)
     if layout == "kimi_linear" and kimi_linear._is_runtime_naming(checkpoint_keys(path)):
         _, tensors = read_checkpoint(path)
         model.load_state_dict(kimi_linear.from_hf_state_dict(tensors, cfg), strict=True)
@@ -90,7 +96,9 @@ def save_hf(model, path, layout: str = "k3", dtype=None, max_shard_size: int = D
     if layout == "k3":
         dt = _dtype(dtype) or torch.bfloat16
         mode = export_scale_mode(experts[0], scale_mode) if experts else "floor"
-        tensors = k3_layout.to_k3_state_dict(sd, cfg, dt, mode)
+        loaded = {int(n.split(".")[2]): m.loaded_scales for n, m in model.named_modules()
+                  if isinstance(m, GroupedExperts) and getattr(m, "loaded_scales", None)}
+        tensors = k3_layout.to_k3_state_dict(sd, cfg, dt, mode, loaded)
         hf_config = k3_layout.k3_config_dict(cfg, _dtype_name(dt))
     else:
         dt = _dtype(dtype)

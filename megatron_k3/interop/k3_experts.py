@@ -15,6 +15,12 @@ The stored bytes are canonical: a function of the values alone. Floor-mode encod
 but rceil is not (a block whose top element rounds down to 3 gets half the scale when re-quantised, codes
 doubled, same values), so values quantised in another mode are re-encoded in floor mode, which holds every
 MXFP4 value exactly. Export -> import -> export then gives identical bytes whatever the scale mode.
+
+Except where the values came from a checkpoint: import keeps each block's E8M0 scale on the experts module
+(`GroupedExperts.loaded_scales`, {matrix: uint8 [E, out, in/32]}, not part of the state dict), and export
+encodes a block at that scale whenever it still represents the block's values exactly, i.e. the block did not
+change. So a checkpoint written by another quantiser (e.g. the released one, whose ceil rule leaves some blocks
+with top code 3 or 4) is written back byte for byte; changed blocks get the canonical encoding.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..model.experts import GroupedExperts
-from ..ops.mx import dequantize_mx, pack_e2m1, quantize_mx, unpack_e2m1
+from ..ops.mx import dequantize_mx, encode_at_scales, pack_e2m1, quantize_mx, unpack_e2m1
 
 MATRICES = ("w1", "w2", "w3")
 BLOCK = 32
@@ -36,17 +42,30 @@ def _canonical_codes(w: torch.Tensor, scale_mode: str):
     return codes, scales
 
 
-def quantize_k3_weight(w_OI: torch.Tensor, scale_mode: str = "floor"):
-    """One expert matrix [out, in] -> (weight_packed U8 [out, in/2], weight_scale U8 [out, in/32])."""
-    codes, scales = _canonical_codes(w_OI.detach(), scale_mode)
+def _keep_loaded(w: torch.Tensor, codes, scales, loaded):
+    """Blocks that the loaded scales [..., N] still encode exactly take those scales (and their codes)."""
+    if loaded is None:
+        return codes, scales
+    kept, exact = encode_at_scales(w, "e2m1", loaded, BLOCK)
+    codes = torch.where(exact.repeat_interleave(BLOCK, -1), kept, codes)
+    return codes, torch.where(exact, loaded, scales)
+
+
+def quantize_k3_weight(w_OI: torch.Tensor, scale_mode: str = "floor", loaded: torch.Tensor | None = None):
+    """One expert matrix [out, in] -> (weight_packed U8 [out, in/2], weight_scale U8 [out, in/32]); `loaded`: the
+    scales it was imported with (blocks still exact at them keep them; module docstring)."""
+    codes, scales = _keep_loaded(w_OI.detach(), *_canonical_codes(w_OI.detach(), scale_mode), loaded)
     return pack_e2m1(codes).contiguous(), scales.contiguous()
 
 
-def pack_expert_weights(weights: dict, prefix: str, expert_offset: int = 0, scale_mode: str = "floor") -> dict:
-    """{"w1", "w2", "w3": batched [E, out, in]} -> {K3 key: U8 tensor} for experts numbered from expert_offset."""
+def pack_expert_weights(weights: dict, prefix: str, expert_offset: int = 0, scale_mode: str = "floor",
+                        loaded: dict | None = None) -> dict:
+    """{"w1", "w2", "w3": batched [E, out, in]} -> {K3 key: U8 tensor} for experts numbered from expert_offset;
+    `loaded`: {matrix: the scales imported with, [E, out, in/32]} (module docstring)."""
     out = {}
     for name in MATRICES:
-        codes, scales = _canonical_codes(weights[name].detach(), scale_mode)
+        w = weights[name].detach()
+        codes, scales = _keep_loaded(w, *_canonical_codes(w, scale_mode), (loaded or {}).get(name))
         packed = pack_e2m1(codes)
         for e in range(packed.shape[0]):
             key = f"{prefix}.{e + expert_offset}.{name}"
@@ -103,7 +122,18 @@ def export_experts(experts, prefix: str, expert_offset: int = 0, scale_mode: str
     """A GroupedExperts -> {K3 key: U8 tensor} for its E experts, numbered from expert_offset (the first global
     expert id of this rank under expert parallelism). scale_mode defaults to the module's QAT weight mode."""
     weights = {name: getattr(experts, name) for name in MATRICES}  # [E, out, in]
-    return pack_expert_weights(weights, prefix, expert_offset, export_scale_mode(experts, scale_mode))
+    return pack_expert_weights(weights, prefix, expert_offset, export_scale_mode(experts, scale_mode),
+                               getattr(experts, "loaded_scales", None))
+
+
+def remember_scales(experts, name: str, e: int, scale: torch.Tensor) -> None:
+    """Keep the E8M0 scales local expert e's matrix `name` was imported with (module docstring): uint8
+    [E, out, in/32] per matrix on `experts.loaded_scales`, 255 (no scale) where nothing was imported."""
+    store = experts.__dict__.setdefault("loaded_scales", {})
+    p = getattr(experts, name)
+    if name not in store:
+        store[name] = torch.full((p.shape[0], p.shape[1], p.shape[2] // BLOCK), 255, dtype=torch.uint8)
+    store[name][e].copy_(scale.view(torch.uint8).reshape(store[name].shape[1:]))
 
 
 @torch.no_grad()
@@ -124,6 +154,7 @@ def import_experts(experts, tensors: dict, prefix: str, expert_offset: int = 0) 
                 raise ValueError(f"{key}: the checkpoint holds [{w.shape[0]}, {w.shape[1]}], "
                                  f"the model expects {list(p.shape[1:])}")
             p[e].copy_(w)
+            remember_scales(experts, name, e, scale)
             used += [f"{key}.weight_packed", f"{key}.weight_scale"]
     return used
 

@@ -2,7 +2,9 @@
 
 Legend: E experts, H KDA heads, HK = H * head_dim, Hp = H rounded up to a multiple of 128.
 The K3 checkpoint is a vision-language one: text tensors live under `language_model.` (read with or without it),
-the vision tower's (`vision_tower.`, `mm_projector.`) are not ours and are skipped on import. Per text tensor:
+the vision tower's and projector's beside it, unprefixed (`vision_tower.*`, `mm_projector.*`, stored in bf16). A
+model with `model.vision.enabled` (K3ForConditionalGeneration) holds them under the same names; a text-only model
+skips them on import. Per text tensor:
 
     ours                                           K3 checkpoint (after `language_model.`)
     model.layers.i.self_attn.{q,k,v}_conv1d        model.layers.i.self_attn.{q,k,v}_conv1d.weight   fp32 [HK, 1, W]
@@ -22,8 +24,10 @@ the vision tower's (`vision_tower.`, `mm_projector.`) are not ours and are skipp
     everything else                                the same name
 The fp32 tensors above stay fp32; the rest is written in the requested dtype (bf16 as the released checkpoint).
 
-config.json: {"model_type": "kimi_k3", "text_config": {... KimiK3TextConfig keys ...}} with the compressed-tensors
-`quantization_config` inside text_config. Values our config holds that the K3 text config has no key for
+config.json: {"model_type": "kimi_k3", "text_config": {... KimiK3TextConfig keys ...}, "vision_config": {...
+KimiK3VisionConfig keys ...}, "media_placeholder_token_id": ...} with the compressed-tensors `quantization_config`
+inside text_config; vision_config only for a vision-language model. The released tower's fixed choices
+(VISION_FIXED) are checked on import. Values our config holds that the K3 text config has no key for
 (the MLA latent-norm eps, a shared-expert width other than moe_intermediate_size * num_shared_experts, a decay
 rank other than the head dim, a bias on the low-rank output gate) go under text_config["megatron_k3"], with a
 warning: other K3 implementations ignore that entry.
@@ -35,13 +39,17 @@ import logging
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, VisionConfig
 from .k3_experts import pack_expert_weights, unpack_expert_weights
 
 log = logging.getLogger(__name__)
 
 PREFIX = "language_model."
-FOREIGN_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision tower: not part of our model
+FOREIGN_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision tower and projector: unprefixed
+# The released vision_config's choices our tower implements (model/vision.py); anything else is refused.
+VISION_FIXED = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+                "norm_type": "rmsnorm", "mlp_type": "mlp2", "attn_bias": False, "patch_embed_proj_bias": False,
+                "linear_bias": False, "activation_func": "gelu_pytorch_tanh", "projector_hidden_act": "gelu"}
 FP32_SUFFIXES = (".A_log", ".dt_bias", "_conv1d.weight", ".o_norm.weight", ".e_score_correction_bias")
 MLA_LATENT_NORM_EPS = 1e-6  # NeMo builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 EXTRA = "megatron_k3"
@@ -149,8 +157,54 @@ def k3_config_dict(cfg, dtype: str = "bfloat16") -> dict:
         log.warning("Kimi K3 config.json: %s have no K3 key; written under text_config[%r], which other K3 "
                     "implementations ignore", sorted(extra), EXTRA)
         text[EXTRA] = extra
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-            "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": dtype, "text_config": text}
+    out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+           "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": dtype, "text_config": text}
+    if cfg.vision.enabled:
+        out["vision_config"] = vision_config_dict(cfg)
+        out["media_placeholder_token_id"] = cfg.vision.placeholder_token_id
+        out["ignore_index"], out["pad_token_id"] = -100, 0
+    return out
+
+
+def vision_config_dict(cfg) -> dict:
+    """The released `vision_config` keys for our model.vision (what it cannot name goes under EXTRA)."""
+    v = cfg.vision
+    d = {"model_type": "kimi_k3_vision", "patch_size": v.patch_size, "init_pos_emb_height": v.pos_emb_height,
+         "init_pos_emb_width": v.pos_emb_width, "init_pos_emb_time": v.pos_emb_time,
+         "vt_num_attention_heads": v.num_heads, "vt_num_hidden_layers": v.num_layers, "vt_hidden_size": v.hidden_size,
+         "vt_intermediate_size": v.intermediate_size, "merge_kernel_size": [int(m) for m in v.merge_kernel_size],
+         "mm_hidden_size": v.hidden_size, "projector_ln_eps": v.projector_eps, "qkv_hidden_size": v.qkv_hidden_size,
+         "pos_emb_interpolation_mode": v.pos_emb_interpolation, "media_placeholder_token_id": v.placeholder_token_id,
+         "text_hidden_size": cfg.hidden_size, **VISION_FIXED}
+    default = VisionConfig()
+    extra = {k: getattr(v, k) for k in ("rope_max_grid", "rope_theta") if getattr(v, k) != getattr(default, k)}
+    if extra:
+        d[EXTRA] = extra
+    return d
+
+
+def vision_config_to(d: dict, text_hidden: int) -> VisionConfig:
+    """A released `vision_config` -> our VisionConfig (enabled); refuses what the tower does not implement."""
+    for key, want in VISION_FIXED.items():
+        if key in d and d[key] != want:
+            _refuse(f"vision_config.{key}", d[key], f"the K3 vision tower has {key}={want!r}")
+    hidden = _get(d, "vt_hidden_size")
+    if d.get("mm_hidden_size") not in (None, hidden):
+        _refuse("vision_config.mm_hidden_size", d["mm_hidden_size"], "the projector takes the tower's width")
+    if d.get("text_hidden_size") not in (None, text_hidden):
+        _refuse("vision_config.text_hidden_size", d["text_hidden_size"], f"the text model's width is {text_hidden}")
+    extra = d.get(EXTRA) or {}
+    return VisionConfig(
+        enabled=True, patch_size=d.get("patch_size", 14), hidden_size=hidden,
+        num_layers=_get(d, "vt_num_hidden_layers"), num_heads=_get(d, "vt_num_attention_heads"),
+        qkv_hidden_size=d.get("qkv_hidden_size") or hidden, intermediate_size=_get(d, "vt_intermediate_size"),
+        pos_emb_height=d.get("init_pos_emb_height", 64), pos_emb_width=d.get("init_pos_emb_width", 64),
+        pos_emb_time=d.get("init_pos_emb_time", 4),
+        pos_emb_interpolation=d.get("pos_emb_interpolation_mode", "bicubic"),
+        merge_kernel_size=[int(m) for m in d.get("merge_kernel_size", [2, 2])],
+        rope_max_grid=extra.get("rope_max_grid", 512), rope_theta=extra.get("rope_theta", 10000.0),
+        projector_eps=d.get("projector_ln_eps", 1e-5),
+        placeholder_token_id=d.get("media_placeholder_token_id", 163605))
 
 
 def _refuse(key, value, what):
@@ -255,7 +309,29 @@ def k3_config_to(d: dict) -> ModelConfig:
         attn_res=block is not None,
         attn_res_block_size=block or 12,
     )
+    if isinstance(d.get("vision_config"), dict):
+        cfg.vision = vision_config_to(dict(d["vision_config"], **(
+            {"media_placeholder_token_id": d["media_placeholder_token_id"]}
+            if "media_placeholder_token_id" in d else {})), cfg.hidden_size)
     return cfg.validate("config.json")
+
+
+def vision_keys(cfg) -> list:
+    """The checkpoint names of the vision tower's and projector's tensors (= ours), for model.vision.enabled."""
+    if not cfg.vision.enabled:
+        return []
+    t, keys = "vision_tower.", []
+    keys += [t + "patch_embed.proj.weight", t + "patch_embed.pos_emb.weight"]
+    for i in range(cfg.vision.num_layers):
+        b = f"{t}encoder.blocks.{i}."
+        keys += [b + n + ".weight" for n in ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1")]
+    keys.append(t + "encoder.final_layernorm.weight")
+    return keys + [f"mm_projector.{n}.weight" for n in ("proj.0", "proj.2", "post_norm")]
+
+
+def checkpoint_name(key: str) -> str:
+    """A K3 key as the directory names it: the text model's under `language_model.`, the vision tower's as is."""
+    return key if key.startswith(FOREIGN_PREFIXES) else PREFIX + key
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -278,6 +354,7 @@ def _pairs(cfg):
 
     same = None
     out = [(k, k, same, same) for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")]
+    out += [(k, k, same, same) for k in vision_keys(cfg)]
     if cfg.attn_res:
         out += [(f"model.output_attn_res.{n}.weight", f"model.output_attn_res_{n}.weight", same, same)
                 for n in ("proj", "norm")]
@@ -327,19 +404,22 @@ def _expert_prefix(i: int) -> str:
     return f"model.layers.{i}.block_sparse_moe.experts"
 
 
-def to_k3_state_dict(sd: dict, cfg, dtype=torch.bfloat16, scale_mode: str = "floor") -> dict:
+def to_k3_state_dict(sd: dict, cfg, dtype=torch.bfloat16, scale_mode: str = "floor",
+                     loaded: dict | None = None) -> dict:
     """Our (unsharded) state dict -> K3 checkpoint tensors, prefixed: every non-expert tensor in `dtype` except the
-    fp32 ones, routed experts as packed MXFP4 + E8M0 scales quantised with `scale_mode` (canonical bytes)."""
+    fp32 ones, routed experts as packed MXFP4 + E8M0 scales quantised with `scale_mode` (canonical bytes, except the
+    blocks still exact at the scales they were imported with: `loaded` {MoE layer: {matrix: scales}},
+    k3_experts)."""
     check_representable(cfg)
     sd = dict(sd)
     out = {}
     for ours, key, fwd, _ in _pairs(cfg):
         t = sd.pop(ours).detach()
         t = fwd(t) if fwd else t
-        out[PREFIX + key] = t.to(torch.float32 if is_fp32_key(key) else (dtype or t.dtype)).contiguous()
+        out[checkpoint_name(key)] = t.to(torch.float32 if is_fp32_key(key) else (dtype or t.dtype)).contiguous()
     for i in _moe_layers(cfg):
         w = {n: sd.pop(f"model.layers.{i}.mlp.experts.{n}") for n in ("w1", "w2", "w3")}
-        packed = pack_expert_weights(w, _expert_prefix(i), 0, scale_mode)
+        packed = pack_expert_weights(w, _expert_prefix(i), 0, scale_mode, (loaded or {}).get(i))
         out.update({PREFIX + k: v for k, v in packed.items()})
     if sd:
         raise ValueError(f"our keys without a Kimi K3 name: {sorted(sd)[:8]}")
@@ -347,14 +427,15 @@ def to_k3_state_dict(sd: dict, cfg, dtype=torch.bfloat16, scale_mode: str = "flo
 
 
 def from_k3_state_dict(tensors: dict, cfg) -> dict:
-    """K3 checkpoint tensors (with or without the `language_model.` prefix; vision tensors are skipped) -> our
+    """K3 checkpoint tensors (with or without the `language_model.` prefix; vision tensors skipped for a text-only
+    config) -> our
     state dict in fp32. Routed experts may be packed MXFP4 or plain `.weight` matrices. Every text key is
     consumed, or this fails naming what is missing or left over."""
     hf, skipped = {}, 0
     for k, v in tensors.items():
         if k.startswith(PREFIX):
             hf[k[len(PREFIX):]] = v
-        elif k.startswith(FOREIGN_PREFIXES):
+        elif k.startswith(FOREIGN_PREFIXES) and not cfg.vision.enabled:
             skipped += 1
         else:
             hf[k] = v
@@ -390,4 +471,5 @@ def from_k3_state_dict(tensors: dict, cfg) -> dict:
 
 
 __all__ = ["k3_config_dict", "k3_config_to", "to_k3_state_dict", "from_k3_state_dict", "text_config_of",
-           "padded_heads", "is_fp32_key", "PREFIX"]
+           "padded_heads", "is_fp32_key", "PREFIX", "vision_keys", "vision_config_dict", "vision_config_to",
+           "checkpoint_name"]

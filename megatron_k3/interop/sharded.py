@@ -1,17 +1,18 @@
 """Streaming, sharded import and export of Hugging Face directories (the Kimi K3 and Kimi Linear layouts): every
 rank of any layout (tensor parallel, expert parallel, a pipeline stage, replicas) reads and writes only its part.
 
-`load_hf_sharded(model, path)` fills a built K3ForCausalLM in place (sharded or not; built on the meta device it is
-allocated first, uninitialised). From `model.safetensors.index.json` each rank finds the shard files that hold its
-tensors, opens only those with `safetensors.safe_open` (a memory map) and reads with `get_slice` only its slice:
-its rows or columns along its tensor-parallel dimension, its heads of A_log (stored zero-padded to a multiple of
-128 heads), and of the routed experts only its expert-parallel block, dequantising from MXFP4 only those. The
-vision tower's tensors (`vision_tower.`, `mm_projector.`) are skipped, with one log line counting them. Nothing is
-copied into the model before every rank has checked its part: the config against config.json, the index against
-the config (every tensor present, none unknown), each shard file it needs (present, readable, complete) and the
-shape and dtype of each tensor it reads; the first failure (in rank order) is raised on every rank, as one line
-`<file>: <tensor>: <what>`. A file is re-opened after READ_BUDGET bytes were read from it, so the pages a rank
-touched in a memory map (they count towards its resident memory) stay bounded.
+`load_hf_sharded(model, path)` fills a built K3ForCausalLM (or K3ForConditionalGeneration) in place (sharded or not;
+built on the meta device it is allocated first, uninitialised). From `model.safetensors.index.json` each rank finds
+the shard files that hold its tensors, opens only those with `safetensors.safe_open` (a memory map) and reads with
+`get_slice` only its slice: its rows or columns along its tensor-parallel dimension, its heads of A_log (stored
+zero-padded to a multiple of 128 heads), and of the routed experts only its expert-parallel block, dequantising from
+MXFP4 only those. The vision tower's tensors (`vision_tower.`, `mm_projector.`) are read by the rank parts that hold
+the tower (with the embedding); a text-only model skips them, with one log line counting them. Nothing is copied
+into the model before every rank has checked its part: the config against config.json, the index against the config
+(every tensor present, none unknown), each shard file it needs (present, readable, complete) and the shape and dtype
+of each tensor it reads; the first failure (in rank order) is raised on every rank, as one line `<file>: <tensor>:
+<what>`. A file is re-opened after READ_BUDGET bytes were read from it, so the pages a rank touched in a memory map
+(they count towards its resident memory) stay bounded.
 
 `save_hf_sharded(model, path, tp_group=...)` writes the directory that `save_hf` writes for the unsharded model,
 tensor for tensor, from the ranks' parts. A checkpoint tensor has one writer, the lowest global rank that holds it
@@ -59,7 +60,7 @@ from .directory import (
     config_from_hf,
     detect_layout,
 )
-from .k3_experts import BLOCK, dequantize_k3_weight, export_scale_mode, quantize_k3_weight
+from .k3_experts import BLOCK, dequantize_k3_weight, export_scale_mode, quantize_k3_weight, remember_scales
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,9 @@ class _Names:
         self.cfg, self.layout, self.where = cfg, layout, where
         self.actual, self.skipped = {}, 0  # {name without the K3 prefix: name in the directory}
         self.prefixed = layout == "k3" and any(k.startswith(k3_layout.PREFIX) for k in present)
+        vision = layout == "k3" and cfg.vision.enabled
         for k in present:
-            if k.startswith(k3_layout.FOREIGN_PREFIXES):
+            if k.startswith(k3_layout.FOREIGN_PREFIXES) and not vision:
                 self.skipped += 1
             elif layout == "k3" and k.startswith(k3_layout.PREFIX):
                 self.actual[k[len(k3_layout.PREFIX):]] = k
@@ -231,7 +233,7 @@ class _Names:
         """The name of `key` in the directory (with the K3 prefix where the directory uses it)."""
         if key in self.actual:
             return self.actual[key]
-        return k3_layout.PREFIX + key if self.prefixed else key
+        return k3_layout.checkpoint_name(key) if self.prefixed else key
 
     def check_complete(self):
         """Every tensor the config implies is in the directory, and nothing else (but the vision tower)."""
@@ -300,8 +302,9 @@ def _plan_reads(model, names: _Names) -> list:
                     raise CheckpointReadError(f"{names.where}: {names.name(keys['packed'])}: the input width {k} is "
                                               f"not a multiple of the MXFP4 block {BLOCK}")
                 slot = (name, el)
+                owner = model.get_submodule(name.rsplit(".", 1)[0])
 
-                def part(kind, dst=dst, slot=slot, start=start, size=size):
+                def part(kind, dst=dst, slot=slot, start=start, size=size, owner=owner, n=n, el=el, whole=(o, k)):
                     def apply(view):
                         got = pending.setdefault(slot, {})
                         got[kind] = view  # a view of the memory map, kept alive until its partner is read
@@ -309,6 +312,8 @@ def _plan_reads(model, names: _Names) -> list:
                             del pending[slot]
                             w = dequantize_k3_weight(got["packed"], got["scale"], dst.dtype)
                             dst.copy_(w[tuple(slice(s, s + z) for s, z in zip(start[1:], size[1:]))])
+                            if tuple(size[1:]) == whole:  # the whole matrix: its encoding is kept for export
+                                remember_scales(owner, n, el, got["scale"])
                     return apply
 
                 for kind, cols in (("packed", k // 2), ("scale", k // BLOCK)):
@@ -397,7 +402,10 @@ def load_hf_sharded(model, path, layout: str = "auto", group="auto", device=None
         layout = detect_layout(hf_config) if layout == "auto" else layout
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-        diffs = config_differences(model.cfg, config_from_hf(hf_config, layout))
+        file_cfg = config_from_hf(hf_config, layout)
+        if not model.cfg.vision.enabled:  # a text-only model reads a vision-language directory's text part
+            file_cfg.vision = type(file_cfg.vision)()
+        diffs = config_differences(model.cfg, file_cfg)
         if diffs:
             raise ConfigMismatchError(path, diffs)
         weight_map, where = _index(path)
@@ -526,9 +534,12 @@ def _items(model, layout: str, dt, mode, plain_writer: bool, expert_writer: bool
                 if layout == "k3":
                     cache = {}
 
-                    def quantised(part, w=t, el=el, cache=cache):
+                    loaded = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "loaded_scales", {}).get(n)
+
+                    def quantised(part, w=t, el=el, cache=cache, loaded=loaded):
                         if not cache:
-                            cache["packed"], cache["scale"] = quantize_k3_weight(w.detach()[el], mode)
+                            cache["packed"], cache["scale"] = quantize_k3_weight(
+                                w.detach()[el], mode, None if loaded is None else loaded[el])
                         return cache.pop(part)
 
                     items.append(_Item(f"{key}.weight_packed", o * k // 2, lambda q=quantised: q("packed")))
@@ -547,7 +558,8 @@ def _items(model, layout: str, dt, mode, plain_writer: bool, expert_writer: bool
                 whole = gather(t)
                 return (fwd(whole) if fwd else whole).to(out).contiguous()
 
-            items.append(_Item(prefix + key, math.prod(shaped.shape) * out.itemsize, produce,
+            items.append(_Item((k3_layout.checkpoint_name(key) if prefix else key), math.prod(shaped.shape) *
+                               out.itemsize, produce,
                                t if meta(t).tp_dim is not None else None))
     return sorted(items, key=lambda it: it.key)
 

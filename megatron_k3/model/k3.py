@@ -69,11 +69,14 @@ class K3Model(nn.Module):
             self.output_attn_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps) if head else None
 
     def forward(self, input_ids_BT: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, state_in: ResidualState | None = None):
+                cache: InferenceCache | None = None, state_in: ResidualState | None = None, media=None):
         """Without the embedding (a later pipeline stage) the layers start from `state_in`; without the final norm
-        (an earlier stage) the ResidualState after the last layer is returned."""
+        (an earlier stage) the ResidualState after the last layer is returned. `media`: a function of the token
+        embeddings that puts the vision features in (K3ForConditionalGeneration)."""
         if self.embed_tokens is not None:
             h = self.embed_tokens(input_ids_BT)
+            if media is not None:
+                h = media(h)
             st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
         else:
             st = state_in
@@ -182,7 +185,11 @@ class K3ForCausalLM(nn.Module):
 
         A pipeline stage without the LM head returns the ResidualState its last layer left (state_in: the previous
         stage's, on a stage without the embedding)."""
-        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, state_in=state_in)
+        return self._output(self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, state_in=state_in), labels,
+                            cache)
+
+    def _output(self, h, labels, cache) -> CausalLMOutput:
+        """The LM head and the loss on the final hidden states (or the ResidualState of a stage without them)."""
         if self.lm_head is None:
             return h
         logits = self.lm_head(h)  # [B, T, V]

@@ -179,6 +179,22 @@ def quantize_mx(x: torch.Tensor, fmt: str, block_size: int = 32, scale_mode: str
     return codes.reshape(x.shape), scales
 
 
+def encode_at_scales(x: torch.Tensor, fmt: str, scales: torch.Tensor, block_size: int = 32):
+    """x [..., K*N] encoded at given E8M0 scales [..., N] (uint8) instead of computed ones: (codes [..., K*N],
+    exact [..., N]) where `exact` marks the blocks whose values those codes and scales reproduce exactly (no
+    rounding, no saturation, no NaN scale). Used to keep a checkpoint's own encoding of values that did not change
+    (interop.k3_experts): MX encodings are not unique, e.g. 3 * 2^s is also 6 * 2^(s-1)."""
+    f = elem_format(fmt)
+    _check(x, block_size)
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    s = scales.to(torch.int32) - E8M0_BIAS
+    y = _mul_pow2(xb, -s.unsqueeze(-1))
+    r = _round_to_elem(y, f)
+    exact = ((r == y.abs()) & (y.abs() <= f.max_normal)).all(-1) & (scales != E8M0_NAN)
+    codes = _encode(torch.where(torch.isnan(r), 0.0, r), torch.signbit(xb), f)
+    return codes.reshape(x.shape), exact
+
+
 _LUTS: dict = {}
 
 
@@ -256,4 +272,4 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["quantize_mx", "dequantize_mx", "fake_quant_mx", "mx_round_trip", "pack_e2m1", "unpack_e2m1",
-           "elem_values", "elem_format", "FORMATS", "SCALE_MODES", "E8M0_BIAS", "E8M0_NAN"]
+           "encode_at_scales", "elem_values", "elem_format", "FORMATS", "SCALE_MODES", "E8M0_BIAS", "E8M0_NAN"]

@@ -25,6 +25,8 @@ def adamw_param_groups(model: torch.nn.Module | None, weight_decay: float, param
     (name, parameter) pairs to group instead of all of `model`'s."""
     decay, no_decay = [], []
     for n, p in _named(model, params):
+        if not p.requires_grad:  # frozen (model.freeze_vision): no update, no state
+            continue
         (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "rule": "adamw/decay"},
             {"params": no_decay, "weight_decay": 0.0, "rule": "adamw/no_decay"}]

@@ -353,6 +353,9 @@ def apply_context_parallel(model: K3ForCausalLM, cp: Group) -> K3ForCausalLM:
         a = call.arguments
         if a["cache"] is not None:
             raise ValueError("context parallelism is for training and prefill; decode with parallel.cp=1")
+        if a.get("pixel_values") is not None:
+            raise ValueError("context parallelism does not take media (pixel_values); use parallel.cp=1 with a "
+                             "vision-language model")
         ids = a["input_ids"]
         seq.shard = SequenceShard(cp, ids.shape[1], a["cu_seqlens"], ids.device)
         a["input_ids"], a["cu_seqlens"] = seq.shard.take(ids), None

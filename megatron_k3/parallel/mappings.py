@@ -137,6 +137,7 @@ reduce_from_region = _pair(_reduce_copy, _identity)
 gather_last = _pair(_last(_all_gather), _last(_split))
 gather_seq = _pair(_seq(_all_gather), _seq(_reduce_scatter))
 reduce_scatter_seq = _pair(_seq(_reduce_scatter), _seq(_all_gather))
+split_seq = _pair(_seq(_split), _seq(_all_gather))
 gather_rows = _pair(_first(_all_gather), _first(_split))
 split_rows = _pair(_first(_split), _first(_all_gather))
 
@@ -226,6 +227,31 @@ def all_to_all_overlapped(x, group, side):
     started = _AllToAllStart.apply(x, h)
     out = side()
     return _AllToAllWait.apply(started, h), out
+
+
+class _GatherVarRows(torch.autograd.Function):
+    """Each rank's rows [n_r, ...] -> every rank's, concatenated in rank order; backward: this rank's rows of the
+    gradient (which must be the same on every rank: the gathered tensor is used alike everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        rank = dist.get_rank(group)
+        ctx.start, ctx.n = sum(sizes[:rank]), sizes[rank]
+        pad = max(sizes)
+        buf = x.new_zeros((pad,) + tuple(x.shape[1:]))
+        buf[: x.shape[0]] = x
+        parts = [torch.empty_like(buf) for _ in sizes]
+        dist.all_gather(parts, buf.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.start: ctx.start + ctx.n], None, None
+
+
+def gather_var_rows(x, sizes: list, group):
+    """`_GatherVarRows`: rows of different counts per rank (`sizes`, known on every rank) gathered in rank order."""
+    return x if _size(group) == 1 else _GatherVarRows.apply(x, list(sizes), group)
 
 
 def all_reduce_grad_hook(group):

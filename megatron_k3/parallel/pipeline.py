@@ -42,9 +42,9 @@ def stage_part(cfg, pp: int, stage: int) -> dict:
 
 def cut_stage(model: K3ForCausalLM, pp: int, stage: int) -> K3ForCausalLM:
     """Keep stage `stage` of `pp` of a built model, in place (`stage_part`): its layers under their global names,
-    the embedding only on the first stage, the output mix, final norm and LM head only on the last. A model built
-    as that part already is left as it is. Cut an initialised model, or build the part on the meta device and
-    materialise it: either way every stage holds exactly the single-process weights."""
+    the embedding (and the vision tower) only on the first stage, the output mix, final norm and LM head only on
+    the last. A model built as that part already is left as it is. Cut an initialised model, or build the part on
+    the meta device and materialise it: either way every stage holds exactly the single-process weights."""
     part = stage_part(model.cfg, pp, stage)
     core = model.model
     held = core.layers.indices()
@@ -54,6 +54,8 @@ def cut_stage(model: K3ForCausalLM, pp: int, stage: int) -> K3ForCausalLM:
     core.layers = LayerStack(core.layers[i] for i in part["layers"])
     if not part["embedding"]:
         core.embed_tokens = None
+        if hasattr(model, "vision_tower"):  # the vision tower and projector live with the embedding
+            model.vision_tower = model.mm_projector = None
     if not part["head"]:
         core.norm = None
         if model.cfg.attn_res:

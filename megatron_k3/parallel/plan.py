@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..model.k3 import K3ForCausalLM
+from ..model.multimodal import causal_lm_class
 from .context import apply_context_parallel
 from .experts import apply_expert_parallel
 from .mappings import Group
@@ -68,11 +69,12 @@ def parallelize(model: nn.Module, groups: ParallelGroups, redundant_experts: int
 
 def build_model(cfg, groups: ParallelGroups, device="cpu", dtype: torch.dtype | None = None,
                 seed: int | None = 0, redundant_experts: int | None = None) -> K3ForCausalLM:
-    """This rank's model over `groups`: its pipeline stage built on the meta device, parallelised there, then (unless
+    """This rank's model over `groups` (a K3ForConditionalGeneration where model.vision.enabled): its pipeline stage
+    built on the meta device, parallelised there, then (unless
     `device` is "meta") allocated on `device` with parameters in `dtype` (default fp32) and initialised from `seed`
     shard-locally, so every layout starts from the single-process weights of that seed."""
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg, init=False, **stage_part(cfg, groups.pp.size, groups.pp.rank))
+        model = causal_lm_class(cfg)(cfg, init=False, **stage_part(cfg, groups.pp.size, groups.pp.rank))
     parallelize(model, groups, redundant_experts)
     if torch.device(device).type == "meta":
         return model

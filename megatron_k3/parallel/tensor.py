@@ -217,12 +217,9 @@ class VocabParallelCrossEntropy(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- the plan
 
-_FORWARD_ARGS = inspect.signature(K3ForCausalLM.forward)
-
-
 def call_arguments(model, args, kwargs) -> inspect.BoundArguments:
-    """K3ForCausalLM.forward's arguments of one call, by name (defaults applied)."""
-    bound = _FORWARD_ARGS.bind(model, *args, **kwargs)
+    """The model's forward arguments of one call (K3ForCausalLM's, or a subclass's), by name (defaults applied)."""
+    bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
     bound.apply_defaults()
     return bound
 
@@ -326,6 +323,34 @@ def apply_tensor_parallel(module: nn.Module, tp: TensorParallel) -> nn.Module:
     return module
 
 
+@dataclass(frozen=True)
+class MediaSplit:
+    """The media of a batch split over the TP ranks (model.multimodal: each encodes its share, media_shares)."""
+    group: object
+    size: int
+    rank: int
+
+    def gather(self, local, sizes: list):
+        return M.gather_var_rows(local, sizes, self.group)
+
+
+def _vision(model, tp: TensorParallel) -> None:
+    """The vision tower is replicated over TP, its work is not: each rank encodes a share of the media (contiguous
+    whole media of about equal patch counts, model.vision.media_shares; a rank may get none) and the features are
+    gathered; the tower reads its parameters through the region copy (identity forward, all-reduce backward), so
+    the gradient each rank computes from its share is summed over the group, once per micro-batch. Under SP each
+    rank then puts in the features of its own sequence share (the backward gathers their gradient first).
+
+    Why not shard it like the text layers: ~0.45B parameters at K3 size against 2.8T, and splitting 12 heads and a
+    1024 width would add two collectives per block. Why not replicate the work: every rank would run the whole
+    tower. The split is by whole media, so it pays when a micro-batch holds at least tp media; with one image one
+    rank encodes it and the others wait (docs/vision.md, docs/planning.md give the planner's figures)."""
+    model.media_split = MediaSplit(tp.group, tp.size, tp.rank)
+    model.vision_view.fn = lambda w: M.copy_to_region(w, tp.group)
+    if tp.sequence_parallel:
+        model.sequence_view = lambda t: M.split_seq(t, tp.group)
+
+
 def _model_ends(model: K3ForCausalLM, tp: TensorParallel) -> None:
     """The vocabulary-parallel embedding, LM head and loss, the final norms under SP, the full logits on request."""
     core = model.model
@@ -339,6 +364,8 @@ def _model_ends(model: K3ForCausalLM, tp: TensorParallel) -> None:
         if tied:
             model.lm_head.weight = core.embed_tokens.weight
     model.loss_fn = VocabParallelCrossEntropy(tp)
+    if getattr(model, "vision_tower", None) is not None:
+        _vision(model, tp)
 
     def no_decode_under_sp(module, args, kwargs):
         if call_arguments(module, args, kwargs).arguments["cache"] is not None:

@@ -20,6 +20,12 @@ rank's queries see (2cp+1)/(4cp) of the sequence on average). KDA under CP runs 
 V + K (outputs [o0 | q~], states [B | A]): the terms that carry the value width grow by K.
 A term marked `cheap` is recomputed in the backward under selective recomputation (elementwise work, the
 attention/KDA core), the matmul inputs stay.
+
+The vision tower (`vision_terms`, model.vision.enabled) keeps its terms per patch (per feature for the projector),
+unsharded: its parameters are replicated over TP and its work is split by whole media, so each TP rank keeps the
+terms of the patches it encodes (memory.vision_activations counts the busiest rank's share, flops.vision_tp_share:
+1/tp when the images divide evenly, all of them with one image per micro-batch); sequence parallelism does not
+split them.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ActTerm", "layer_terms", "head_terms", "attn_res_sources", "term_bytes"]
+__all__ = ["ActTerm", "layer_terms", "head_terms", "attn_res_sources", "term_bytes", "vision_terms"]
 
 # dtype classes: "a" = activation dtype (4 B fp32, 2 B under bf16 autocast), "f" = always fp32, "i" = int64
 _BYTES = {"f": 4, "i": 8}
@@ -235,3 +241,35 @@ def head_terms(cfg, tp: int, kernels: str, out_sources: int) -> tuple:
         kept.append(ActTerm("logits", "head", V, "a", "full"))
     transient = [ActTerm("loss_grad", "head", 2 * V, "f", "full")]
     return kept, transient
+
+
+def vision_terms(cfg, kernels: str, image_patches: int) -> tuple:
+    """(per encoder block, per patch; the rest of the tower, per patch; the projector, per feature) ActTerms the
+    vision tower keeps (model/vision.py): RMSNorms, the q/k/v/o of its attention (flash: q, k, v, o and the
+    log-sum-exp; eager: q and k rotated in fp32, and the [L, L] probabilities of each head over the image's
+    `image_patches` patches), the GELU MLP; the patch embedding's input pixels (for its weight's gradient), the final
+    norm; the projector's two linears, its GELU and output norm. `cheap`: recomputed under selective recomputation."""
+    v = cfg.vision
+    D, Q, I, H, K = v.hidden_size, v.qkv_hidden_size, v.intermediate_size, v.num_heads, cfg.hidden_size
+    eager = kernels == "eager"
+    block = _norm(D, kernels, "vision_norm0") + [ActTerm("vision_qkv_input", "vision", D, "a", "full")]
+    if eager:
+        block += [ActTerm("vision_rope", "vision", 2 * Q, "f", "full", True),
+                  ActTerm("vision_qkv", "vision", 3 * Q, "a", "full"),
+                  ActTerm("vision_probs", "vision", H * image_patches, "f", "full", True),
+                  ActTerm("vision_o", "vision", Q, "a", "full")]
+    else:
+        block += [ActTerm("vision_qkvo", "vision", 4 * Q, "a", "full"),
+                  ActTerm("vision_lse", "vision", H, "f", "full")]
+    block += _norm(D, kernels, "vision_norm1") + [
+        ActTerm("vision_fc0_input", "vision", D, "a", "full"),
+        ActTerm("vision_gelu_input", "vision", I, "a", "full"),
+        ActTerm("vision_fc1_input", "vision", I, "a", "full", True)]
+    tower = [ActTerm("vision_pixels", "vision", 3 * v.patch_size ** 2, "a", "full")]
+    tower += _norm(D, kernels, "vision_final_norm")
+    W = v.merge_size * D
+    projector = [ActTerm("mm_projector_input", "vision", W, "a", "full"),
+                 ActTerm("mm_projector_gelu_input", "vision", W, "a", "full"),
+                 ActTerm("mm_projector_fc1_input", "vision", W, "a", "full", True)]
+    projector += _norm(K, kernels, "mm_projector_norm")
+    return block, tower, projector

@@ -4,8 +4,9 @@ of issue 20: every rank writes only what it owns, each byte once).
 What a checkpoint holds, each once: the fp32 master of every parameter (4 B; under precision=fp32 the weights are
 the masters), the optimizer states (AdamW: exp_avg + exp_avg_sq, 8 B; Muon: one fp32 momentum for the matrices it
 updates, 4 B, and AdamW's 8 B for the parameters routed to AdamW; the same accounting as memory.py's) and the
-persistent buffers at their dtype (the router's bias). The total does not depend on the layout, the precision or
-the ZeRO stage.
+persistent buffers at their dtype (the router's bias); with model.vision the tower and projector like any dense
+parameter on the first stage (frozen, model.freeze_vision: their fp32 weights only, written with the buffers). The
+total does not depend on the layout, the precision or the ZeRO stage.
 
 Who writes what (training/zero_views.owned_pieces), from the planner's per-rank counts (params.model_params, the
 model's own construction):
@@ -68,20 +69,33 @@ def _bytes(group: ParamGroup, optimizer: str) -> float:
     return group.total * 4 + _opt_state_bytes(group, optimizer)
 
 
+def _vision(cfg, mp) -> tuple:
+    """(ParamGroup, extra bytes) of the vision tower and projector (model.vision): trainable, a dense group like any;
+    frozen (model.freeze_vision), no optimizer owns them: their fp32 weights (4 B), written once per stage like the
+    buffers."""
+    if cfg.freeze_vision:
+        return ParamGroup(), mp.vision.total * 4
+    return mp.vision, 0
+
+
 def checkpoint_bytes(cfg, optimizer: str) -> float:
     """The whole checkpoint, each byte once: fp32 masters + optimizer states of every parameter + buffers."""
     mp = model_params(cfg, 1)
-    groups = [mp.embedding, mp.head] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
-    buffers = mp.embedding_buffer_bytes + mp.head_buffer_bytes + sum(lp.buffer_bytes for lp in mp.layers)
+    vision, frozen = _vision(cfg, mp)
+    groups = [mp.embedding, mp.head, vision] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
+    buffers = mp.embedding_buffer_bytes + mp.head_buffer_bytes + sum(lp.buffer_bytes for lp in mp.layers) + frozen
     return sum(_bytes(g, optimizer) for g in groups) + buffers
 
 
-def _stage_dense(mp, a: int, b: int, first: bool, last: bool) -> tuple:
-    """(dense ParamGroup, persistent buffer bytes) of layers [a, b) on one TP rank, with the embedding / head."""
+def _stage_dense(cfg, mp, a: int, b: int, first: bool, last: bool) -> tuple:
+    """(dense ParamGroup, persistent buffer bytes) of layers [a, b) on one TP rank, with the embedding (and the vision
+    tower) / head."""
     dense = sum((lp.dense for lp in mp.layers[a:b]), ParamGroup())
     buffers = sum(lp.buffer_bytes for lp in mp.layers[a:b])
     if first:
         dense, buffers = dense + mp.embedding, buffers + mp.embedding_buffer_bytes
+        vision, frozen = _vision(cfg, mp)
+        dense, buffers = dense + vision, buffers + frozen
     if last:
         dense, buffers = dense + mp.head, buffers + mp.head_buffer_bytes
     return dense, buffers
@@ -97,8 +111,8 @@ def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1) -> list:
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        dense_t, buffers = _stage_dense(mp, a, b, first, last)
-        dense_1, _ = _stage_dense(one, a, b, first, last)
+        dense_t, buffers = _stage_dense(cfg, mp, a, b, first, last)
+        dense_1, _ = _stage_dense(cfg, one, a, b, first, last)
         d_t, d_1 = _bytes(dense_t, optimizer), _bytes(dense_1, optimizer)
         replicated = (lay.tp * d_t - d_1) / (lay.tp - 1) if lay.tp > 1 else 0.0  # R: held whole by every TP rank
         sharded = d_t - replicated  # this TP rank's slice of the TP-split tensors

@@ -8,7 +8,14 @@ across supernodes at `inter_supernode_gbps`, m members per supernode).
 Kinds:
 * tp: sequence-parallel all-gather / reduce-scatter around every mixer and dense/shared FFN (all-reduce
   without sequence parallelism), the gathered low-rank projections, the LM head; forward + backward
-  (+ the forward again under full recomputation).
+  (+ the forward again under full recomputation); on the first stage with the vision tower (model.vision), whose
+  parameters are replicated over TP but whose work is split (each rank encodes its share of the media): the
+  all-gather of the projected features [N, K] (forward, activation dtype; each rank's part padded to the
+  largest share's rows, as parallel.mappings.gather_var_rows does; its backward takes the rank's own rows, no
+  traffic), and, unless model.freeze_vision, the all-reduce of the tower's and projector's parameter gradients
+  (each parameter read through the region copy: every parameter once per micro-batch, in the weights' dtype, the
+  gradient autograd hands the copy) and under sequence parallelism the all-gather of the features' gradient
+  (backward); `StepComm.vision_tp` gives the three parts and their times.
 * cp: the MLA latent all-gather (and its gradient reduce-scatter) and the KDA state hand-off.
 * ep: the dispatcher's all-to-all of the top-k latent rows to the expert ranks and back (combine), forward
   and backward; inside the supernode by construction. Under balanced dispatch (model.moe_overflow=balanced,
@@ -16,7 +23,8 @@ Kinds:
   counts and codes (forward), the replica weights out ((El + S) x P x (R-1)/R per forward) and their gradients
   back (the same bytes, in the backward); `StepComm.ep_detail` gives the four parts and their times.
 * dp: gradient reduce-scatter and parameter all-gather (ZeRO-1/2; all-reduce with ZeRO-0) over the
-  data-parallel group (dense) and expert-DP group (routed experts); with Muon, the momentum all-gather for
+  data-parallel group (dense, with the vision tower on the first stage unless model.freeze_vision) and expert-DP
+  group (routed experts); with Muon, the momentum all-gather for
   the whole-matrix Newton-Schulz; across supernodes when the group spans them.
 * pp: activations forward and their gradients backward between neighbouring stages; with AttnRes the
   completed blocks travel with the partial sum.
@@ -26,11 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .flops import vision_tp_share
 from .layout import Layout, group_span, stage_layers
 from .memory import Workload, balanced_moe
 from .params import model_params
 
-__all__ = ["StepComm", "training_comm", "collective_time"]
+__all__ = ["StepComm", "training_comm", "collective_time", "vision_tp_bytes"]
 
 GB = 1e9
 
@@ -44,6 +53,9 @@ class StepComm:
     # replica_weights (out, forward) and replica_grads (back, backward); under moe.replica_exchange=step the owners'
     # part once per step
     ep_detail: dict = field(default_factory=dict)
+    # model.vision on the first stage under TP: the tp kind's vision parts per step, {part: (bytes, seconds)} for
+    # feature_gather (forward), feature_grad_gather (backward, sequence parallelism) and grad_all_reduce (backward)
+    vision_tp: dict = field(default_factory=dict)
 
 
 def collective_time(nbytes: float, size: int, stride: int, cluster) -> float:
@@ -97,6 +109,8 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
             tp_bytes += 2 * act + passes * 3 * n * 4  # LM head input gather (+ grad), cross-entropy reductions
         if stage == 0:
             tp_bytes += 2 * act  # vocab-parallel embedding reduction (+ grad)
+    vision_parts = vision_tp_bytes(cfg, lay, w) if stage == 0 else {}
+    tp_bytes += sum(vision_parts.values())
     tp_time = collective_time(tp_bytes, lay.tp, 1, cluster)
 
     # ---- context parallelism, per micro-batch
@@ -153,6 +167,9 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
     if stage == 0:
         dense += mp.embedding.total
+        if not cfg.freeze_vision:  # the vision tower and projector (model.vision), like any dense parameter
+            dense += mp.vision.total
+            dense_muon += mp.vision.muon
     if stage == len(stages) - 1:
         dense += mp.head.total
         dense_muon += mp.head.muon
@@ -185,4 +202,22 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     gbps = cluster.intra_supernode_gbps * GB
     step_bytes = {k: m * v + ep_step.get(k, 0.0) for k, v in ep_parts.items()}
     out.ep_detail = {k: (v, v / gbps) for k, v in step_bytes.items()}
+    out.vision_tp = {k: (m * v, m * collective_time(v, lay.tp, 1, cluster)) for k, v in vision_parts.items()}
+    return out
+
+
+def vision_tp_bytes(cfg, lay: Layout, w: Workload) -> dict:
+    """Bytes one first-stage device sends per micro-batch over TP for the vision tower (module docstring), by part:
+    feature_gather, feature_grad_gather (sequence parallelism, trainable), grad_all_reduce (trainable); empty
+    without model.vision, media or tensor parallelism."""
+    if not cfg.vision.enabled or lay.tp <= 1 or w.image_share <= 0:
+        return {}
+    K, a, frac = cfg.hidden_size, w.act_bytes, (lay.tp - 1) / lay.tp
+    features = w.image_share * w.micro_batch_size * w.seq_length  # N rows of the micro-batch
+    share = vision_tp_share(cfg, w.seq_length, w.micro_batch_size, w.image_share, lay.tp)
+    out = {"feature_gather": lay.tp * share * features * K * a * frac}  # tp parts of the busiest share's rows
+    if not cfg.freeze_vision:
+        if lay.sp:  # the [B, T, K] features' gradient, gathered before each rank takes its rows
+            out["feature_grad_gather"] = w.micro_batch_size * w.seq_length * K * a * frac
+        out["grad_all_reduce"] = 2 * model_params(cfg, lay.tp, lay.ep).vision.total * w.weight_bytes * frac
     return out

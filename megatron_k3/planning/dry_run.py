@@ -7,7 +7,7 @@ every group, with the layout's checks), and `parallel.build_model` on the meta d
 tensor-parallel shards, its block of experts). What it built is then read off: the layers it holds, routed
 experts per MoE layer, parameter elements, and the block of the full tensor each parameter is. Over all ranks
 the blocks of each parameter must tile it (identical blocks are replicas, the others disjoint), and the elements
-covered, each counted once, must be the model's total (model.params.count_parameters); each rank's count must be
+covered, each counted once, must be the model's total (planning.params.count_parameters); each rank's count must be
 the planner's for its stage (planning.planner.plan_training's `stage_params`).
 
 `materialize_rank` goes on for one rank: allocation on the CPU (bf16 by default), shard-local initialisation and,
@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from ..annotations import full_shape, shard_offsets
-from ..model import K3ForCausalLM
-from ..model.params import count_parameters
+from ..model import causal_lm_class
 from ..parallel import ParallelGroups, build_model, state
 from ..parallel.pipeline import pack, unpack
 from .measure import LiveTensorMemory
 from .memory import GB, training_memory
+from .params import count_parameters
 from .planner import plan_training
 from .run import layout, workload
 
@@ -123,7 +123,7 @@ def _coverage(builds, full_model) -> tuple:
 
 def _full_shapes(cfg) -> dict:
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg, init=False)
+        model = causal_lm_class(cfg)(cfg, init=False)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
@@ -293,7 +293,8 @@ def planner_step_memory(run, world: int, stage: int, recompute: str = "none") ->
     micro-batches in flight) for reference."""
     w = workload(run, kernels="eager")
     w_step = type(w)(w.seq_length, w.micro_batch_size, w.global_batch_size, w.precision, "adamw", w.zero_stage,
-                     "bf16", "eager")  # adamw: no Newton-Schulz workspace among the transients (no step taken)
+                     "bf16", "eager", image_share=0.0)  # adamw: no Newton-Schulz workspace among the transients (no
+    # step taken); no image share: the step feeds token ids only (the vision tower's weights and gradients still count)
     lay = layout(run, world, recompute)
     s = training_memory(run.model, run.cluster, lay, w_step)[stage]
     acts_one = s.activations / s.in_flight

@@ -15,20 +15,39 @@ gradient); the triangular solve costs its own size again plus one full matmul fo
 `attention`: "causal" counts each query against the keys at or before it, (T + 1) / 2 on average, which is
 what a causal flash kernel computes and the number used for MFU; "dense" counts the full T x T square,
 which is what the eager (math) scaled-dot-product path computes on CPU.
+
+Vision (model.vision.enabled; `vision_flop_terms`), per text token: a share `image_share` of the sequence's tokens
+are image features (default DEFAULT_IMAGE_SHARE), each feature the 2 x 2 merge of 4 patches of one frame
+(images, t = 1), every image the position table's own grid (pos_emb_height x pos_emb_width patches: 64 x 64 =
+4096 patches, 896 x 896 pixels, 1024 features in K3), or the whole sequence's patches when fewer. A medium of L
+patches costs per block 2 L (3QD + QD + 2DI) in the projections and 4 L^2 Q in its bidirectional attention, the
+patch embedding 2 L (3 p^2) D and the projector 2 N (16 D^2 + 4 D K) for its N = L / 4 features. Backward: twice
+the forward (the patch embedding once: the pixels take no gradient); with model.freeze_vision none at all (the
+tower and projector take no gradient and nothing upstream of them does either, so autograd skips them: training
+costs the forward only). These are the model's FLOPs, counted once per token. Under tensor parallelism the work is
+split (model/multimodal.py): each TP rank encodes a contiguous share of the micro-batch's media by patch count
+(model.vision.media_shares), whole media each, so the busiest rank encodes `vision_tp_share` of the micro-batch's
+patches: 1/tp when the images divide evenly over the TP ranks, all of them when the micro-batch holds one image.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["FlopTerm", "ModelFlops", "layer_flop_terms", "model_flops", "kda_chunk_flops", "decode_flops_per_token"]
+from ..model.vision import media_shares
+
+__all__ = ["FlopTerm", "ModelFlops", "layer_flop_terms", "model_flops", "kda_chunk_flops", "decode_flops_per_token",
+           "vision_flop_terms", "vision_image_patches", "vision_media", "vision_tp_share", "media_flops",
+           "DEFAULT_IMAGE_SHARE"]
+
+DEFAULT_IMAGE_SHARE = 0.25  # share of a vision-language sequence's tokens that are image features (a planner input)
 
 
 @dataclass(frozen=True)
 class FlopTerm:
     """FLOPs per token of one operation (summed over heads and experts), forward and backward."""
     name: str
-    category: str  # kda, mla, dense_ffn, moe_routed, moe_other, lm_head
+    category: str  # kda, mla, dense_ffn, moe_routed, moe_other, lm_head, vision_tower, mm_projector
     forward: float
     backward: float
 
@@ -149,8 +168,83 @@ def layer_flop_terms(cfg, layer_idx: int, seq_length: int, attention: str = "cau
             + _ffn_terms(cfg, cfg.ffn_types()[layer_idx]))
 
 
-def model_flops(cfg, seq_length: int, attention: str = "causal") -> ModelFlops:
-    """Per-token forward and backward FLOPs of the whole model (LM head included) at `seq_length`."""
+def vision_image_patches(cfg, seq_length: int, image_share: float = DEFAULT_IMAGE_SHARE) -> int:
+    """Patches of one image (the position table's grid, or all of a sequence's image patches when fewer)."""
+    v = cfg.vision
+    per_sequence = v.merge_size * image_share * seq_length
+    return int(max(1, min(v.pos_emb_height * v.pos_emb_width, round(per_sequence))))
+
+
+def vision_media(cfg, seq_length: int, micro_batch_size: int, image_share: float = DEFAULT_IMAGE_SHARE) -> list:
+    """Patches of each medium of one micro-batch under the planner's image load, in order: per sequence as many
+    images of vision_image_patches as its image patches fill, and the rest as one smaller image; empty without
+    image tokens."""
+    per_sequence = int(round(cfg.vision.merge_size * image_share * seq_length))
+    if image_share <= 0 or per_sequence <= 0:
+        return []
+    L = vision_image_patches(cfg, seq_length, image_share)
+    one = [L] * (per_sequence // L) + ([per_sequence % L] if per_sequence % L else [])
+    return one * micro_batch_size
+
+
+def vision_tp_share(cfg, seq_length: int, micro_batch_size: int, image_share: float = DEFAULT_IMAGE_SHARE,
+                    tp: int = 1) -> float:
+    """The share of a micro-batch's patches that the busiest of `tp` tensor-parallel ranks encodes: the model's own
+    split (model.vision.media_shares: contiguous whole media, about equal patch counts), applied to vision_media.
+    1/tp when the images divide evenly over the ranks; 1 with one image per micro-batch (one rank encodes it while
+    the others wait at the features' all-gather). 1 without tensor parallelism or without media."""
+    media = vision_media(cfg, seq_length, micro_batch_size, image_share)
+    if tp <= 1 or not media:
+        return 1.0
+    busiest = max(sum(media[a:b]) for a, b in media_shares([(1, 1, p) for p in media], tp))
+    return busiest / sum(media)
+
+
+def vision_flop_terms(cfg, seq_length: int, image_share: float = DEFAULT_IMAGE_SHARE) -> list:
+    """FlopTerms per text token of the vision tower and projector (module docstring): empty without
+    model.vision.enabled or with no image tokens."""
+    v = cfg.vision
+    if not v.enabled or image_share <= 0:
+        return []
+    D, Q, I, K = v.hidden_size, v.qkv_hidden_size, v.intermediate_size, cfg.hidden_size
+    features = image_share  # per text token
+    patches = v.merge_size * features
+    L = vision_image_patches(cfg, seq_length, image_share)
+    n, embed = v.num_layers, 2 * patches * 3 * v.patch_size ** 2 * D
+    terms = [FlopTerm("vision.patch_embed", "vision_tower", embed, embed),  # backward: the weight's gradient only
+             _mm("vision.qkv_proj", "vision_tower", n * patches * 2 * 3 * Q * D),
+             _mm("vision.o_proj", "vision_tower", n * patches * 2 * Q * D),
+             _mm("vision.mlp", "vision_tower", n * patches * 2 * 2 * D * I),
+             _mm("vision.attention", "vision_tower", n * patches * 4 * L * Q),
+             _mm("mm_projector", "mm_projector", features * 2 * (v.merge_size ** 2 * D * D + v.merge_size * D * K))]
+    if cfg.freeze_vision:  # no gradient anywhere in or below the tower: autograd skips its backward
+        terms = [FlopTerm(t.name, t.category, t.forward, 0.0) for t in terms]
+    return terms
+
+
+def media_flops(cfg, grids) -> tuple:
+    """(forward, backward) FLOPs of the vision tower and projector on actual media, `grids` = [(t, h, w), ...] in
+    patches (a batch's grid_thws): what a training step with those media spends on them, by the same rules as
+    vision_flop_terms (each medium's attention over its own t h w patches; (h/2)(w/2) features whatever t is)."""
+    v = cfg.vision
+    if not v.enabled:
+        return 0.0, 0.0
+    D, Q, I, K = v.hidden_size, v.qkv_hidden_size, v.intermediate_size, cfg.hidden_size
+    mh, mw = (int(m) for m in v.merge_kernel_size)
+    embed = mm = 0.0
+    for t, h, w in grids:
+        L, N = t * h * w, (h // mh) * (w // mw)
+        embed += 2 * L * 3 * v.patch_size ** 2 * D
+        mm += v.num_layers * (2 * L * (3 * Q * D + Q * D + 2 * D * I) + 4 * L * L * Q)
+        mm += 2 * N * (v.merge_size ** 2 * D * D + v.merge_size * D * K)
+    fwd = embed + mm
+    return fwd, (0.0 if cfg.freeze_vision else embed + 2 * mm)
+
+
+def model_flops(cfg, seq_length: int, attention: str = "causal",
+                image_share: float = DEFAULT_IMAGE_SHARE) -> ModelFlops:
+    """Per-token forward and backward FLOPs of the whole model (LM head included) at `seq_length`; with
+    model.vision.enabled the tower and projector too, for `image_share` of the tokens being image features."""
     cats, per_layer = {}, []
     fwd = bwd = 0.0
     terms_all = []
@@ -159,6 +253,7 @@ def model_flops(cfg, seq_length: int, attention: str = "causal") -> ModelFlops:
         per_layer.append(sum(t.forward for t in terms))
         terms_all += terms
     terms_all.append(_mm("lm_head", "lm_head", 2 * cfg.hidden_size * cfg.vocab_size))
+    terms_all += vision_flop_terms(cfg, seq_length, image_share)
     for t in terms_all:
         c = cats.setdefault(t.category, [0.0, 0.0])
         c[0] += t.forward

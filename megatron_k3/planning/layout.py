@@ -61,7 +61,8 @@ def layout_problems(cfg, cluster, lay: Layout, micro_batch_size: int, global_bat
     """Why `lay` is not a layout the planner considers on `cluster` (empty list: it is). Each reason is one line:
     first the rules every layout must obey (megatron_k3.layout: the rank grid in the default order, sharding,
     pipeline stages, context-parallel chunks, tokens per rank, the batch), then the planner's own preferences
-    (tensor parallelism inside a node and TP x CP inside a supernode, no EP without experts)."""
+    (tensor parallelism inside a node and TP x CP inside a supernode, no EP without experts), and that a
+    vision-language model runs without context parallelism (parallel.context refuses media)."""
     if lay.recompute not in ("none", "selective", "full"):
         return [f"recompute={lay.recompute!r}: valid none, selective, full"]
     out = [f"{p.key}={p.value}: {p.reason}" for p in rules.layout_problems(
@@ -75,4 +76,6 @@ def layout_problems(cfg, cluster, lay: Layout, micro_batch_size: int, global_bat
         out.append(f"TP x CP = {lay.tp * lay.cp} would cross a supernode of {sn}")
     if not has_moe(cfg) and lay.ep > 1:
         out.append("ep > 1 without MoE layers")
+    if cfg.vision.enabled and lay.cp > 1:
+        out.append(f"parallel.cp={lay.cp}: context parallelism does not take media (model.vision.enabled)")
     return out

@@ -17,6 +17,17 @@ buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.bal
 the replica weights each MoE layer receives, kept for its backward (S x P per layer and micro-batch in flight; one
 layer's worth, transient, under full recomputation), the weight-exchange buffers and the two-hop token buffers,
 and below S = E/ep the rows the worst-case compute buffer pads beyond M.
+
+Vision tower and projector (model.vision.enabled; `StageMemory.vision`): on the first pipeline stage, whole on
+every TP rank; weights, gradients and (ZeRO-sharded over data parallelism like the other dense parameters) master
+weights and optimizer states as any dense parameter, by the optimizer's rule (Muon for its matrices, AdamW for the
+patch embedding, the position table and the vectors); with model.freeze_vision the weights only. Activations per
+micro-batch from `Workload.image_share`: image features = that share of the micro-batch's tokens, 4 patches each
+(2 x 2 merge, images: one frame), images of the position table's grid (flops.vision_image_patches). Under tensor
+parallelism each TP rank encodes its own share of the media and keeps the activations of that share only; the
+device counted is the busiest rank's (flops.vision_tp_share: 1/tp when the images divide evenly over the ranks,
+all of them with one image per micro-batch). Frozen, the tower keeps nothing for a backward (one block's forward
+working set is transient).
 """
 
 from __future__ import annotations
@@ -25,12 +36,13 @@ import math
 from dataclasses import dataclass, field
 
 from ..parallel.balanced import compute_capacity, relay_block
-from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes
+from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes, vision_terms
+from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
 from .layout import Layout, stage_layers
 from .params import cfg_key, model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",
-           "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots"]
+           "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations"]
 
 GB = 1e9
 MXFP4_BYTES_PER_PARAM = 4.25 / 8  # E2M1 codes (4 bits) + one E8M0 scale per 32 values
@@ -51,6 +63,7 @@ class Workload:
     moe_overflow: str = "auto"  # model.moe_overflow: auto, drop, dropless (one model: M rows each way) or balanced
     redundant_experts: int = -1  # moe.redundant_experts (balanced): replica slots per EP rank; -1: E/ep of the layout
     replica_exchange: str = "micro_batch"  # moe.replica_exchange (balanced): owners' experts out per micro-batch|step
+    image_share: float = DEFAULT_IMAGE_SHARE  # model.vision: share of the tokens that are image features
 
     @property
     def weight_bytes(self) -> int:
@@ -208,6 +221,7 @@ class StageMemory:
     activation_detail: dict = field(default_factory=dict)  # category -> bytes (all micro-batches in flight)
     moe_replicas: float = 0.0  # balanced dispatch: replica weights kept (in activations, or transient under full)
     moe_exchange: float = 0.0  # balanced dispatch: weight-exchange + token-hop buffers of one layer (in transient)
+    vision: dict = field(default_factory=dict)  # first stage, model.vision: params and bytes by kind (in the above)
 
     @property
     def total(self) -> float:
@@ -284,6 +298,33 @@ def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: 
     return per_layer * (end - start + blocks)
 
 
+def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
+    """(bytes kept per micro-batch, transient bytes) of the vision tower and projector on the busiest first-stage
+    device of a TP group of `tp` ranks, each encoding its share of the media (module docstring). Full
+    recomputation keeps each block's input and rebuilds one block at a time; selective drops the cheap terms and
+    rebuilds one block's; frozen keeps nothing."""
+    v = cfg.vision
+    if not v.enabled or w.image_share <= 0:
+        return 0.0, 0.0
+    share = vision_tp_share(cfg, w.seq_length, w.micro_batch_size, w.image_share, tp)
+    features = share * w.image_share * w.micro_batch_size * w.seq_length
+    patches = v.merge_size * features
+    block, tower, proj = vision_terms(cfg, w.kernels, vision_image_patches(cfg, w.seq_length, w.image_share))
+    nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
+
+    def per(terms, skip_cheap=False):
+        return sum(t.per_token * nbytes[t.dtype] for t in terms if not (skip_cheap and t.cheap))
+
+    one_block = patches * per(block)
+    if cfg.freeze_vision:
+        return 0.0, one_block
+    if recompute == "full":
+        return patches * (v.num_layers * v.hidden_size * w.act_bytes + per(tower)) + features * per(proj), one_block
+    cheap = recompute == "selective"
+    kept = v.num_layers * patches * per(block, cheap) + patches * per(tower, cheap) + features * per(proj, cheap)
+    return kept, (patches * (per(block) - per(block, True)) if cheap else 0.0)
+
+
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
     mp = model_params(cfg, lay.tp, lay.ep)
@@ -305,9 +346,13 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             dense = dense + mp.embedding
         if last:
             dense = dense + mp.head
+        vis = mp.vision if first else type(mp.embedding)()
+        frozen = vis.total if cfg.freeze_vision else 0  # weights only: no gradient, master or optimizer state
+        if not frozen:
+            dense = dense + vis
         experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
         e_total, e_muon = experts.total, experts.muon  # this EP rank's experts
-        weights = (dense.total + e_total) * w.weight_bytes
+        weights = (dense.total + frozen + e_total) * w.weight_bytes
         grads = dense.total * w.grad_bytes / grad_shard_dense + e_total * w.grad_bytes / grad_shard_experts
         opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
         e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
@@ -362,8 +407,21 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
             big = max(dense.largest_matrix, experts.largest_matrix)
             transient += 3 * big * 4
-        out.append(StageMemory(s, (a, b), dense.total, int(e_total), in_flight, weights, grads, optimizer, acts,
-                               transient, cluster.reserved_memory_gb * GB, detail, replicas, exchange))
+        vision = {}
+        if vis.total:
+            kept, v_trans = vision_activations(cfg, w, lay.recompute, lay.tp)
+            acts += in_flight * kept
+            transient += v_trans
+            if kept:
+                detail["vision"] = in_flight * kept
+            trained = 0 if frozen else vis.total
+            vision = {"params": vis.total, "frozen": bool(frozen), "weights": vis.total * w.weight_bytes,
+                      "gradients": trained * w.grad_bytes / grad_shard_dense,
+                      "optimizer": ((trained * w.master_bytes + (_opt_state_bytes(vis, w.optimizer) if trained else 0))
+                                    / shard_dense),
+                      "activations": in_flight * kept, "transient": v_trans}
+        out.append(StageMemory(s, (a, b), dense.total + frozen, int(e_total), in_flight, weights, grads, optimizer,
+                               acts, transient, cluster.reserved_memory_gb * GB, detail, replicas, exchange, vision))
     return out
 
 
@@ -418,7 +476,7 @@ def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, contex
     worst = None
     for s, (a, b) in enumerate(stage_layers(cfg, pp)):
         dense = sum(lp.dense.total for lp in mp.layers[a:b])
-        dense += (mp.embedding.total if s == 0 else 0) + (mp.head.total if s == pp - 1 else 0)
+        dense += (mp.embedding.total + mp.vision.total if s == 0 else 0) + (mp.head.total if s == pp - 1 else 0)
         experts = sum(lp.experts.total for lp in mp.layers[a:b])
         layers = range(a, b)
         kda = seqs * kda_state_bytes_per_sequence(cfg, tp, layers)

@@ -6,6 +6,11 @@ allocates (a size that does not divide a dimension raises ValueError there, as i
 stage holds the layers megatron_k3.layout.stage_layers gives it, plus the embedding (first) or the head (last).
 Each parameter is classified: routed expert or not, and which optimizer updates it (the optimizer's own rule: Muon
 for matrices, AdamW for embeddings, the LM head, norms, vectors and conv filters).
+
+With model.vision.enabled the vision tower (MoonViT-3D) and projector are counted apart (`ModelParams.vision_tower`,
+`mm_projector`): they live with the embedding on the first pipeline stage, whole on every tensor-parallel rank
+(the model does not shard them), never expert-parallel. `count_parameters` is tools/param_count.py's count: the
+text model's (model.params.count_parameters) plus the tower and projector.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 
+import torch
+
 from ..annotations import full_shape, meta
+from ..model.params import count_parameters as _count_text
+from ..model.vision import MoonViT3d, PatchMergerV2
 from ..optim.grouping import muon_rule
 from ..parallel.mappings import Group
 from ..parallel.plan import ParallelGroups, build_model
 from ..parallel.tensor import TensorParallel
 
-__all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops"]
+__all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops", "count_parameters"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,18 @@ class ModelParams:
     head: ParamGroup  # LM head + final norm + output depth mix, on one TP rank
     embedding_buffer_bytes: int = 0  # persistent buffers of the embedding (first stage) and of the head (last)
     head_buffer_bytes: int = 0
+    # model.vision.enabled: the tower and the projector, on the first stage, whole on every TP rank (else empty)
+    vision_tower: ParamGroup = ParamGroup()
+    mm_projector: ParamGroup = ParamGroup()
+
+    @property
+    def vision(self) -> ParamGroup:
+        """The tower and the projector together (what model.freeze_vision freezes)."""
+        return self.vision_tower + self.mm_projector
 
     def dense_total(self) -> int:
-        return sum(lp.dense.total for lp in self.layers) + self.embedding.total + self.head.total
+        return (sum(lp.dense.total for lp in self.layers) + self.embedding.total + self.head.total
+                + self.vision.total)
 
     def expert_total(self) -> int:
         return sum(lp.experts.total for lp in self.layers)
@@ -133,7 +151,11 @@ def _model_params(cfg, tp: int, ep: int) -> ModelParams:
             head_buffers += _buffer_bytes(mod)
     if cfg.tie_word_embeddings:
         head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops)
-    return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers)
+    tower = getattr(model, "vision_tower", None)
+    proj = getattr(model, "mm_projector", None)
+    tower = _group(tower, "vision_tower")[0] if tower is not None else ParamGroup()
+    proj = _group(proj, "mm_projector")[0] if proj is not None else ParamGroup()
+    return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj)
 
 
 _CACHE: dict = {}
@@ -157,4 +179,29 @@ def model_params(cfg, tp: int = 1, ep: int = 1) -> ModelParams:
     dense, experts = _built(cfg, tp, 1), _built(cfg, 1, ep)
     layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes) for d, e in zip(dense.layers, experts.layers))
     return ModelParams(tp, ep, layers, dense.embedding, dense.head, dense.embedding_buffer_bytes,
-                       dense.head_buffer_bytes)
+                       dense.head_buffer_bytes, dense.vision_tower, dense.mm_projector)
+
+
+def vision_counts(cfg) -> dict:
+    """{"vision_tower": elements, "mm_projector": elements} of model.vision (empty when it is off), read off the
+    modules K3ForConditionalGeneration builds, on the meta device."""
+    if not cfg.vision.enabled:
+        return {}
+    with torch.device("meta"):
+        tower, proj = MoonViT3d(cfg.vision), PatchMergerV2(cfg.vision, cfg.hidden_size)
+    return {"vision_tower": sum(p.numel() for p in tower.parameters()),
+            "mm_projector": sum(p.numel() for p in proj.parameters())}
+
+
+def count_parameters(cfg) -> dict:
+    """tools/param_count.py's counts: the text model's (model.params.count_parameters: total, active, breakdown by
+    part) with, where model.vision.enabled, the vision tower and projector as their own breakdown entries
+    (`vision_tower`, `mm_projector`), in `total` and in `active` (every image token goes through all of the tower;
+    the input embedding stays out of `active`). Equal to sum(p.numel()) of a built K3ForConditionalGeneration."""
+    out = _count_text(cfg)
+    vis = {k: v for k, v in vision_counts(cfg).items() if k not in out["breakdown"]}  # once, if the text count has it
+    if vis:
+        out["breakdown"] = dict(sorted({**out["breakdown"], **vis}.items()))
+        out["total"] += sum(vis.values())
+        out["active"] += sum(vis.values())
+    return out

@@ -11,6 +11,15 @@ Time model (training), for the slowest pipeline stage:
                    gather and Newton-Schulz are exposed
   MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
 
+Vision tower (model.vision.enabled): on the first pipeline stage, for `Workload.image_share` of the tokens being
+image features (flops.vision_flop_terms); model FLOPs count it once per token. Its parameters are replicated over
+TP, its work is split (model/multimodal.py): each TP rank encodes a contiguous share of the micro-batch's media,
+so a first-stage device spends the busiest rank's share of the tower's FLOPs and keeps that share's activations
+(flops.vision_tp_share: 1/tp when the images divide evenly, all of it with one image per micro-batch), and the tp
+kind carries the features' all-gather and the tower's gradient all-reduce per micro-batch (comm.py).
+`TrainPlan.vision` gives its parameters, memory per first-stage device, compute time and TP traffic as a line
+item. Context parallelism does not take media (cp = 1).
+
 Balanced MoE dispatch (model.moe_overflow=balanced): its token hops, replica weights out and gradients back are
 the ep kind (comm.py), on the critical path like the rest; `TrainPlan.moe_dispatch` gives the replica slots, their
 memory and that traffic on its own. Its FLOPs are the drop model's (M pairs per rank: exact with S >= E/ep).
@@ -23,9 +32,16 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ..layout import rules
-from ..model.params import count_parameters
 from .comm import training_comm
-from .flops import decode_flops_per_token, layer_flop_terms, model_flops
+from .flops import (
+    decode_flops_per_token,
+    layer_flop_terms,
+    model_flops,
+    vision_flop_terms,
+    vision_image_patches,
+    vision_media,
+    vision_tp_share,
+)
 from .layout import Layout, layout_problems, stage_layers
 from .memory import (
     GB,
@@ -38,7 +54,7 @@ from .memory import (
     mla_cache_bytes_per_token,
     training_memory,
 )
-from .params import cfg_key, model_params
+from .params import cfg_key, count_parameters, model_params
 
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
            "SearchResult", "min_world_for_training", "model_state_bytes", "dispatch_problems"]
@@ -76,6 +92,7 @@ class TrainPlan:
     notes: list = field(default_factory=list)
     stage_params: list = field(default_factory=list)  # parameters one device of each pipeline stage holds
     moe_dispatch: dict = field(default_factory=dict)  # balanced dispatch only (_balanced_summary)
+    vision: dict = field(default_factory=dict)  # model.vision.enabled only (_vision_summary)
 
     def as_dict(self) -> dict:
         workload = {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
@@ -83,6 +100,9 @@ class TrainPlan:
                     "optimizer": self.workload.optimizer, "zero_stage": self.workload.zero_stage,
                     "kernels": self.workload.kernels}
         extra = {}
+        if self.vision:
+            workload["image_share"] = self.workload.image_share
+            extra["vision"] = self.vision
         if self.moe_dispatch:
             workload.update(moe_overflow=self.workload.moe_overflow,
                             redundant_experts=self.workload.redundant_experts,
@@ -117,11 +137,27 @@ def _peak_flops(cluster, precision: str) -> float:
 _FLOP_CACHE: dict = {}
 
 
-def _model_flops(cfg, seq_length: int):
-    key = (cfg_key(cfg), seq_length)
+def _model_flops(cfg, seq_length: int, image_share: float):
+    key = (cfg_key(cfg), seq_length, image_share)
     if key not in _FLOP_CACHE:
-        _FLOP_CACHE[key] = model_flops(cfg, seq_length, "causal")
+        _FLOP_CACHE[key] = model_flops(cfg, seq_length, "causal", image_share)
     return _FLOP_CACHE[key]
+
+
+def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
+    """(forward, backward, recompute) FLOPs of the vision tower and projector for one micro-batch on the busiest
+    first-stage device of a TP group of `tp` ranks (each encodes its share of the media: flops.vision_tp_share);
+    zeros without model.vision."""
+    terms = vision_flop_terms(cfg, w.seq_length, w.image_share)
+    n = w.micro_batch_size * w.seq_length * vision_tp_share(cfg, w.seq_length, w.micro_batch_size, w.image_share, tp)
+    fwd, bwd = sum(t.forward for t in terms) * n, sum(t.backward for t in terms) * n
+    if not bwd or recompute == "none":  # frozen: nothing kept, nothing recomputed
+        return fwd, bwd, 0.0
+    if recompute == "full":  # each block rebuilt from its input (the patch embedding and the projector are kept)
+        again = ("vision.qkv_proj", "vision.o_proj", "vision.mlp", "vision.attention")
+    else:  # selective: the attention core, as the text layers' (_CHEAP_FLOPS)
+        again = ("vision.attention",)
+    return fwd, bwd, sum(t.forward for t in terms if t.name in again) * n
 
 
 def _layer_flop_classes(cfg, i: int, T: int, attention: str) -> tuple:
@@ -140,8 +176,9 @@ def _layer_flop_classes(cfg, i: int, T: int, attention: str) -> tuple:
     return hit
 
 
-def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool) -> tuple:
-    """(forward, backward, recompute) FLOPs of one micro-batch on one device of the stage."""
+def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, first: bool = False) -> tuple:
+    """(forward, backward, recompute) FLOPs of one micro-batch on one device of the stage (`first`: with the vision
+    tower, where the model has one)."""
     n = w.micro_batch_size * w.seq_length / lay.cp
     n_rank = n / lay.tp if lay.sp else n
     if w.kernels == "eager":  # the packed micro-batch is one row; the math attention spans all of it
@@ -160,6 +197,9 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
         fwd += f
         bwd += 2 * f
     recompute = fwd if lay.recompute == "full" else (cheap if lay.recompute == "selective" else 0.0)
+    if first:
+        vf, vb, vr = _vision_flops(cfg, w, lay.recompute, lay.tp)
+        fwd, bwd, recompute = fwd + vf, bwd + vb, recompute + vr
     return fwd, bwd, recompute
 
 
@@ -167,10 +207,12 @@ def model_state_bytes(cfg, w: Workload) -> float:
     """Weights + gradients + master + optimizer states of the whole model, unsharded: the floor on the
     accelerators' combined memory for training (activations come on top)."""
     mp = model_params(cfg, 1)
-    total = mp.dense_total() + mp.expert_total()
+    frozen = mp.vision.total if cfg.freeze_vision else 0  # model.freeze_vision: the tower's weights only
+    total = mp.dense_total() + mp.expert_total() - frozen
     muon = sum(lp.dense.muon + lp.experts.muon for lp in mp.layers) + mp.head.muon + mp.embedding.muon
+    muon += 0 if frozen else mp.vision.muon
     opt = muon * 4 + (total - muon) * 8 if w.optimizer == "muon" else total * 8
-    return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt
+    return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt + frozen * w.weight_bytes
 
 
 def dispatch_problems(cfg, lay: Layout, w: Workload) -> list:
@@ -220,7 +262,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     # slowest stage per micro-batch, communication on the critical path included
     per_stage = []
     for s, (a, b) in enumerate(stages):
-        fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1)
+        fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1, s == 0)
         comm = training_comm(cfg, cluster, lay, w, s)
         t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
         per_stage.append((t, fwd, bwd, rec, comm, s))
@@ -236,9 +278,11 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         mp = model_params(cfg, lay.tp, lay.ep)
         a, b = stages[slow]
         ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
+        if slow == 0 and not cfg.freeze_vision:
+            ns += mp.vision.ns_flops
         t_opt = ns / rate
     step = pipeline + dp_exposed + t_opt
-    mf = _model_flops(cfg, w.seq_length)
+    mf = _model_flops(cfg, w.seq_length, w.image_share)
     tokens = w.global_batch_size * w.seq_length
     model_step = mf.train_per_step(tokens)
     mfu = model_step / (step * lay.world * cluster.peak_tflops_bf16 * 1e12)
@@ -253,6 +297,19 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     if lay.tp > 1 and not lay.sp:
         notes.append("sequence parallelism off: the routed MoE branch runs redundantly on every TP rank")
     moe_dispatch = _balanced_summary(cfg, cluster, lay, w, worst, comm)
+    vision = _vision_summary(cfg, lay, w, mem[0], m, rate, model_step, tokens, slow, per_stage[0][4])
+    if vision and slow != 0:
+        t0 = per_stage[0][0]
+        added = (vision["compute_time_s"] + vision["tp_comm_time_s"]) / m
+        notes.append(f"the vision tower adds {added * 1e3:.3g} ms per micro-batch to pipeline stage 0 (compute and "
+                     f"its TP traffic; {t0 * 1e3:.3g} ms with it), which stays below the slowest stage {slow} "
+                     f"({t_micro * 1e3:.3g} ms): the step does not grow with it")
+    if vision and vision["tp_work_share"] * lay.tp > 1 + 1e-9:
+        notes.append(f"the vision tower's work splits over TP by whole media (model.vision.media_shares): with "
+                     f"{vision['images_per_micro_batch']} image(s) per micro-batch the busiest of the {lay.tp} TP "
+                     f"ranks encodes {vision['tp_work_share']:.0%} of the patches, not 1/{lay.tp} (the others wait "
+                     f"at the features' all-gather); more images per micro-batch (a larger micro-batch, smaller "
+                     f"images) split it further")
     if moe_dispatch:
         notes.append("balanced dispatch: the replica weight exchanges and the two-hop token all-to-alls are counted "
                      "on the critical path (the first weight exchange overlaps the shared experts in the code; "
@@ -271,7 +328,41 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
         comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
         mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
-        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch)
+        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch, vision=vision)
+
+
+def _vision_summary(cfg, lay: Layout, w: Workload, first, m: int, rate: float, model_step: float,
+                    tokens: int, slow: int, comm0) -> dict:
+    """The vision tower and projector of a plan (empty without model.vision.enabled): parameters, what it takes
+    per first-stage device (bytes by kind, from training_memory), the image load assumed and how it splits over
+    TP, its FLOPs: per step in the model count (and their share of it) and on the busiest first-stage device with
+    its compute time, and its TP traffic per step on a first-stage device (`comm0`, stage 0's StepComm)."""
+    if not cfg.vision.enabled:
+        return {}
+    v = cfg.vision
+    mp = model_params(cfg, 1)
+    terms = vision_flop_terms(cfg, w.seq_length, w.image_share)
+    model_vision = sum(t.forward + t.backward for t in terms) * tokens
+    fwd, bwd, rec = _vision_flops(cfg, w, lay.recompute, lay.tp)
+    device = m * (fwd + bwd + rec)
+    features = w.image_share * w.micro_batch_size * w.seq_length
+    bytes_ = {k: first.vision.get(k, 0.0) for k in ("weights", "gradients", "optimizer", "activations", "transient")}
+    tp_comm = {k: b for k, (b, _) in comm0.vision_tp.items()}
+    return {
+        "params": mp.vision.total, "vision_tower_params": mp.vision_tower.total,
+        "mm_projector_params": mp.mm_projector.total, "frozen": bool(cfg.freeze_vision), "stage": 0,
+        "params_replicated_over_tp": True, "work_split_over_tp": lay.tp > 1,
+        "tp_work_share": vision_tp_share(cfg, w.seq_length, w.micro_batch_size, w.image_share, lay.tp),
+        "image_share": w.image_share,
+        "images_per_micro_batch": len(vision_media(cfg, w.seq_length, w.micro_batch_size, w.image_share)),
+        "features_per_micro_batch": features, "patches_per_micro_batch": v.merge_size * features,
+        "patches_per_image": vision_image_patches(cfg, w.seq_length, w.image_share),
+        "bytes_per_device": bytes_, "gb_per_device": sum(bytes_.values()) / GB,
+        "model_flops_per_step": model_vision, "model_flops_share": model_vision / model_step if model_step else 0.0,
+        "device_flops_per_step": device, "compute_time_s": device / rate,
+        "tp_comm_bytes_per_step": tp_comm, "tp_comm_time_s": sum(t for _, t in comm0.vision_tp.values()),
+        "on_slowest_stage": slow == 0,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ search

@@ -8,7 +8,7 @@ from .memory import GB, MXFP4_BYTES_PER_PARAM, Workload
 from .planner import InferPlan, SearchResult, TrainPlan
 
 __all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search",
-           "render_checkpoint", "render_balanced"]
+           "render_checkpoint", "render_balanced", "render_vision"]
 
 
 def _h(n: float) -> str:
@@ -36,13 +36,57 @@ def header(cfg, cluster, counts: dict) -> list:
         f"model {cfg.name}: {_h(counts['total'])} parameters, {_h(counts['active'])} active per token "
         f"(tools/param_count.py: total={counts['total']}, active={counts['active']}); {cfg.num_layers} layers "
         f"({cfg.layer_types().count('kda')} KDA, {cfg.layer_types().count('mla')} MLA), "
-        f"{cfg.ffn_types().count('moe')} MoE x {cfg.num_experts} experts, top-{cfg.top_k}",
+        f"{cfg.ffn_types().count('moe')} MoE x {cfg.num_experts} experts, top-{cfg.top_k}"
+        + _vision_header(cfg, counts),
         f"cluster {c.name}: {c.world_size} accelerator{'s' if c.world_size > 1 else ''} x {c.device_memory_gb:g} GB "
         f"({sn} supernode{'s' if sn > 1 else ''} of {min(c.supernode_size, c.world_size)}), "
         f"{c.peak_tflops_bf16:g} TFLOP/s bf16 peak ({c.gemm_efficiency:.0%} sustained in GEMMs), links "
         f"{c.intra_supernode_gbps:g} GB/s inside / {c.inter_supernode_gbps:g} GB/s across supernodes, "
         f"{c.reserved_memory_gb:g} GB reserved per device",
     ]
+
+
+def _vision_header(cfg, counts: dict) -> str:
+    b = counts.get("breakdown", {})
+    if not cfg.vision.enabled or "vision_tower" not in b:
+        return ""
+    v = cfg.vision
+    return (f"; vision tower {_h(b['vision_tower'])} ({v.num_layers} layers, width {v.hidden_size}, {v.num_heads} "
+            f"heads) + projector {_h(b['mm_projector'])}" + (" (frozen: model.freeze_vision)" if cfg.freeze_vision
+                                                              else ""))
+
+
+def render_vision(p: TrainPlan) -> list:
+    """The vision tower and projector of a plan as a line item: parameters, the image load assumed and how it
+    splits over TP, bytes per first-stage device by kind, FLOPs (share of the step's model FLOPs) and compute time
+    on the busiest first-stage device, and its TP traffic (empty without vision)."""
+    d = p.vision
+    if not d:
+        return []
+    b = d["bytes_per_device"]
+    kinds = ", ".join(f"{k} {_bytes(v)}" for k, v in b.items() if v > 0)
+    frozen = ("frozen (model.freeze_vision): weights only, forward only" if d["frozen"] else
+              "trained: gradients and ZeRO-sharded optimizer states like the other dense parameters")
+    tp = p.layout.tp
+    split = (f"its work split over the {tp} TP ranks by whole media: the busiest encodes {d['tp_work_share']:.1%} "
+             f"of each micro-batch's patches" if tp > 1 else "no tensor parallelism: one rank encodes all")
+    out = [
+        f"vision tower + projector: {_h(d['params'])} parameters ({d['vision_tower_params']:,} tower + "
+        f"{d['mm_projector_params']:,} projector) on pipeline stage 0, parameters whole on every TP rank; {frozen}",
+        f"  image load (--image-share {d['image_share']:g}): {d['features_per_micro_batch']:,.0f} image features = "
+        f"{d['patches_per_micro_batch']:,.0f} patches per micro-batch (4 per feature, one frame) in "
+        f"{d['images_per_micro_batch']} image(s) of up to {d['patches_per_image']:,} patches; {split}",
+        f"  per stage-0 device: {_bytes(sum(b.values()))} ({kinds}; in the memory above)",
+        f"  FLOPs: {d['model_flops_per_step']:.3e} per step = {d['model_flops_share']:.2%} of the model FLOPs; "
+        f"{d['device_flops_per_step']:.3e} on the busiest stage-0 device = {_t(d['compute_time_s'])} of compute "
+        f"per step",
+    ]
+    c = d["tp_comm_bytes_per_step"]
+    if c:
+        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in c.items())
+        out.append(f"  TP traffic per stage-0 device (in tp above): {_bytes(sum(c.values()))} per step ({parts}) = "
+                   f"{_t(d['tp_comm_time_s'])}")
+    return out
 
 
 def _workload(w: Workload) -> str:
@@ -123,6 +167,7 @@ def render_train(p: TrainPlan) -> list:
            f"pipeline bubble {p.bubble:.1%}; model FLOPs per step {p.model_flops_per_step:.3e}; "
            f"MFU {p.mfu:.1%}; {p.tokens_per_s:,.0f} tokens/s"]
     out += render_balanced(p)
+    out += render_vision(p)
     out += [f"note: {n}" for n in p.notes]
     return out
 

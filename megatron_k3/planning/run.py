@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import CONF_DIR, ConfigError, compose_config
+from .flops import DEFAULT_IMAGE_SHARE
 from .layout import Layout
 from .memory import GB, Workload, balanced_slots, training_memory
 
@@ -42,18 +43,19 @@ def compose_for_planning(overrides, optimizer: str | None = None):
 
 
 def workload(run, optimizer: str | None = None, zero_stage: int | None = None, grad_dtype: str = "fp32",
-             kernels: str | None = None) -> Workload:
+             kernels: str | None = None, image_share: float = DEFAULT_IMAGE_SHARE) -> Workload:
     """The planner's Workload of a run (kernels: eager on CPU clusters, fused on accelerators, unless given). The MoE
     dispatch: model.moe_overflow, and under balanced dispatch moe.redundant_experts as the run resolves it
     (run.moe.slots: S for its own layout); where balanced dispatch does not run, the value as configured (-1:
-    E/ep of whichever layout is planned)."""
+    E/ep of whichever layout is planned). `image_share`: the share of tokens that are image features (used only
+    with model.vision.enabled; tools/plan.py --image-share)."""
     t = run.train
     slots = run.moe.slots(run.model, run.parallel)
     return Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name,
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
                     grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
                     run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots,
-                    run.moe.replica_exchange)
+                    run.moe.replica_exchange, image_share)
 
 
 def layout(run, world: int, recompute: str = "none", sequence_parallel: bool | None = None) -> Layout:

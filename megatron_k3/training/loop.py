@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig
 from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
+from ..data.multimodal import DataError
 from ..optim.schedule import lr_at
 from ..parallel import ParallelGroups, build_model, pipeline, state
 from ..parallel.balanced import balanced_layers
@@ -36,6 +37,7 @@ from .metrics import (
     ModelStats,
     RoutingStats,
     expert_load_stats,
+    media_train_flops,
     memory_stats,
     perplexity,
     throughput,
@@ -61,6 +63,7 @@ class _Step:
     dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     ep_balance: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # RoutingStats
     tokens: int = 0
+    media_flops: float = 0.0  # the vision tower's model FLOPs on this rank's media
 
 
 class Trainer:
@@ -137,19 +140,45 @@ class Trainer:
         ResidualState it received, and a stage before the last returns its packed ResidualState as the output."""
         b = make_batch(samples, self.run.data.reset_at_document_boundaries)
         st = None if state_in is None else pipeline.unpack(state_in, self.run.model.attn_res)
+        media = {}
+        if self.first_stage and b.pixel_values is not None:  # the vision tower sits with the embedding
+            media = {"pixel_values": b.pixel_values.to(self.device), "grid_thws": b.grid_thws}
         with forward_context(self.run.precision, self.device):
             out = self.model(b.input_ids.to(self.device), labels=b.labels.to(self.device),
-                             cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device), state_in=st)
+                             cu_seqlens=None if b.cu_seqlens is None else b.cu_seqlens.to(self.device), state_in=st,
+                             **media)
         if not self.last_stage:
             out = pipeline.pack(out)
         return out, b.num_tokens
 
+    def _step_samples(self) -> list:
+        """Every micro-batch's samples of this step, read before any compute. A sample that cannot be read (data=
+        multimodal: a file changed or vanished after the start-up scan) stops the run on every rank, after a
+        checkpoint of the last completed step, so nothing already trained is lost."""
+        err, out = None, None
+        try:
+            out = [self._samples(self.train_ds, self.pos.consumed, m) for m in range(self.num_micro)]
+        except DataError as e:
+            err = e
+        bad = torch.tensor([0.0 if err is None else 1.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(bad)
+        if float(bad) > 0:
+            self.save(blocking=True)
+            if self.rank == 0:
+                log.error("a training sample of step %d could not be read; checkpoint of step %d saved in %s",
+                          self.pos.step + 1, self.pos.step, self.ckpt_dir)
+            raise err or DataError("(another rank)", f"a training sample of step {self.pos.step + 1} could not be "
+                                   "read there")
+        return out
+
     def _forward_micro(self, acc: _Step, held: dict, micro: int, x):
         """Micro-batch `micro` forward on this stage: the loss on the last stage, else the activation to send."""
-        samples = self._samples(self.train_ds, self.pos.consumed, micro)
+        samples = self._read[micro]
         out, n = self._forward(samples) if x is None else self._forward(samples, x)
         held[micro] = samples
         acc.tokens += n
+        acc.media_flops += sum(media_train_flops(self.run.model, s.grid_thws) for s in samples)
         acc.dropped += self.routing.add(acc.loads)
         acc.ep_balance = torch.maximum(acc.ep_balance, self.routing.ep_balance())
         self.stats.accumulate()
@@ -178,6 +207,7 @@ class Trainer:
         lr = lr_at(self.pos.step + 1, self.run.train.steps, o.lr, o.min_lr, o.warmup_steps, o.decay)
         for g in self.engine.optimizer.param_groups + (self.experts.param_groups if self.experts else []):
             g["lr"] = lr
+        self._read = self._step_samples()
         acc = _Step(torch.zeros(len(self.routing.layer_ids), self.run.model.num_experts, dtype=torch.float64))
         held = {}
         self._norm0, self._applied = None, True
@@ -208,6 +238,10 @@ class Trainer:
                 stats[1:] = ds_engine.tp_sum(stats[1:])
             loss, dropped, loads = stats[0].cpu() / (self.dp * self.cp), stats[1].cpu(), stats[2:].cpu().view_as(loads)
             tokens *= self.dp
+            if acc.media_flops:  # every data-parallel rank's media (the CP and TP ranks of one read the same)
+                media = torch.tensor([acc.media_flops], dtype=torch.float64, device=self.device)
+                dist.all_reduce(media, group=self.dp_group)
+                acc.media_flops = float(media)
         grad_norm = norm0 if self.run.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
             b.step() if applied else b.discard()
@@ -221,7 +255,8 @@ class Trainer:
                "skipped_total": self.skips.total,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.pos.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
-               **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world),
+               **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world,
+                            acc.media_flops),
                "memory": memory_stats(self.device), **self.stats.collect()}
         if self.routing.layer_ids:
             st = expert_load_stats(loads, assignments_total=tokens * self.run.model.top_k, dropped=float(dropped),

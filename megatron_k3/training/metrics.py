@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.decoder import DepthMix
-from ..planning.flops import model_flops
+from ..planning.flops import media_flops, model_flops
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,23 @@ def expert_load_stats(loads_LE: torch.Tensor, assignments_total: int | None = No
 
 
 def train_flops_per_token(model_cfg, seq_length: int) -> float:
-    """Model FLOPs of one training token (forward + backward, causal attention, no recomputation)."""
-    return model_flops(model_cfg, seq_length, "causal").train_per_token
+    """Model FLOPs of one training token (forward + backward, causal attention, no recomputation). The vision tower's
+    are not in it: they depend on the media a step actually holds (`media_train_flops`)."""
+    return model_flops(model_cfg, seq_length, "causal", image_share=0.0).train_per_token
 
 
-def throughput(flops_per_token: float, tokens: int, seconds: float, peak_tflops: float, world: int) -> dict:
+def media_train_flops(model_cfg, grid_thws) -> float:
+    """Model FLOPs the vision tower and projector spend on a batch's media (forward + backward; forward only with
+    model.freeze_vision), grid_thws [M, 3] or None."""
+    if grid_thws is None or not len(grid_thws):
+        return 0.0
+    return float(sum(media_flops(model_cfg, [tuple(int(v) for v in g) for g in grid_thws])))
+
+
+def throughput(flops_per_token: float, tokens: int, seconds: float, peak_tflops: float, world: int,
+               extra_flops: float = 0.0) -> dict:
     """Model FLOPs of the step, achieved model TFLOP/s per device, and MFU against the cluster's peak."""
-    flops = flops_per_token * tokens
+    flops = flops_per_token * tokens + extra_flops  # extra: the vision tower's, on the step's media
     per_device = flops / max(seconds, 1e-9) / max(world, 1)
     return {"model_flops_per_step": flops, "model_tflops_per_s_per_device": per_device / 1e12,
             "mfu": per_device / (peak_tflops * 1e12) if peak_tflops > 0 else 0.0}
