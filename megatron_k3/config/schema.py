@@ -172,6 +172,10 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     freeze_vision: bool = field(default=False, metadata=RUNTIME)  # the tower and projector take no updates
 
+    def __post_init__(self):
+        if isinstance(self.vision, dict):  # a config read back from JSON (a checkpoint's, a tool's)
+            self.vision = VisionConfig(**self.vision)
+
     # ------------------------------------------------------------------ derived
     def mla_layer_set(self) -> set:
         """0-based indices of the Gated MLA layers."""
