@@ -87,9 +87,9 @@ def _layer_types(c):
     return ["mla" if i + 1 in full else "kda" for i in range(c["num_hidden_layers"])]
 
 
-def random_checkpoint(c: dict = TEXT_CONFIG, seed: int = 0) -> dict:
-    """K3-layout tensors (without the prefix) with random values: projections ~ N(0, 1/fan_in), norm weights
-    1 + 0.1 N, non-zero AttnRes queries, router biases, decays and convolutions."""
+def draws(seed: int) -> tuple:
+    """(rnd, lin, norm) drawing from one generator seeded `seed`: N(0, std^2) of a shape, a projection [o, i] ~
+    N(0, 1/i), a norm weight 1 + 0.1 N."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std=1.0):
@@ -100,6 +100,14 @@ def random_checkpoint(c: dict = TEXT_CONFIG, seed: int = 0) -> dict:
 
     def norm(n):
         return 1 + rnd(n, std=0.1)
+
+    return rnd, lin, norm
+
+
+def random_checkpoint(c: dict = TEXT_CONFIG, seed: int = 0) -> dict:
+    """K3-layout tensors (without the prefix) with random values: projections ~ N(0, 1/fan_in), norm weights
+    1 + 0.1 N, non-zero AttnRes queries, router biases, decays and convolutions."""
+    rnd, lin, norm = draws(seed)
 
     D, V = c["hidden_size"], c["vocab_size"]
     lac = c["linear_attn_config"]

@@ -60,16 +60,7 @@ def random_vl_checkpoint(seed: int = 0, c: dict = VISION_CONFIG, text: dict = TE
     k3_reference.random_checkpoint under `language_model.`, the tower and projector unprefixed, random, bf16
     (projections ~ N(0, 1/fan_in), norm weights 1 + 0.1 N, position table ~ N(0, 0.5^2))."""
     tensors = {PREFIX + k: v for k, v in ref.random_checkpoint(text, seed).items()}
-    g = torch.Generator().manual_seed(10_000 + seed)
-
-    def rnd(*shape, std=1.0):
-        return torch.randn(*shape, generator=g) * std
-
-    def lin(o, i):
-        return rnd(o, i, std=i ** -0.5)
-
-    def norm(n):
-        return 1 + rnd(n, std=0.1)
+    rnd, lin, norm = ref.draws(10_000 + seed)
 
     D, Q, I, P = c["vt_hidden_size"], c["qkv_hidden_size"], c["vt_intermediate_size"], c["patch_size"]
     kh, kw = c["merge_kernel_size"]

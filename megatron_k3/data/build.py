@@ -46,6 +46,14 @@ def _embedded_corpus(d, rank: int) -> EmbeddedCorpus:
     return corpus
 
 
+def _user_tokenizer(path: str):
+    """data.tokenizer: the tokenizer.json the data was made with; a bad file is a one-line ConfigError."""
+    try:
+        return load_tokenizer(path)
+    except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
+        raise ConfigError("data.tokenizer", path, str(e).splitlines()[0]) from None
+
+
 def _multimodal(run: RunConfig, rank: int):
     """data=multimodal: the embedded tokenizer (or data.tokenizer) and the JSONL files of data.paths."""
     d = run.data
@@ -53,10 +61,7 @@ def _multimodal(run: RunConfig, rank: int):
         raise ConfigError("model.vision.enabled", False, "data=multimodal needs a model with a vision tower "
                           "(e.g. model=k3_vl_tiny)")
     if d.tokenizer:
-        try:
-            tok = load_tokenizer(d.tokenizer)
-        except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
-            raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
+        tok = _user_tokenizer(d.tokenizer)
         eod = tok.token_to_id(EOD_TOKEN)
     else:
         corpus = _embedded_corpus(d, rank)
@@ -80,12 +85,7 @@ def build_data(run: RunConfig, rank: int):
                 sources.append((w, IndexedDocuments(IndexedDataset(prefix), name=prefix)))
             except (IndexedDatasetError, FileNotFoundError, OSError) as e:
                 raise ConfigError("data.paths", prefix, str(e)) from None
-        vocab = 0
-        if d.tokenizer:
-            try:
-                vocab = load_tokenizer(d.tokenizer).get_vocab_size()
-            except (FileNotFoundError, OSError, Exception) as e:  # tokenizers raises its own exception type
-                raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
+        vocab = _user_tokenizer(d.tokenizer).get_vocab_size() if d.tokenizer else 0
     if vocab > run.model.vocab_size:
         raise ConfigError("model.vocab_size", run.model.vocab_size, f"must be >= the tokenizer's vocabulary ({vocab})")
     splits = {"train": [], "valid": []}

@@ -72,8 +72,11 @@ def _architecture(cfg) -> dict:
 
 
 def config_differences(model_cfg, checkpoint_cfg) -> dict:
-    """{key: (model value, checkpoint value)} over the architectural keys that differ."""
+    """{key: (model value, checkpoint value)} over the architectural keys that differ. A text-only model agrees with
+    a vision-language checkpoint's text part: the vision tower is compared only when the model has one."""
     a, b = _architecture(model_cfg), _architecture(checkpoint_cfg)
+    if not model_cfg.vision.enabled:
+        b["vision"] = a["vision"]
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

@@ -56,7 +56,7 @@ def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None)
     if layout == "auto":
         layout = detect_layout(hf_config)
     file_cfg = config_from_hf(hf_config, layout)
-    if vision is False or (config is not None and not config.vision.enabled and vision is None):
+    if vision is False:
         file_cfg.vision = type(file_cfg.vision)()  # the text model of a vision-language directory
     if config is not None:
         diffs = config_differences(config, file_cfg)

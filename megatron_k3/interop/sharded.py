@@ -290,6 +290,7 @@ def _plan_reads(model, names: _Names) -> list:
                 raise CheckpointReadError(f"{names.where}: {name}: an expert weight of layer {i}, which the config "
                                           "makes dense")
             o, k = shape[1:]
+            owner = model.get_submodule(name.rsplit(".", 1)[0])  # the GroupedExperts (kept MXFP4 scales)
             for el in range(size[0]):
                 e = start[0] + el
                 dst = t[el]
@@ -302,7 +303,6 @@ def _plan_reads(model, names: _Names) -> list:
                     raise CheckpointReadError(f"{names.where}: {names.name(keys['packed'])}: the input width {k} is "
                                               f"not a multiple of the MXFP4 block {BLOCK}")
                 slot = (name, el)
-                owner = model.get_submodule(name.rsplit(".", 1)[0])
 
                 def part(kind, dst=dst, slot=slot, start=start, size=size, owner=owner, n=n, el=el, whole=(o, k)):
                     def apply(view):
@@ -402,10 +402,7 @@ def load_hf_sharded(model, path, layout: str = "auto", group="auto", device=None
         layout = detect_layout(hf_config) if layout == "auto" else layout
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-        file_cfg = config_from_hf(hf_config, layout)
-        if not model.cfg.vision.enabled:  # a text-only model reads a vision-language directory's text part
-            file_cfg.vision = type(file_cfg.vision)()
-        diffs = config_differences(model.cfg, file_cfg)
+        diffs = config_differences(model.cfg, config_from_hf(hf_config, layout))
         if diffs:
             raise ConfigMismatchError(path, diffs)
         weight_map, where = _index(path)
@@ -529,12 +526,11 @@ def _items(model, layout: str, dt, mode, plain_writer: bool, expert_writer: bool
             i, n = int(m.group(1)), m.group(2)
             base = f"{prefix}model.layers.{i}.block_sparse_moe.experts"
             first, (o, k) = shard_offsets(t)[0], tuple(t.shape[1:])
+            loaded = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "loaded_scales", {}).get(n)
             for el in range(t.shape[0]):
                 key = f"{base}.{first + el}.{n}"
                 if layout == "k3":
                     cache = {}
-
-                    loaded = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "loaded_scales", {}).get(n)
 
                     def quantised(part, w=t, el=el, cache=cache, loaded=loaded):
                         if not cache:

@@ -89,7 +89,7 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         if self.vision_tower is None:
             raise ValueError("this model part has no vision tower (only the first pipeline stage takes media)")
         grids = check_media(pixel_values, grid_thws, self.cfg.vision)
-        return self.mm_projector(self.vision_tower(pixel_values, grids))
+        return self._encode(pixel_values, grids, num_features(grids, self.cfg.vision))
 
     def _encode(self, pixel_values, grids: list, counts: list) -> torch.Tensor:
         """The features of all media, in order: encoded here, or with `media_split` each rank encoding its
