@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 
-.PHONY: install train test test-fast lint bench clean
+.PHONY: install train test test-fast test-compile lint bench clean
 
 # runtime (requirements.txt = pyproject's dependencies) + test references and tools, the package in editable mode
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
@@ -21,11 +21,16 @@ install: $(STAMP)
 
 # the whole suite: unit tests, multi-process gloo worlds, training runs (~10 minutes on 2 cores)
 test: install
-	$(THREADS) $(PY) -m pytest $(PYTEST_ARGS)
+	$(THREADS) $(PY) -m pytest -m "not compile" $(PYTEST_ARGS)
 
 # the inner loop: everything not marked slow (no multi-process worlds, no training runs; under 3 minutes)
 test-fast: install
-	$(THREADS) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(THREADS) $(PY) -m pytest -m "not slow and not compile" $(PYTEST_ARGS)
+
+# train.compile with inductor: compiled training equals eager in one process, tp2, ep2 and pp2, and a resumed run
+# reuses the compile cache (inductor's C++ code generation takes minutes per layer on 2 cores; ~25 minutes)
+test-compile: install
+	$(THREADS) $(PY) -m pytest -m compile $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

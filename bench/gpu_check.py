@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """GPU check: our torch KDA path against fla's fused Triton kernel (equality and speed), a forward/backward of
-k3_small, our MX emulation on CUDA (against the CPU path and torchao), mx_qat on k3_tiny, and TransformerEngine's
-FP8/MXFP8 recipes against the emulation. Prints one table; run on a CUDA machine:
+k3_small eager and compiled (train.compile: MFU side by side), our MX emulation on CUDA (against the CPU path
+and torchao), mx_qat on k3_tiny, and TransformerEngine's FP8/MXFP8 recipes against the emulation. Prints one
+table; run on a CUDA machine:
 
     .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096]
 
@@ -85,27 +86,42 @@ def kda_check(args, rows):
 
 
 def model_check(args, rows):
+    """k3_small forward+backward in bf16 autocast, eager and with every decoder layer compiled (train.compile's
+    compile_layers): first step (the compile), steady step, tokens/s and MFU against --peak-tflops, side by side."""
     from megatron_k3.config import load_model_config
     from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.training.compile import compile_layers
+    from megatron_k3.training.metrics import train_flops_per_token
 
     cfg = load_model_config("k3_small")
-    torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).cuda()
-    ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
+    flops = train_flops_per_token(cfg, args.seq) * args.seq  # one sequence's forward + backward model FLOPs
+    ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(cfg).cuda()
+        if compiled:
+            compile_layers(model)
+        torch.cuda.reset_peak_memory_stats()
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(ids, labels=ids.roll(-1, 1))
-        out.loss.backward()
-        model.zero_grad(set_to_none=True)
-        return out.loss
+        def step(model=model):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(ids, labels=ids.roll(-1, 1))
+            out.loss.backward()
+            model.zero_grad(set_to_none=True)
+            return out.loss
 
-    loss = step()
-    t = timed(step, max(1, args.reps // 2))
-    mem = torch.cuda.max_memory_allocated() / 2**30
-    rows.append((f"k3_small fwd+bwd bf16 autocast seq={args.seq}", f"{t * 1e3:.1f} ms", "-",
-                 f"{args.seq / t:.0f} tok/s; loss {loss.item():.3f}; peak {mem:.1f} GiB"))
+        t0 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t = timed(step, max(1, args.reps // 2))
+        mem = torch.cuda.max_memory_allocated() / 2**30
+        mfu = flops / t / (args.peak_tflops * 1e12)
+        rows.append((f"k3_small fwd+bwd bf16 autocast seq={args.seq}, {'compiled' if compiled else 'eager'}",
+                     f"{t * 1e3:.1f} ms", "-", f"{args.seq / t:.0f} tok/s; MFU {mfu:.1%} of {args.peak_tflops:g} "
+                     f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB"))
+        del model, step
 
 
 # ---------------------------------------------------------------------------------------------- precision
@@ -252,6 +268,7 @@ def main():
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100/H200: 989)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)

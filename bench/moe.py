@@ -256,17 +256,42 @@ def gemm_kernels(N, k, E, D, I, cap):
         "GEMMs only: one 2048^3 matmul (throughput reference)": (lambda: a @ b, 2 * 2048 ** 3)}
 
 
+def out_and_grad(m, x):
+    """(output, input gradient) of one forward+backward of `m` on a copy of x (loss out.square().mean()); the
+    weights' gradients are cleared afterwards."""
+    xl = x.clone().requires_grad_()
+    y = m(xl)
+    y.square().mean().backward()
+    for p in m.parameters():
+        p.grad = None
+    return y.detach(), xl.grad
+
+
 def _timed(f):
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
 
 
+def round_robin(runs, warmup, reps):
+    """{name: [seconds per repetition]} of the callables `runs` (each returns its own seconds), after `warmup`
+    untimed rounds; every repetition runs each once in turn, so load from other jobs hits them alike."""
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            times[name].append(run())
+    return times
+
+
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def main():
+def parser():
+    """The command line (also read by bench/compile.py for the default shapes: `parser().parse_args([])`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
@@ -282,7 +307,11 @@ def main():
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-top", type=int, default=10, help="ops listed per profile")
     ap.add_argument("--no-deepspeed", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = parser().parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, T, D, E, k, I = args.batch, args.seq, args.hidden, args.experts, args.top_k, args.inter
@@ -317,24 +346,16 @@ def main():
     ours_main = "ours dropless (grouped_mm), silu"
     ref = ours[ours_main]
 
-    def out_and_grad(m):
-        xl = x.clone().requires_grad_()
-        y = m(xl)
-        y.square().mean().backward()
-        for p in m.parameters():
-            p.grad = None
-        return y.detach(), xl.grad
-
-    y_ref, g_ref = out_and_grad(ref)
+    y_ref, g_ref = out_and_grad(ref, x)
     counts = ref.tokens_per_expert_E
     print(f"expert load (assignments per expert, mean {N * k / E:.0f}): min {counts.min():.0f}, max {counts.max():.0f}")
     for name, m in (("HF KimiLinearMoE, eager loop", hf_eager), ("HF KimiLinearMoE, grouped_mm", hf_grouped)):
-        y, gx = out_and_grad(m)
+        y, gx = out_and_grad(m, x)
         print(f"check: {name} vs ours dropless silu: max rel diff output {rel(y, y_ref):.1e}, "
               f"input grad {rel(gx, g_ref):.1e}")
         assert rel(y, y_ref) < 1e-5 and rel(gx, g_ref) < 1e-5, name  # fp32: ~1e-5 relative
     drop = ours[f"ours drop cf={args.capacity_factor} (bmm), silu"]
-    y_d, _ = out_and_grad(drop)
+    y_d, _ = out_and_grad(drop, x)
     C = capacity(N, k, E, args.capacity_factor)
     print(f"check: ours drop cf={args.capacity_factor} (capacity {C} slots/expert = {E * C} rows computed for "
           f"{N * k} assignments) dropped {drop.dropped_assignments.item():.0f} assignments; max rel diff output vs "
@@ -362,13 +383,7 @@ def main():
     runs = {**{n: (lambda m=m: fwd_bwd(m, x)) for n, m in impls.items()}, **{n: (lambda f=f: _timed(f)) for n, (f, _)
                                                                                  in kernels.items()}}
     load0 = os.getloadavg()[0]
-    for _ in range(args.warmup):
-        for run in runs.values():
-            run()
-    times = {name: [] for name in runs}
-    for _ in range(args.reps):  # round-robin: every row sees the same spread of machine load
-        for name, run in runs.items():
-            times[name].append(run())
+    times = round_robin(runs, args.warmup, args.reps)
     load1 = os.getloadavg()[0]
     med = {name: statistics.median(ts) for name, ts in times.items()}
 

@@ -43,14 +43,54 @@ OVERRIDES = ["vocab_size=16384", "hidden_size=256", "num_layers=8", "mla_layers=
              "moe_intermediate_size=256", "num_shared_experts=1"]
 
 
-def time_steps(step_fn, steps):
-    step_fn()  # warm-up (allocations, first-call overheads)
+def time_steps(step_fn, steps, warmup=True):
+    if warmup:
+        step_fn()  # warm-up (allocations, first-call overheads)
     ts = []
     for _ in range(steps):
         t = time.perf_counter()
         loss = step_fn()
         ts.append(time.perf_counter() - t)
     return min(ts), sorted(ts)[len(ts) // 2], loss
+
+
+def build_models(cfg):
+    """HF's KimiLinearForCausalLM (fp32, sdpa, seed 0) and our K3ForCausalLM with its weights mapped in."""
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = KimiLinearConfig(**hf_config_from(cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    hf = KimiLinearForCausalLM(hf_cfg).float().train()
+    ours = K3ForCausalLM(cfg).train()
+    ours.load_state_dict(map_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    return hf, ours
+
+
+def make_batch(vocab_size, batch, seq):
+    """(inputs, labels) [batch, seq] from a seeded draw of batch x (seq + 1) token ids."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def make_step(model, x, y, hf=False):
+    """One training step (forward, cross-entropy, backward, AdamW lr 1e-4) of `model` on (x, y); returns the loss
+    (computed before the update). hf: `model` is a transformers causal LM (logits out, loss computed here)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        if hf:
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        else:
+            loss = model(x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
 
 
 def main():
@@ -60,39 +100,11 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 
-    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
-
     cfg = load_model_config("kimi_linear_tiny", OVERRIDES)
-    torch.manual_seed(0)
-    hf_cfg = KimiLinearConfig(**hf_config_from(cfg))
-    hf_cfg._attn_implementation = "sdpa"
-    hf = KimiLinearForCausalLM(hf_cfg).float().train()
-    ours = K3ForCausalLM(cfg).train()
-    ours.load_state_dict(map_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    hf, ours = build_models(cfg)
     n_params = sum(p.numel() for p in ours.parameters())
-
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    opt_h = torch.optim.AdamW(hf.parameters(), lr=1e-4)
-    opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-4)
-
-    def step_hf():
-        out = hf(input_ids=x)
-        loss = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, cfg.vocab_size), y.reshape(-1))
-        loss.backward()
-        opt_h.step()
-        opt_h.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def step_ours():
-        loss = ours(x, labels=y).loss
-        loss.backward()
-        opt_o.step()
-        opt_o.zero_grad(set_to_none=True)
-        return loss.item()
+    x, y = make_batch(cfg.vocab_size, args.batch, args.seq)
+    step_hf, step_ours = make_step(hf, x, y, hf=True), make_step(ours, x, y)
 
     with torch.no_grad():  # same weights, same batch: the same loss before any update
         l_h = torch.nn.functional.cross_entropy(hf(input_ids=x).logits.reshape(-1, cfg.vocab_size), y.reshape(-1))

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_k3.ops.kda import chunk_kda, recurrent_kda
+from megatron_k3.ops import kda as kda_ops
+from megatron_k3.ops.kda import chunk_kda, recurrent_kda, seq_idx_from_cu_seqlens
+from megatron_k3.ops.short_conv import causal_conv1d, causal_conv1d_reference
 
 # fp32 results against a reference: the chunked form sums up to chunk_size products in a different order than
 # the recurrence, so both carry ~1e-7 relative rounding; 1e-5 leaves margin (measured as max|a-b| / max|b|).
@@ -58,6 +60,9 @@ def make_inputs(B, T, H, K, V, HV=None, seed=0, gate="sigmoid", init=True, N=Non
         g = -5.0 * torch.sigmoid(8.0 + randn(B, T, HV, K))
     elif gate == "mixed":  # per channel anywhere in (-5, 0): strong and weak decays side by side
         g = -5.0 * torch.sigmoid(4.0 * randn(B, T, HV, K))
+    elif gate == "kimi_strong":  # Kimi Linear's unbounded -e^A softplus(z), e^A up to 16: steps down to ~-100
+        a = 1.0 + 15.0 * torch.rand(1, 1, HV, 1, generator=gen, dtype=torch.float64)
+        g = -a * F.softplus(2.0 * randn(B, T, HV, K) + 1.0)
     else:
         raise AssertionError(gate)
     beta = torch.sigmoid(randn(B, T, HV))
@@ -203,6 +208,225 @@ def test_cu_seqlens_with_an_empty_document_keeps_its_state():
     torch.testing.assert_close(s[1], args["initial_state"][1], rtol=0, atol=0)
     ref = _per_document_reference(inputs, [0, 5, 30], recurrent_kda, torch.float64)
     assert rel_err(s[[0, 2]], ref["final_state"]) < RTOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# packed documents as seq_idx [B, T] (static shapes): fixed chunks with document masks
+
+
+SEQ_T = 150  # not a multiple of 16 or 64: the last chunk is padded
+
+
+def _random_row(seed, T=SEQ_T, cuts=8):
+    """Document lengths of a row cut at random places (length-1 documents and chunk-boundary starts included)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = set(torch.randint(1, T, (cuts,), generator=gen).tolist()) | {64, 65, 66, 96}
+    bounds = [0] + sorted(starts) + [T]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# per layout two rows of different documents, T = SEQ_T each
+SEQ_LAYOUTS = {
+    # starts at 16, 32 (C=16) and at 64, 128 (C=16 and 64); documents of length 1; 48 and 68 span chunks
+    "boundaries": [[1, 15, 16, 1, 1, 48, 68], [64, 1, 63, 22]],
+    # a document over every chunk of the row, and a row that is one document
+    "long": [[3, 140, 7], [SEQ_T]],
+    "random": [_random_row(1), _random_row(2)],
+}
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+
+
+def _seq_idx(layout):
+    """[B, T] document index per token; the second row's indices are spread out (any non-decreasing ints do)."""
+    rows = [seq_idx_from_cu_seqlens(_cu(lengths), SEQ_T)[0] for lengths in layout]
+    return torch.stack([rows[0]] + [3 * r + 7 for r in rows[1:]])
+
+
+def run_o(fn, inputs, dtype, seed=1):
+    """Forward + backward of the output only (seq_idx takes no states) with a fixed random cotangent."""
+    leaves = {n: inputs[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    o = fn(**leaves)
+    gen = torch.Generator().manual_seed(seed)
+    (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum().backward()
+    return {"o": o.detach(), **{f"d{n}": x.grad for n, x in leaves.items()}}
+
+
+def _per_row_and_document(layout, fn):
+    """fn on every document of every row on its own (zero initial state), outputs put back in the packed layout."""
+    def packed(**x):
+        rows = []
+        for b, lengths in enumerate(layout):
+            cu = _cu(lengths).tolist()
+            rows.append(torch.cat([fn(**{n: t[b:b + 1, s:e] for n, t in x.items()})[0]
+                                   for s, e in zip(cu[:-1], cu[1:])], dim=1))
+        return torch.cat(rows, dim=0)
+    return packed
+
+
+def _per_row_cu_seqlens(layout, **kw):
+    """chunk_kda's cu_seqlens path row by row (it takes B = 1)."""
+    def packed(**x):
+        return torch.cat([chunk_kda(**{n: t[b:b + 1] for n, t in x.items()}, cu_seqlens=_cu(lengths), **kw)[0]
+                          for b, lengths in enumerate(layout)], dim=0)
+    return packed
+
+
+@functools.lru_cache(maxsize=None)
+def _seq_case(layout_name, gate):
+    """Inputs and the per-document references: the repo's recurrence in fp64, fla's naive recurrence in fp32."""
+    layout = SEQ_LAYOUTS[layout_name]
+    inputs = make_inputs(B=2, T=SEQ_T, H=2, K=8, V=8, seed=21, gate=gate, init=False)
+    ref64 = run_o(_per_row_and_document(layout, recurrent_kda), inputs, torch.float64)
+    ref32 = run_o(_per_row_and_document(layout, fla_naive().naive_recurrent_kda), inputs, torch.float32)
+    return inputs, ref64, ref32
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "strong", "kimi_strong"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("layout_name", list(SEQ_LAYOUTS))
+def test_seq_idx_matches_cu_seqlens_and_separate_documents(layout_name, chunk_size, gate):
+    """chunk_kda(seq_idx) = chunk_kda(cu_seqlens) = every document on its own: outputs and the gradients of q, k,
+    v, g, beta, in fp64 (1e-10; measured <= 8e-16) and fp32 (1e-5; measured <= 3e-7)."""
+    layout = SEQ_LAYOUTS[layout_name]
+    inputs, ref64, ref32 = _seq_case(layout_name, gate)
+    seq_idx = _seq_idx(layout)
+    label = f"{layout_name} C={chunk_size} gate={gate}"
+
+    def ours(**x):
+        return chunk_kda(**x, chunk_size=chunk_size, seq_idx=seq_idx, backend="torch")[0]
+
+    cu_fn = _per_row_cu_seqlens(layout, chunk_size=chunk_size, backend="torch")
+    ours64 = run_o(ours, inputs, torch.float64)
+    assert_close(ours64, ref64, rtol=1e-10, label=f"fp64 vs per-document recurrence {label}")
+    assert_close(ours64, run_o(cu_fn, inputs, torch.float64), rtol=1e-10, label=f"fp64 vs cu_seqlens {label}")
+    ours32 = run_o(ours, inputs, torch.float32)
+    assert_close(ours32, ref32, label=f"fp32 vs fla naive per document {label}")
+    assert_close(ours32, run_o(cu_fn, inputs, torch.float32), label=f"fp32 vs cu_seqlens {label}")
+    assert_close(ours32, ref64, label=f"fp32 vs fp64 reference {label}")
+
+
+def test_seq_idx_strong_gates_reach_the_fp32_overflow_range():
+    # the cases above must include chunks whose total decay exp(-G) would overflow fp32 (G < -88)
+    for gate in ("strong", "kimi_strong"):
+        g = make_inputs(B=2, T=SEQ_T, H=2, K=8, V=8, seed=21, gate=gate, init=False)["g"]
+        assert g[:, :64].sum(1).min() < -88, gate
+
+
+def test_seq_idx_single_document_is_the_plain_path():
+    inputs = make_inputs(B=2, T=70, H=2, K=8, V=8, seed=22, init=False)
+    x = {n: inputs[n].float() for n in ("q", "k", "v", "g", "beta")}
+    o_plain, _ = chunk_kda(**x, chunk_size=16, backend="torch")
+    o_seq, _ = chunk_kda(**x, chunk_size=16, seq_idx=torch.zeros(2, 70, dtype=torch.long), backend="torch")
+    assert rel_err(o_seq, o_plain) < 1e-6
+
+
+def test_seq_idx_on_the_fla_path_packs_the_rows():
+    """On CUDA, fla's kernel gets the B rows as one packed row with the equivalent cu_seqlens; checked here with
+    the torch kernel standing in for fla's."""
+    layout = SEQ_LAYOUTS["boundaries"]
+    inputs = make_inputs(B=2, T=SEQ_T, H=2, K=8, V=8, seed=23, init=False)
+    x = {n: inputs[n] for n in ("q", "k", "v", "g", "beta")}
+    seq_idx = _seq_idx(layout)
+    stand_in = functools.partial(chunk_kda, chunk_size=64, backend="torch")
+    o, final = kda_ops._fla_seq_idx(stand_in, *x.values(), None, seq_idx, {})
+    assert final is None
+    assert kda_ops._seq_idx_to_cu_seqlens(seq_idx).tolist() == (
+        _cu(layout[0]).tolist() + (SEQ_T + _cu(layout[1])[1:]).tolist())
+    ref = _per_row_and_document(layout, recurrent_kda)(**x)
+    assert rel_err(o, ref) < 1e-12
+
+
+def test_seq_idx_from_cu_seqlens_skips_empty_documents():
+    assert seq_idx_from_cu_seqlens(torch.tensor([0, 2, 2, 5, 6]), 6).tolist() == [[0, 0, 2, 2, 2, 3]]
+
+
+def _seq_idx_bad_cases():
+    B, T, H, K = 2, 10, 2, 4
+    ok = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, K),
+              g=-torch.rand(B, T, H, K), beta=torch.rand(B, T, H), seq_idx=torch.zeros(B, T, dtype=torch.long))
+    one = {n: x[:1] for n, x in ok.items()}
+    return [
+        ("seq_idx", dict(ok, seq_idx=torch.zeros(1, T, dtype=torch.long))),  # wrong B
+        ("seq_idx", dict(ok, seq_idx=torch.zeros(B * T, dtype=torch.long))),  # not [B, T]
+        ("seq_idx", dict(ok, seq_idx=torch.zeros(B, T))),  # float
+        ("cu_seqlens", dict(one, cu_seqlens=torch.tensor([0, 4, 10]))),
+        ("initial_state", dict(ok, initial_state=torch.zeros(B, H, K, K))),
+        ("output_final_state", dict(ok, output_final_state=True)),
+    ]
+
+
+@pytest.mark.parametrize("arg,kwargs", _seq_idx_bad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_seq_idx_bad_inputs_raise_value_error_naming_the_argument(arg, kwargs):
+    with pytest.raises(ValueError, match=arg):
+        chunk_kda(**kwargs, backend="torch")
+
+
+def _small_packed_inputs(T=40, seed=24):
+    inputs = make_inputs(B=1, T=T, H=2, K=8, V=8, seed=seed, init=False)
+    return [inputs[n].float() for n in ("q", "k", "v", "g", "beta")]
+
+
+def test_seq_idx_chunk_kda_traces_without_graph_breaks():
+    q, k, v, g, beta = _small_packed_inputs()
+    seq_idx = seq_idx_from_cu_seqlens(torch.tensor([0, 3, 16, 17, 40]), 40)
+
+    def fn(q, k, v, g, beta, seq_idx):
+        return chunk_kda(q, k, v, g, beta, chunk_size=16, seq_idx=seq_idx, backend="torch")[0]
+
+    explained = torch._dynamo.explain(fn)(q, k, v, g, beta, seq_idx)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_seq_idx_chunk_kda_does_not_recompile_for_a_new_document_layout():
+    q, k, v, g, beta = _small_packed_inputs()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: chunk_kda(*a[:5], chunk_size=16, seq_idx=a[5], backend="torch")[0],
+                       backend=count, fullgraph=True)
+    for cu in ([0, 3, 16, 17, 40], [0, 40], [0, 1, 2, 3, 4, 5, 20, 21, 39, 40]):  # 4, 1 and 9 documents
+        seq_idx = seq_idx_from_cu_seqlens(torch.tensor(cu), 40)
+        o = fn(q, k, v, g, beta, seq_idx)
+        ref, _ = chunk_kda(q, k, v, g, beta, chunk_size=16, cu_seqlens=torch.tensor(cu), backend="torch")
+        assert rel_err(o, ref) < RTOL
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_short_conv_seq_idx_equals_cu_seqlens():
+    """causal_conv1d(seq_idx) over two rows of different documents = causal_conv1d(cu_seqlens) row by row = each
+    document on its own; outputs and gradients in fp64."""
+    gen = torch.Generator().manual_seed(25)
+    layout = SEQ_LAYOUTS["boundaries"]
+    x = torch.randn(2, SEQ_T, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, SEQ_T, 6, generator=gen, dtype=torch.float64)
+    results = []
+    for how in ("seq_idx", "cu_seqlens", "separate"):
+        if how == "seq_idx":
+            y, cache = causal_conv1d(x, w, seq_idx=_seq_idx(layout))
+            assert cache is None
+        elif how == "cu_seqlens":
+            y = torch.cat([causal_conv1d(x[b:b + 1], w, cu_seqlens=_cu(layout[b]))[0] for b in range(2)])
+        else:
+            y = torch.cat([torch.cat([causal_conv1d_reference(x[b:b + 1, s:e], w)
+                                      for s, e in zip(_cu(layout[b])[:-1], _cu(layout[b])[1:])], dim=1)
+                           for b in range(2)])
+        dx, dw = torch.autograd.grad((y * dy).sum(), (x, w))
+        results.append((y, dx, dw))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert rel_err(a, b) < 1e-12
+    with pytest.raises(ValueError, match="seq_idx"):
+        causal_conv1d(x, w, seq_idx=torch.zeros(1, SEQ_T, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import torch
 
 from megatron_k3.config import load_model_config
 from megatron_k3.model import K3ForCausalLM
-from megatron_k3.model.decoder import DepthMix
+from megatron_k3.model.decoder import DepthMix, ResidualState
+from megatron_k3.model.mla import AttentionKernels
 from megatron_k3.model.moe import StableLatentMoE
 from megatron_k3.model.norm import RMSNorm
 
@@ -63,6 +64,102 @@ def test_packed_documents_equal_separate_runs(rel):
         packed = model(torch.cat(docs, 1), cu_seqlens=cu).logits
         sep = torch.cat([model(d).logits for d in docs], 1)
     assert rel(packed, sep) < 1e-4
+
+
+def _packed_docs(cfg, lengths=(5, 70, 1, 30), seed=7):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, cfg.vocab_size, (1, n), generator=g) for n in lengths]
+    return docs, torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+
+
+def test_packed_forward_gives_the_layers_seq_idx():
+    """Without a cache, K3Model turns cu_seqlens into seq_idx [1, T] once and the layers get seq_idx alone; with a
+    cache (prefill) they get cu_seqlens."""
+    cfg, model = perturbed_model(seed=3)
+    docs, cu = _packed_docs(cfg, lengths=(3, 1, 6))
+    seen = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.cat(docs, 1), cu_seqlens=cu)
+        assert len(seen) == cfg.num_layers
+        for kw in seen:
+            assert kw["cu_seqlens"] is None
+            assert kw["seq_idx"].tolist() == [[0, 0, 0, 1, 2, 2, 2, 2, 2, 2]]
+        seen.clear()
+        model(torch.cat(docs, 1), cu_seqlens=cu, cache=model.new_cache())
+        assert all(kw["cu_seqlens"] is cu and kw["seq_idx"] is None for kw in seen) and seen
+    for h in hooks:
+        h.remove()
+
+
+def test_packed_gradients_equal_separate_runs(rel):
+    """Logits and every parameter's gradient of one packed row (cu_seqlens -> seq_idx) equal the sums over
+    separate cache-less runs of each document, in fp64."""
+    cfg, model = perturbed_model(seed=9)
+    model.double()
+    docs, cu = _packed_docs(cfg)
+    w = torch.randn(1, int(cu[-1]), cfg.vocab_size, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    packed = model(torch.cat(docs, 1), cu_seqlens=cu).logits
+    (packed * w).sum().backward()
+    g_packed = grads()
+    sep = []
+    for d, a, b in zip(docs, cu[:-1], cu[1:]):
+        sep.append(model(d).logits)
+        (sep[-1] * w[:, a:b]).sum().backward()
+    g_sep = grads()
+    assert rel(packed, torch.cat(sep, 1)) < 1e-10
+    assert g_packed.keys() == g_sep.keys() and len(g_packed) > 0
+    worst = max(rel(g_packed[n], g_sep[n]) for n in g_sep)
+    assert worst < 1e-10, worst
+
+
+def test_attention_with_seq_idx_equals_cu_seqlens_per_row(rel):
+    """Gated MLA's attention and max-logit with seq_idx [2, T] (two rows of different documents) equal the
+    cu_seqlens masks row by row."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 3, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cus = [torch.tensor([0, 1, 16, 30]), torch.tensor([0, 29, 30])]
+    seq_idx = torch.stack([torch.searchsorted(cu[1:], torch.arange(30), right=True) for cu in cus])
+    kern = AttentionKernels()
+    o = kern.attend(q, k, v, None, 0.3, seq_idx=seq_idx)
+    ref = torch.cat([kern.attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], cus[b], 0.3) for b in range(2)])
+    assert rel(o, ref) < 1e-12
+    m = kern.max_logit(q, k, None, 0.3, seq_idx=seq_idx)
+    m_ref = torch.stack([kern.max_logit(q[b:b + 1], k[b:b + 1], cus[b], 0.3) for b in range(2)]).amax(0)
+    assert torch.equal(m, m_ref)
+
+
+def _layer_inputs(model, cfg, upto):
+    """The ResidualState before layer `upto` of a packed row (layers run in order: the AttnRes blocks grow), and
+    the row's seq_idx."""
+    docs, cu = _packed_docs(cfg, lengths=(3, 20, 1, 16))
+    seq_idx = torch.searchsorted(cu[1:], torch.arange(int(cu[-1])), right=True)[None]
+    st = ResidualState(blocks=[], partial=model.model.embed_tokens(torch.cat(docs, 1)))
+    for i in range(upto):
+        st = model.model.layers[i](st, seq_idx=seq_idx)
+    return st, seq_idx
+
+
+@pytest.mark.parametrize("layer_idx", [0, 3], ids=["kda", "mla"])
+def test_decoder_layer_with_seq_idx_traces_without_graph_breaks(layer_idx):
+    """A KDA and a Gated MLA decoder layer of k3_tiny called with seq_idx: one graph, no graph break."""
+    cfg, model = perturbed_model(seed=10)
+    model.train()
+    layer = model.model.layers[layer_idx]
+    assert layer.mixer_type == ("kda" if layer_idx == 0 else "mla")
+    with torch.no_grad():
+        st, seq_idx = _layer_inputs(model, cfg, layer_idx)
+    explained = torch._dynamo.explain(lambda st: layer(st, seq_idx=seq_idx).partial)(st)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    torch._dynamo.reset()
 
 
 def test_every_parameter_gets_a_gradient():

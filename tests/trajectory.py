@@ -48,12 +48,14 @@ def _gap_hook(counts: list, row: int, k: int):
     return hook
 
 
-def record(trainer, steps: int, full_params) -> list:
-    """`steps` training steps of `trainer`, each as a Step (`full_params(trainer)` gathers the parameters)."""
+def record(trainer, steps: int, full_params, near_ties: bool = True) -> list:
+    """`steps` training steps of `trainer`, each as a Step (`full_params(trainer)` gathers the parameters).
+    near_ties=False leaves the routers unobserved (`compare` reads only the reference run's near-ties; a compiled run
+    must not have a hook reading values on the host inside its compiled layers)."""
     rows = trainer.routing.rows
     counts = [0] * len(trainer.routing.layer_ids)
     handles = [m.gate.register_forward_hook(_gap_hook(counts, row, m.top_k))
-               for row, m in zip(rows, trainer.moe)]
+               for row, m in zip(rows, trainer.moe)] if near_ties else []
     out = []
     try:
         for _ in range(steps):

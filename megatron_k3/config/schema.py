@@ -349,6 +349,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     device: str = "auto"  # auto (cuda if available), cpu, cuda
     max_consecutive_skips: int = 3  # steps with a non-finite loss/gradient are skipped; this many in a row stop the run
+    # torch.compile each decoder layer as one region (megatron_k3.training.compile, docs/compile.md); the backend
+    # (inductor: C++/OpenMP kernels on CPU, Triton on CUDA; aot_eager / eager: tracing only, for debugging) and
+    # the compiler's cache directory (relative: to the launch directory)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_cache: str = ".cache/torchinductor"
 
     def validate(self, prefix: str = "train") -> "TrainConfig":
         _require_ints(self, prefix, ("steps", "micro_batch_size", "global_batch_size", "seq_length",
@@ -363,6 +369,9 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips,
                               "must be an integer >= 1")
         _require_choice(self, prefix, "device", ("auto", "cpu", "cuda"))
+        _require_choice(self, prefix, "compile_backend", ("inductor", "aot_eager", "eager"))
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"{prefix}.compile", self.compile, "must be true or false")
         return self
 
 

@@ -6,6 +6,9 @@ where `blocks` are the completed block representations (b_0 = the embedding) and
 running sum of the current block's sub-layer outputs. A layer mixes them over depth before its mixer
 and before its FFN with its own zero-initialised pseudo-queries (uniform weights at init).
 Without AttnRes (Kimi Linear) the layer is the usual pre-norm residual block.
+Packed documents reach the mixer as `cu_seqlens` (N+1 offsets of one row, read on the host: prefill with a decode
+cache) or as `seq_idx` [B, T] int64 (the document index of each token, non-decreasing along T; static shapes, no
+host read: what K3Model passes for training and plain forwards, so that a layer traces without graph breaks).
 """
 
 from __future__ import annotations
@@ -91,10 +94,12 @@ class DecoderLayer(nn.Module):
             self.self_attention_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None) -> ResidualState:
+    def forward(self, st: ResidualState, cu_seqlens=None, cache_state=None, seq_idx=None) -> ResidualState:
+        """One layer on the state between layers; cu_seqlens / seq_idx: the packed documents (at most one)."""
         if not self.attn_res:
             h = st.hidden
-            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state)
+            h = h + self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=cache_state,
+                                   seq_idx=seq_idx)
             h = h + self.mlp(self.post_attention_layernorm(h))
             return ResidualState(hidden=h)
         blocks, p = list(st.blocks), st.partial
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
         if self.layer_idx % self.block_size == 0:  # the finished block (or the embedding) is frozen
             blocks.append(p)
             p = None
-        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state)
+        a = self.self_attn(self.input_layernorm(x_attn), cu_seqlens=cu_seqlens, state=cache_state, seq_idx=seq_idx)
         p = a if p is None else p + a
         x_mlp = self.mlp_res(blocks + [p])
         p = p + self.mlp(self.post_attention_layernorm(x_mlp))

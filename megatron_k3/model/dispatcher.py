@@ -27,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["Dispatcher", "capacity", "positions", "slots", "static_buffer", "sorted_rows", "POLICIES"]
+__all__ = ["Dispatcher", "capacity", "counts", "positions", "slots", "static_buffer", "sorted_rows", "POLICIES"]
 
 POLICIES = ("auto", "drop", "dropless", "balanced")
 
@@ -37,11 +37,18 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: flo
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
+def counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64: how often each of 0..n-1 occurs in idx (ids < n). Equals torch.bincount(idx, minlength=n), whose
+    output size depends on the values (so torch.compile cannot give it a static shape)."""
+    idx = idx.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=idx.device).index_add_(0, idx, torch.ones_like(idx))
+
+
 def positions(expert_M: torch.Tensor, num_experts: int) -> torch.Tensor:
     """pos_M: each assignment's rank among the assignments to its expert, in assignment (token) order."""
     M = expert_M.shape[0]
     order = torch.argsort(expert_M, stable=True)  # assignments grouped by expert, token order inside
-    counts_E = torch.bincount(expert_M, minlength=num_experts)
+    counts_E = counts(expert_M, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     pos_sorted = torch.arange(M, device=expert_M.device) - start_E[expert_M[order]]
     return torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
@@ -81,7 +88,7 @@ def sorted_rows(z_NL: torch.Tensor, idx_Nk: torch.Tensor, weight_Nk: torch.Tenso
     k = idx_Nk.shape[1]
     expert_M = idx_Nk.reshape(-1)
     order = torch.argsort(expert_M, stable=True)
-    counts_E = torch.bincount(expert_M, minlength=num_experts)
+    counts_E = counts(expert_M, num_experts)
     tok_M = order // k  # token of each expert-sorted row
     return z_NL.index_select(0, tok_M), weight_Nk.reshape(-1).index_select(0, order), tok_M, counts_E
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..annotations import annotate, full_shape, shard_offsets
 from ..ops.init import Init, constant, fill_, normal
+from ..ops.kda import seq_idx_from_cu_seqlens
 from .cache import InferenceCache
 from .decoder import DecoderLayer, DepthMix, LayerStack, ResidualState
 from .kda import KimiDeltaAttention
@@ -72,7 +73,14 @@ class K3Model(nn.Module):
                 cache: InferenceCache | None = None, state_in: ResidualState | None = None, media=None):
         """Without the embedding (a later pipeline stage) the layers start from `state_in`; without the final norm
         (an earlier stage) the ResidualState after the last layer is returned. `media`: a function of the token
-        embeddings that puts the vision features in (K3ForConditionalGeneration)."""
+        embeddings that puts the vision features in (K3ForConditionalGeneration).
+
+        cu_seqlens (document offsets of a packed row, B = 1) without a cache becomes the per-token document index
+        seq_idx [1, T] here, once per forward with static-shape ops, and the layers get seq_idx instead (no host
+        read, a document layout of any shape traces as the same graph); T is input_ids' length (a stage called
+        without input_ids takes state_in's, which is the whole row unless sequence parallelism shards it). With a
+        cache (prefill) the layers get cu_seqlens itself: the per-document final states need the per-document
+        layout."""
         if self.embed_tokens is not None:
             h = self.embed_tokens(input_ids_BT)
             if media is not None:
@@ -80,9 +88,17 @@ class K3Model(nn.Module):
             st = ResidualState(blocks=[], partial=h) if self.cfg.attn_res else ResidualState(hidden=h)
         else:
             st = state_in
+        seq_idx = None
+        if cu_seqlens is not None and cache is None:
+            # the whole row's length: under sequence parallelism the state between layers holds a shard of it
+            x = input_ids_BT if input_ids_BT is not None else (st.hidden if st.hidden is not None else st.partial)
+            if cu_seqlens.dim() != 1 or x.shape[0] != 1:
+                raise ValueError(f"cu_seqlens must be 1-D offsets of one packed row (B = 1), got "
+                                 f"cu_seqlens {tuple(cu_seqlens.shape)} for B = {x.shape[0]}")
+            seq_idx, cu_seqlens = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1], x.device), None
         for layer in self.layers:
             st = layer(st, cu_seqlens=cu_seqlens,
-                       cache_state=cache.layers[layer.layer_idx] if cache is not None else None)
+                       cache_state=cache.layers[layer.layer_idx] if cache is not None else None, seq_idx=seq_idx)
         if self.norm is None:
             return st
         h = self.output_attn_res(st.blocks + [st.partial]) if self.cfg.attn_res else st.hidden

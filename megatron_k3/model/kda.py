@@ -6,6 +6,8 @@ log-decay g = lb * sigmoid(e^A (z + dt_bias)) (K3) or -e^A softplus(z + dt_bias)
 beta = sigmoid(W_b x); out = o_proj( RMSNorm_head(o) * sigmoid(gate(x)) ).
 The two steps that mix tokens along the sequence (the short convolution and the delta rule) run through
 `self.kernels`, so that a layout which splits the sequence can substitute kernels that carry state across it.
+Packed documents: `cu_seqlens` (N+1 offsets of one row, read on the host; prefill with a decode cache) or
+`seq_idx` [B, T] (the document index of each token; static shapes, no host read; training and plain forwards).
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ class KDAKernels:
     """The sequence-mixing steps of a KDA layer over the whole sequence on one device."""
 
     def conv(self, x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache: torch.Tensor | None,
-             cu_seqlens: torch.Tensor | None, keep: bool):
-        """SiLU(causal depthwise conv) -> (y [B, T, C], the new decode cache when `keep`)."""
-        return causal_conv1d(x_BTC, weight_CW, cache, cu_seqlens=cu_seqlens, activation="silu", output_cache=keep)
+             cu_seqlens: torch.Tensor | None, keep: bool, seq_idx: torch.Tensor | None = None):
+        """SiLU(causal depthwise conv) -> (y [B, T, C], the new decode cache when `keep`). Documents as cu_seqlens
+        or seq_idx [B, T] (at most one)."""
+        return causal_conv1d(x_BTC, weight_CW, cache, cu_seqlens=cu_seqlens, activation="silu", output_cache=keep,
+                             seq_idx=seq_idx)
 
-    def delta_rule(self, q, k, v, g, beta, initial_state, keep: bool, cu_seqlens, chunk_size: int, lower_bound):
-        """The gated delta rule -> (o [B, T, H, V], the final state when `keep`)."""
+    def delta_rule(self, q, k, v, g, beta, initial_state, keep: bool, cu_seqlens, chunk_size: int, lower_bound,
+                   seq_idx=None):
+        """The gated delta rule -> (o [B, T, H, V], the final state when `keep`). Documents as cu_seqlens or
+        seq_idx [B, T] (at most one; seq_idx takes no state)."""
         if keep and initial_state is not None and q.shape[1] <= 4:  # decode: the plain recurrence is the cheapest
             return recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
         return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=keep, chunk_size=chunk_size,
-                         cu_seqlens=cu_seqlens, lower_bound=lower_bound)
+                         cu_seqlens=cu_seqlens, seq_idx=seq_idx, lower_bound=lower_bound)
 
 
 def _dt_bias_from_log_dt(log_dt: torch.Tensor) -> torch.Tensor:
@@ -109,14 +115,16 @@ class KimiDeltaAttention(nn.Module):
         """Per-step, per-channel log-decay g [B, T, H, K] in fp32."""
         wide = compute_dtype(x_BTD)
         z = self.f_b_proj(self.f_a_proj(x_BTD)).to(wide) + self.dt_bias.to(wide)
-        z = z.view(*x_BTD.shape[:2], -1, self.K)
+        z = z.reshape(*x_BTD.shape[:2], -1, self.K)  # (view: aot_eager's backward of softplus trips on it)
         a = self.A_log.to(wide).exp()[:, None]
         if self.gate_kind == "lowerbound":
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: KDAState | None = None) -> torch.Tensor:
+                state: KDAState | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. Packed documents as cu_seqlens (B = 1) or seq_idx [B, T] (no state), or
+        neither; state: the decode cache, continued and updated in place."""
         B, T, _ = x_BTD.shape
         K = self.K
         wide = compute_dtype(x_BTD)
@@ -125,7 +133,7 @@ class KimiDeltaAttention(nn.Module):
         for proj, w, name in ((self.q_proj, self.q_conv1d, "conv_q"), (self.k_proj, self.k_conv1d, "conv_k"),
                               (self.v_proj, self.v_conv1d, "conv_v")):
             y, c = self.kernels.conv(proj(x_BTD), w.squeeze(1), getattr(state, name) if keep else None, cu_seqlens,
-                                     keep)
+                                     keep, seq_idx=seq_idx)
             if keep:
                 setattr(state, name, c)
             convs.append(y.view(B, T, -1, K))
@@ -135,7 +143,7 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x_BTD).to(wide))
         lb = self.lower_bound if self.gate_kind == "lowerbound" else None
         o, S = self.kernels.delta_rule(q, k, v, g, beta, state.recurrent if keep else None, keep, cu_seqlens,
-                                       self.chunk_size, lb)
+                                       self.chunk_size, lb, seq_idx=seq_idx)
         if keep:
             state.recurrent = S
         gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)

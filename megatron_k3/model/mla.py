@@ -7,6 +7,8 @@ Prefill/training uses the expanded ("MHA") form; decode uses the absorbed form o
 The steps that see the whole sequence (which positions the keys come from, the causal attention itself, and
 QK-Clip's max-logit statistic) run through `self.kernels`, so that a layout which splits the sequence can
 substitute kernels that gather it.
+Packed documents: `cu_seqlens` (N+1 offsets of one row) or `seq_idx` [B, T] (the document index of each token,
+non-decreasing along T; static shapes, no host read): a query sees only the keys of its own document.
 QK-Clip support (MODEL.md 6.2): with `track_max_logit` on, a training forward records each head's max
 logit; `rescale_qk_` shrinks a head's logits by gamma via its query/key weights.
 """
@@ -32,19 +34,30 @@ def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
 
+def seq_idx_causal_mask(seq_idx_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: query t of row b may attend key s iff s <= t and seq_idx[b, s] == seq_idx[b, t] (the
+    document_causal_mask of each row, from its per-token document index; static shapes)."""
+    T = seq_idx_BT.shape[1]
+    pos = torch.arange(T, device=seq_idx_BT.device)
+    return (seq_idx_BT[:, :, None] == seq_idx_BT[:, None, :]) & (pos[None, :] <= pos[:, None])
+
+
 @torch.no_grad()
 def max_logit_per_head(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, scale: float,
                        mask_TS: torch.Tensor | None = None, block: int = 256) -> torch.Tensor:
     """[H] fp32: the largest scale * q.k over batch, queries and the keys each query may see (causal when
-    mask_TS is None). Query blocks of `block` rows bound the memory to [B, H, block, S]."""
+    mask_TS is None; mask_TS is [T, S] for every row or [B, T, S] per row). Query blocks of `block` rows bound the
+    memory to [B, H, block, S]."""
     T, S = q_BHTK.shape[2], k_BHSK.shape[2]
     k = k_BHSK.float()
     out = torch.full((q_BHTK.shape[1],), float("-inf"), device=q_BHTK.device)
     for t0 in range(0, T, block):
         s = torch.einsum("bhtk,bhsk->bhts", q_BHTK[:, :, t0:t0 + block].float(), k) * scale
         rows = torch.arange(t0, min(t0 + block, T), device=s.device)
-        allowed = (mask_TS[rows] if mask_TS is not None
+        allowed = (mask_TS[..., rows, :] if mask_TS is not None
                    else torch.arange(S, device=s.device)[None, :] <= rows[:, None])
+        if allowed.dim() == 3:  # per row: [B, block, S] -> [B, 1, block, S]
+            allowed = allowed[:, None]
         out = torch.maximum(out, s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
     return out
 
@@ -57,17 +70,27 @@ class AttentionKernels:
         queries' own."""
         return c_BTL, k_r_BTR
 
-    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale: float) -> torch.Tensor:
-        """Causal attention (document-local with packed rows) -> [B, H, T, V]."""
-        if cu_seqlens is None:
+    @staticmethod
+    def _mask(cu_seqlens, seq_idx, T):
+        """The document-causal mask ([T, T] from cu_seqlens, [B, T, T] from seq_idx), or None (plain causal)."""
+        if seq_idx is not None:
+            if cu_seqlens is not None:
+                raise ValueError("attention takes the documents as cu_seqlens or as seq_idx, not both")
+            return seq_idx_causal_mask(seq_idx)
+        return None if cu_seqlens is None else document_causal_mask(cu_seqlens, T)
+
+    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale: float, seq_idx=None) -> torch.Tensor:
+        """Causal attention (document-local with packed rows: cu_seqlens, or seq_idx [B, T]) -> [B, H, T, V]."""
+        mask = self._mask(cu_seqlens, seq_idx, q_BHTK.shape[2])
+        if mask is None:
             return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
-        mask = document_causal_mask(cu_seqlens, q_BHTK.shape[2])
+        if mask.dim() == 3:  # per row, broadcast over heads
+            mask = mask[:, None]
         return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask, scale=scale)
 
-    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale: float) -> torch.Tensor:
+    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale: float, seq_idx=None) -> torch.Tensor:
         """[H]: the largest logit of each head over the keys its queries may see."""
-        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, q_BHTK.shape[2])
-        return max_logit_per_head(q_BHTK, k_BHSK, scale, mask)
+        return max_logit_per_head(q_BHTK, k_BHSK, scale, self._mask(cu_seqlens, seq_idx, q_BHTK.shape[2]))
 
 
 class HeadBroadcast(nn.Module):
@@ -133,7 +156,9 @@ class GatedMLA(nn.Module):
         return self.o_proj(o)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: MLAState | None = None) -> torch.Tensor:
+                state: MLAState | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. Packed documents as cu_seqlens (B = 1) or seq_idx [B, T], or neither; state:
+        the latent cache (a non-empty one is continued by the absorbed decode form, one sequence per row)."""
         if state is not None and state.length > 0:
             return self.forward_absorbed(x_BTD, state)
         B, T, _ = x_BTD.shape
@@ -147,9 +172,9 @@ class GatedMLA(nn.Module):
         k_nope, v = kv.split([self.N, self.V], dim=-1)
         k = torch.cat([k_nope, self.k_rope_broadcast(k_r, kv.shape[2])], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
-        o = self.kernels.attend(q, k, v, cu_seqlens, self.scale)
+        o = self.kernels.attend(q, k, v, cu_seqlens, self.scale, seq_idx=seq_idx)
         if self.track_max_logit and self.training:
-            m = self.kernels.max_logit(q, k, cu_seqlens, self.scale)
+            m = self.kernels.max_logit(q, k, cu_seqlens, self.scale, seq_idx=seq_idx)
             self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
         return self._output(o.transpose(1, 2), x_BTD)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dispatcher import Dispatcher
+from .dispatcher import Dispatcher, counts
 from .experts import GroupedExperts
 from .layers import Linear
 from .mlp import GatedMLP
@@ -41,21 +41,30 @@ class StableLatentMoE(nn.Module):
         self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.balance = None
+        self.pending_observation = None  # (scores, rows) a compiled forward left for `balance`
 
     def routed(self, x_ND: torch.Tensor, side=None):
         """The routed branch in latent space (before the norm and up-projection) of the rows x_ND; `side` as in
         Dispatcher.__call__."""
         route = self.gate(x_ND)
-        if self.balance is not None and self.training and torch.is_grad_enabled() and \
-                torch._C._current_graph_task_id() == -1:  # real forward passes only, not a recomputation
-            self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias, x_ND.detach())
+        if self.balance is not None and self.training and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():  # a compiled region hands the scores out (flush_observation)
+                self.pending_observation = (route.scores_NE.detach(), x_ND.detach())
+            elif torch._C._current_graph_task_id() == -1:  # real forward passes only, not a recomputation
+                self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias, x_ND.detach())
         z_NL = self.latent_down_proj(x_ND) if self.latent else x_ND
         r_NL, kept_M = self.dispatcher(z_NL, route.topk_idx_Nk, route.topk_weight_Nk, self.experts, side)
-        self.tokens_per_expert_E = torch.bincount(route.topk_idx_Nk.reshape(-1), minlength=self.num_experts
-                                                  ).detach().to(self.tokens_per_expert_E.dtype)
+        self.tokens_per_expert_E = counts(route.topk_idx_Nk, self.num_experts).to(self.tokens_per_expert_E.dtype)
         self.dropped_assignments = (torch.zeros((), device=x_ND.device) if kept_M is None else
                                     (~kept_M).sum().to(self.dropped_assignments.dtype))
         return r_NL, route
+
+    def flush_observation(self) -> None:
+        """Observe the router scores a compiled forward left (megatron_k3.training.compile runs this after each
+        compiled layer): Quantile Balancing's statistics are Python state that the compiled code does not touch."""
+        pending, self.pending_observation = self.pending_observation, None
+        if pending is not None and self.balance is not None:
+            self.balance.observe(pending[0], self.gate.e_score_correction_bias, pending[1])
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape

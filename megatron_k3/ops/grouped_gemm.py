@@ -46,24 +46,68 @@ def _native(dtype) -> bool:
     return dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
 
 
+def _rows_mm(x: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if _native(x.dtype):
+        return torch._grouped_mm(x, w, offs=offs_E.to(torch.int32))
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(_spans(offs_E))])
+
+
+def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if _native(a.dtype):
+        return torch._grouped_mm(a.t(), b, offs=offs_E.to(torch.int32))
+    return torch.stack([a[s:e].t() @ b[s:e] for s, e in _spans(offs_E)])
+
+
+# Under torch.compile the grouped GEMMs are opaque operators with their shapes given here: the tracer cannot run
+# `_grouped_mm` on fake tensors for fp32 on CPU (its meta function accepts bf16 only), and the fp64 fallback
+# reads the offsets on the host. Eager calls the functions directly.
+@torch.library.custom_op("megatron_k3::rows_mm", mutates_args=())
+def _rows_mm_op(x: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _rows_mm(x, w, offs_E)
+
+
+@_rows_mm_op.register_fake
+def _(x, w, offs_E):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _rows_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _rows_mm_backward(ctx, g):  # differentiable `grouped_mm` (expert parallelism's down projection) under compile
+    x, w, offs_E = ctx.saved_tensors
+    g = g.contiguous()
+    return _rows_mm_op(g, w.transpose(1, 2), offs_E), _wgrad_mm_op(x, g, offs_E), None
+
+
+_rows_mm_op.register_autograd(_rows_mm_backward, setup_context=_rows_mm_setup)
+
+
+@torch.library.custom_op("megatron_k3::wgrad_mm", mutates_args=())
+def _wgrad_mm_op(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _wgrad_mm(a, b, offs_E)
+
+
+@_wgrad_mm_op.register_fake
+def _(a, b, offs_E):
+    return a.new_empty(offs_E.shape[0], a.shape[-1], b.shape[-1])
+
+
 def rows_mm(x: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor | None) -> torch.Tensor:
     """The GEMMs the Functions below run (autograd records them where it is on: `grouped_mm`). offs_E given: row
     block e of x [M, K] times w[e] [K, N] -> [M, N] (grouped GEMM); None: x [E, C, K] times w [E, K, N] (batched
     GEMM)."""
     if offs_E is None:
         return torch.bmm(x, w)
-    if _native(x.dtype):
-        return torch._grouped_mm(x, w, offs=offs_E.to(torch.int32))
-    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(_spans(offs_E))])
+    return (_rows_mm_op if torch.compiler.is_compiling() else _rows_mm)(x, w, offs_E)
 
 
 def wgrad_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor | None) -> torch.Tensor:
     """No autograd. Per expert e: a_e^T b_e, a [M, K] and b [M, N] split by offs_E (or [E, C, .]) -> [E, K, N]."""
     if offs_E is None:
         return torch.bmm(a.transpose(1, 2), b)
-    if _native(a.dtype):
-        return torch._grouped_mm(a.t(), b, offs=offs_E.to(torch.int32))
-    return torch.stack([a[s:e].t() @ b[s:e] for s, e in _spans(offs_E)])
+    return (_wgrad_mm_op if torch.compiler.is_compiling() else _wgrad_mm)(a, b, offs_E)
 
 
 def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,13 @@ Layout and meaning follow flash-linear-attention's KDA ops (see MODEL.md section
 Shape legend: B batch, T tokens, H query/key heads, HV value heads (a multiple of H), K key dim, V value dim,
 N chunks (or, for states with `cu_seqlens`, documents), C chunk length.
 
+Packed documents (several documents in one row, each starting from a zero or its own initial state) come in one
+of two forms: `cu_seqlens`, the 1-D tensor of N+1 document offsets of a single row (B = 1), read on the host
+(per-document layout, per-document initial and final states; prefill with a decode cache); or `seq_idx` [B, T]
+int, the index of the document each token belongs to (non-decreasing along T, as fla/mamba's seq_idx), which
+`chunk_kda` handles with static shapes and no host read (fixed chunks with document masks; what torch.compile
+traces without graph breaks), without initial or final states.
+
 Per head, with state S in R^{K x V}, the recurrence is
     S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T (scale q_t).
 """
@@ -74,6 +81,41 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=None):
     return B, T, H, K, HV, V, N, cu_list
 
 
+def _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, output_final_state):
+    """Checks `seq_idx` [B, T] by its shape and dtype only (its values are never read on the host)."""
+    if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (B, T):
+        shape = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx)
+        raise ValueError(f"`seq_idx` must be a [B, T] = {(B, T)} tensor of document indices, got {shape}")
+    if seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool:
+        raise ValueError(f"`seq_idx` must hold integers, got dtype {seq_idx.dtype}")
+    if cu_seqlens is not None:
+        raise ValueError("`seq_idx` and `cu_seqlens` describe the same documents: pass one of them, not both")
+    if initial_state is not None:
+        raise ValueError("`initial_state` is not taken with `seq_idx` (documents start from a zero state); "
+                         "use `cu_seqlens` for per-document initial states")
+    if output_final_state:
+        raise ValueError("`output_final_state` is not available with `seq_idx`; use `cu_seqlens` for "
+                         "per-document final states")
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int, device=None) -> torch.Tensor:
+    """[1, T] int64: the document index of every token of a packed row with offsets `cu_seqlens` (N+1 of them),
+    with static-shape ops only (no host read): token t belongs to document #{n >= 1 : cu_seqlens[n] <= t}
+    (an empty document gets no token; its index is skipped)."""
+    cu = cu_seqlens.to(device if device is not None else cu_seqlens.device)
+    return torch.searchsorted(cu[1:], torch.arange(T, dtype=cu.dtype, device=cu.device), right=True)[None]
+
+
+def _seq_idx_to_cu_seqlens(seq_idx: torch.Tensor) -> torch.Tensor:
+    """The offsets of the documents of seq_idx's B rows laid end to end as one packed row [1, B*T] (a row start
+    always starts a document). Reads the host (nonzero): only for fla's kernel, which reads cu_seqlens anyway."""
+    flat = seq_idx.reshape(-1)
+    t = torch.arange(flat.numel(), device=flat.device)
+    start = t % max(seq_idx.shape[1], 1) == 0
+    start[1:] |= flat[1:] != flat[:-1]
+    return torch.cat([start.nonzero().squeeze(1), t.new_full((1,), flat.numel())])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # reference: one step at a time
 
@@ -138,10 +180,16 @@ def chunk_kda(
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
     *,
+    seq_idx: torch.Tensor | None = None,
     backend: str = "auto",
     lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA; same arguments and results as `recurrent_kda`, plus `chunk_size`.
+
+    seq_idx: [B, T] int, the document index of each token (non-decreasing along each row, any B): every document
+    starts from a zero state, as with the equivalent `cu_seqlens`, but with static shapes and no host read of the
+    layout (see `_chunk_kda_torch`). Exclusive with `cu_seqlens`; needs initial_state None and
+    output_final_state False.
 
     lower_bound: when the caller guarantees lower_bound <= g < 0 (K3's gate, -5), fla's kernel may use its
     bounded-gate ("safe_gate") path; the torch path is safe for any g and ignores it.
@@ -151,11 +199,15 @@ def chunk_kda(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}")
-    _, _, _, _, _, _, _, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    B, T, _, _, _, _, _, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    if seq_idx is not None:
+        _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, output_final_state)
     if backend != "torch":
         fla_fn = _fla_chunk_kda() if (q.is_cuda and chunk_size in (32, 64)) else None
         if fla_fn is not None:
             bounded = {"safe_gate": True, "lower_bound": lower_bound} if lower_bound is not None else {}
+            if seq_idx is not None:
+                return _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded)
             o, final = fla_fn(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, **bounded,
@@ -165,7 +217,21 @@ def chunk_kda(
             raise RuntimeError(
                 "backend='fla' needs CUDA tensors, chunk_size 32 or 64 and an importable flash-linear-attention"
             )
-    return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list)
+    return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list,
+                            seq_idx)
+
+
+def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded):
+    """fla's kernel on seq_idx's documents: the B rows laid end to end as one packed row with the equivalent
+    cu_seqlens (fla's varlen path reads the offsets on the host in any case). Returns (o [B, T, HV, V], None)."""
+    B, T = seq_idx.shape
+
+    def flat(x):
+        return x.reshape(1, B * T, *x.shape[2:])
+
+    o, _ = fla_fn(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale, initial_state=None,
+                  output_final_state=False, cu_seqlens=_seq_idx_to_cu_seqlens(seq_idx), **bounded)
+    return o.reshape(B, T, *o.shape[2:]).to(v.dtype), None
 
 
 def _fla_chunk_kda():
@@ -181,11 +247,24 @@ def _fla_chunk_kda():
     return _FLA_CHUNK_KDA or None
 
 
-def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C, cu_list):
+def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C, cu_list, seq_idx=None):
     """Chunked KDA in torch (plain autograd). Per chunk with start state S, G the running sum of g, Gamma = exp(G):
     (I + A_kk) [U | W] = beta [V | K Gamma];  O = P S + R,  P = scale Q Gamma - A_qk W,  R = A_qk U;
     S_next = M S + N,  M = diag(Gamma_C) - K_tail^T W,  N = K_tail^T U,  K_tail = K exp(G_C - G).
     P, R, M, N are batched over all chunks; only S_next = M S + N runs chunk by chunk.
+
+    Documents, two layouts. cu_list (host offsets): every document starts its own chunk, slots past a document's
+    end are zero, and the hand-off resets the state at document starts. seq_idx [B, T] (static): the plain fixed
+    chunks of each row, with per-chunk document masks (i, j tokens of a chunk; "prev" the token just before the
+    chunk's first one, the first token itself for chunk 0, whose incoming state is zero anyway):
+        same_ij = doc_i == doc_j,  c_i = doc_i == doc_prev (token i carries the incoming state S),
+        e_i = doc_i == doc_last (token i reaches the chunk-end state);
+    A_qk, A_kk <- A * same (the solve becomes block-diagonal by document), Gamma <- c Gamma in P and in the solve's
+    right-hand side (so W rows vanish for tokens the incoming state does not reach), K_tail <- e K_tail, and
+    diag(Gamma_C) <- c_last diag(Gamma_C) in M (the state passes the whole chunk only if one document spans it).
+    A document starting exactly at a chunk start has c = 0 throughout, which drops the previous document's state.
+    The masks multiply, so every exp stays <= 1 as in the plain path; tail padding gets document -1 (its q, k, v,
+    beta are zero, so it is inert whatever it joins). No final state is returned on this path.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -219,6 +298,15 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
             x_BTH_ = torch.cat([x_BTH_, x_BTH_.new_zeros(1, 1, *x_BTH_.shape[2:])], dim=1)[:, gather_idx]
             return x_BTH_.reshape(1, NC, C, *x_BTH_.shape[2:]).movedim(1, 0).movedim(3, 2).contiguous()
 
+    masks = None
+    if seq_idx is not None:  # per-chunk document masks [N, B, 1, C(, C)] (broadcast over heads), in dt
+        doc = F.pad(seq_idx.to(device=q.device, dtype=torch.long), (0, pad), value=-1)
+        doc = doc.reshape(B, NC, C).movedim(1, 0).unsqueeze(2)  # [N, B, 1, C]
+        prev = torch.cat([doc[:1, ..., :1], doc[:-1, ..., -1:]], dim=0)  # [N, B, 1, 1]
+        masks = ((doc[..., :, None] == doc[..., None, :]).to(dt),  # same_ij
+                 (doc == prev).to(dt)[..., None],  # c_i, [N, B, 1, C, 1]
+                 (doc == doc[..., -1:]).to(dt)[..., None])  # e_i
+
     Bc = B if cu_list is None else 1  # batch of the chunk layout
     if NC == 0:  # T == 0: nothing to do
         final = None
@@ -242,15 +330,21 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     A_qk = A_qk * scale
     A_kk = A_kk * beta_NBHC[..., :, None]
     gamma = _cumsum(g_NBHCK).exp()  # decay from the chunk start, inclusive
-    rhs = torch.cat([v_NBHCV, k_NBHCK * gamma], dim=-1) * beta_NBHC[..., None]
+    gamma_in = gamma  # the incoming state's decay to each token (zero where it does not reach: seq_idx)
+    if masks is not None:
+        same, carry, reach = masks
+        A_qk, A_kk, gamma_in = A_qk * same, A_kk * same, gamma * carry
+    rhs = torch.cat([v_NBHCV, k_NBHCK * gamma_in], dim=-1) * beta_NBHC[..., None]
     # (I + A_kk) [U | W] = beta [V | K Gamma]: a unit-triangular solve reads (and differentiates) only the strict
     # lower triangle of A_kk; the unit diagonal is implied
     UW = torch.linalg.solve_triangular(A_kk, rhs, upper=False, unitriangular=True)
     k_tail = k_NBHCK * _tail_sum(g_NBHCK).exp()  # decay from each position to the chunk end
+    if masks is not None:
+        k_tail = k_tail * reach
     R, AW = (A_qk @ UW).split([V, K], dim=-1)
     N_, KW = (k_tail.transpose(-1, -2) @ UW).split([V, K], dim=-1)
-    P = (scale * q_NBHCK) * gamma - AW
-    M = torch.diag_embed(gamma[..., -1, :]) - KW
+    P = (scale * q_NBHCK) * gamma_in - AW
+    M = torch.diag_embed(gamma_in[..., -1, :]) - KW
 
     # ---- sequential hand-off: S_{n+1} = M_n S_n + N_n (reset at document starts)
     M3 = M.reshape(NC, Bc * HV, K, K)

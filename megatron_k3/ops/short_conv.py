@@ -3,6 +3,9 @@
 Legend: B batch, T tokens, C channels, W kernel width.
 y_t[c] = act( sum_{s=0..W-1} w[c, W-1-s] * x_{t-s}[c] ), where x_{t-s} is zero before the start of t's
 document (or comes from the decode cache for a continued sequence).
+Documents of a packed row are given either as `cu_seqlens` (N+1 offsets, B = 1) or as `seq_idx` [B, T] (the
+document index of each token, non-decreasing along T): tap s of token t is used iff t - s >= 0 and
+seq_idx[t - s] == seq_idx[t]; static shapes, no host read.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ def _positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch.Tensor | None = None,
                   cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu",
-                  output_cache: bool = False):
+                  output_cache: bool = False, seq_idx: torch.Tensor | None = None):
     """Depthwise causal conv over the time axis.
 
     x_BTC: input; weight_CW: one filter per channel (nn.Conv1d's [C, 1, W] weight squeezed);
     cache_BWC: the previous W-1 inputs of a continued sequence (decode), or None for zeros;
     cu_seqlens: document offsets of a packed row (B must be 1): the filter never reaches across a boundary.
+    seq_idx: [B, T] document index of each token (any B), the same boundaries without reading the host; exclusive
+    with cu_seqlens and with a cache.
     Returns (y_BTC, new_cache_BWC or None); the new cache holds the last W-1 inputs.
     """
     B, T, C = x_BTC.shape
@@ -35,6 +40,11 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch
         raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got {tuple(weight_CW.shape)}")
     if cu_seqlens is not None and (B != 1 or cache_BWC is not None):
         raise ValueError("causal_conv1d: cu_seqlens needs batch size 1 and no cache")
+    if seq_idx is not None:
+        if cu_seqlens is not None or cache_BWC is not None:
+            raise ValueError("causal_conv1d: seq_idx takes neither cu_seqlens nor a cache")
+        if tuple(seq_idx.shape) != (B, T):
+            raise ValueError(f"causal_conv1d: seq_idx must be [B, T] = {(B, T)}, got {tuple(seq_idx.shape)}")
     w = weight_CW.to(x_BTC.dtype)
     if cache_BWC is None:
         cache_BWC = x_BTC.new_zeros(B, W - 1, C)
@@ -42,11 +52,15 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch
         raise ValueError(f"causal_conv1d: cache must be [B, W-1={W - 1}, C], got {tuple(cache_BWC.shape)}")
     xp = torch.cat([cache_BWC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, W-1+T, C]
     pos = _positions_in_document(cu_seqlens, T) if cu_seqlens is not None else None
+    # the document of every position of xp (the W-1 leading slots read zeros, whatever their mark)
+    doc = F.pad(seq_idx.to(x_BTC.device), (W - 1, 0), value=-1) if seq_idx is not None else None
     y = x_BTC * w[:, W - 1]
     for s in range(1, W):  # tap s looks s steps back
         tap = xp[:, W - 1 - s: W - 1 - s + T]
         if pos is not None:
             tap = tap * (pos >= s).to(tap.dtype)[None, :, None]
+        if doc is not None:
+            tap = tap * (doc[:, W - 1 - s: W - 1 - s + T] == doc[:, W - 1:]).to(tap.dtype)[..., None]
         y = y + tap * w[:, W - 1 - s]
     if activation == "silu":
         y = F.silu(y)

@@ -45,7 +45,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..model.dispatcher import positions
+from ..model.dispatcher import counts, positions
 from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
@@ -263,7 +263,7 @@ class BalancedDispatch:
         B = relay_block(cap, R)
         replicas, _ = self._replica_weights(experts, side)  # side's result reaches the caller through its closure
         expert_M = idx_Nk.reshape(-1)
-        cnt_RE = self._counts(torch.bincount(expert_M, minlength=E))
+        cnt_RE = self._counts(counts(expert_M, E))
         ends_RS, perm_RS = streams(cnt_RE.sum(0).view(R, El))
         plan = alias_plan(ends_RS, M, S)
         rows_RX, rep_RS = slot_layout(ends_RS, perm_RS, plan, S)
@@ -288,7 +288,7 @@ class BalancedDispatch:
         d_r = code_r // (cap + 1)
         o2 = torch.argsort(code_r)
         d_sorted = d_r.index_select(0, o2)
-        cnt_d = torch.bincount(d_r, minlength=R + 1)
+        cnt_d = counts(d_r, R + 1)
         rank_in = torch.arange(Mp, device=dev) - (torch.cumsum(cnt_d, 0) - cnt_d).index_select(0, d_sorted)
         slot_sorted = torch.where(d_sorted < R, d_sorted * B + rank_in, torch.full_like(rank_in, R * B))
         slot_r = torch.empty_like(slot_sorted).scatter_(0, o2, slot_sorted)  # each received row's hop-2 slot

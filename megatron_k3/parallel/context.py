@@ -251,7 +251,7 @@ def attention_context_parallel(q_BHtK: torch.Tensor, k_BHTK: torch.Tensor, v_BHT
         pos_c = shard.positions(j, dev)
         for a in range(0, shard.c, block):
             qpos = pos_c[a:a + block]
-            S = int(qpos[-1]) + 1
+            S = shard.chunks[j] * shard.c + min(a + block, shard.c)  # = qpos[-1] + 1, known on the host
             kpos = torch.arange(S, device=dev)
             mask = kpos[None, :] <= qpos[:, None]
             if shard.starts is not None:
@@ -283,18 +283,26 @@ class SequenceContext:
         self.cp, self.shard = cp, None
 
 
+def _no_seq_idx(seq_idx):
+    """The model passes no documents to the CP kernels (cu_seqlens None, hence seq_idx None): the shard holds them."""
+    if seq_idx is not None:
+        raise ValueError("context-parallel kernels take the documents from the sequence shard, not seq_idx")
+
+
 class ContextParallelKDA(KDAKernels):
     """KDA's sequence-mixing steps on this rank's two chunks: conv halos and the scan of chunk transitions."""
 
     def __init__(self, seq: SequenceContext):
         self.seq = seq
 
-    def conv(self, x_BTC, weight_CW, cache, cu_seqlens, keep):
+    def conv(self, x_BTC, weight_CW, cache, cu_seqlens, keep, seq_idx=None):
+        _no_seq_idx(seq_idx)
         if keep:
             raise ValueError("context parallelism is for training and prefill without a decode cache")
         return conv_context_parallel(causal_conv1d, x_BTC, weight_CW, self.seq.shard, activation="silu"), None
 
-    def delta_rule(self, q, k, v, g, beta, initial_state, keep, cu_seqlens, chunk_size, lower_bound):
+    def delta_rule(self, q, k, v, g, beta, initial_state, keep, cu_seqlens, chunk_size, lower_bound, seq_idx=None):
+        _no_seq_idx(seq_idx)
         o = kda_context_parallel(chunk_kda, q, k, v, g, beta, self.seq.shard, chunk_size=chunk_size,
                                  lower_bound=lower_bound)
         return o, None
@@ -311,10 +319,12 @@ class ContextParallelAttention(AttentionKernels):
         L = c_BTL.shape[-1]
         return self.seq.shard.gather(torch.cat([c_BTL, k_r_BTR], dim=-1)).split([L, k_r_BTR.shape[-1]], dim=-1)
 
-    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale):
+    def attend(self, q_BHTK, k_BHSK, v_BHSV, cu_seqlens, scale, seq_idx=None):
+        _no_seq_idx(seq_idx)
         return attention_context_parallel(q_BHTK, k_BHSK, v_BHSV, self.seq.shard, scale)
 
-    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale):
+    def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale, seq_idx=None):
+        _no_seq_idx(seq_idx)
         shard = self.seq.shard
         m = max_logit_per_head(q_BHTK.detach(), k_BHSK.detach(), scale, local_key_mask(shard, q_BHTK.device))
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.cp.group)

@@ -12,6 +12,9 @@ identity, so the model is exactly the single-device model when nothing is parall
   gather_rows           fwd all-gather dim 0    bwd keep my rows
   all_to_all            fwd all-to-all          bwd the reverse all-to-all (expert dispatch)
   all_to_all_overlapped the same, run asynchronously around a side computation, both directions
+
+Under torch.compile (train.compile) dynamo traces these collectives as functional collectives, and the overlapped
+all-to-all is the plain one: the compiler orders the side computation around it.
 """
 
 from __future__ import annotations
@@ -223,6 +226,8 @@ def all_to_all_overlapped(x, group, side):
     shapes). Values and gradients are those of the sequential form, bit for bit."""
     if _size(group) == 1:
         return x, side()
+    if torch.compiler.is_compiling():  # compiled: a functional all-to-all the compiler schedules (no work handles)
+        return all_to_all(x, group), side()
     h = _Handles(group)
     started = _AllToAllStart.apply(x, h)
     out = side()

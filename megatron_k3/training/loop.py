@@ -29,6 +29,7 @@ from ..parallel.balanced import balanced_layers
 from ..planning.run import check_fits
 from ..precision import forward_context, prepare_model_for_precision
 from . import balancing, faults
+from . import compile as compile_regions
 from . import engine as ds_engine
 from .checkpointing import CheckpointManager, Position, Ranks
 from .expert_optimizer import install_norm
@@ -84,6 +85,8 @@ class Trainer:
         self.link = pipeline.StageLink(self.pp_group) if self.pp > 1 else None
         self.device = _device(run)
         t = run.train
+        if t.compile:  # a compiler that cannot work here stops the run now, in one line, before anything is built
+            compile_regions.check_backend(t.compile_backend, self.device)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         # a layout the planner puts over the device's memory is refused here, on every rank, before any allocation
@@ -101,6 +104,10 @@ class Trainer:
         if self.experts is not None:
             install_norm(self.engine, self.experts)
         self.model = self.engine.module
+        if t.compile:  # each decoder layer one compiled region (training/compile.py)
+            n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache)
+            log.info("train.compile: %d decoder layers compiled (%s), cache %s", n, t.compile_backend,
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         self.moe = self.model.moe_layers()
         self.balancers = balancing.install(self.model, run.moe, ps.group("tp-dp-cp"),
                                            t.global_batch_size * t.seq_length)

@@ -1,0 +1,112 @@
+"""`train.compile=true`: every decoder layer (mixer, AttnRes mixes, norms, router, dispatcher, experts, SiTU) is
+compiled by torch.compile as one region, as torchtitan compiles each transformer block.
+
+- Static shapes (`dynamic=False`): a layer sees the same shapes every micro-batch (the drop and balanced dispatchers
+  fix their buffers; packed documents reach the layers as a per-token document index, not as offsets whose length
+  varies), so a run compiles each distinct layer once and never again.
+- Inside a layer nothing breaks the graph: the grouped GEMMs are opaque operators with their shapes declared
+  (ops.grouped_gemm), expert counting has a static shape (model.dispatcher.counts), the collectives of tensor, sequence,
+  expert and context parallelism are traced as functional collectives (parallel.mappings) and the router's statistics
+  for Quantile Balancing are handed out of the region (StableLatentMoE.flush_observation). tests/test_compile.py
+  asserts zero graph breaks with torch._dynamo.explain in one process and under tp2, ep2 and cp2.
+- The compiler's cache lives under `train.compile_cache` (default .cache/torchinductor in the launch directory),
+  so a resumed run reuses the compiled code of the run before it.
+
+Start-up checks (`check_backend`): a backend that cannot work here (inductor on CPU without a C++ compiler, on CUDA
+without Triton) stops the run with one line naming what is missing, before the model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..model.decoder import DecoderLayer
+from ..model.moe import StableLatentMoE
+
+__all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir"]
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def cache_dir(path: str) -> Path:
+    """The compile cache directory of `train.compile_cache` (relative paths from the launch directory)."""
+    return Path(path or ".cache/torchinductor").resolve()
+
+
+def _cxx() -> tuple:
+    """(the C++ compiler inductor would call on CPU or None, the names looked for): $CXX, then
+    torch._inductor.config.cpp.cxx."""
+    from torch._inductor import config as inductor_config
+
+    names = list(dict.fromkeys(n for n in [os.environ.get("CXX")] + list(inductor_config.cpp.cxx) if n))
+    found = next((shutil.which(n) for n in names if shutil.which(n)), None)
+    return found, names
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise ConfigError (one line) if `backend` cannot compile for `device` on this machine."""
+    if backend not in BACKENDS:
+        raise ConfigError("train.compile_backend", backend, f"valid: {', '.join(BACKENDS)}")
+    if backend != "inductor":
+        return
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401 - optional GPU dependency
+        except ImportError as e:
+            raise ConfigError("train.compile", True, f"inductor on CUDA needs Triton, which does not import ({e}); "
+                              "install triton or set train.compile_backend=aot_eager") from None
+        return
+    cxx, names = _cxx()
+    if cxx is None:
+        raise ConfigError("train.compile", True, f"inductor on CPU needs a C++ compiler and none was found (looked "
+                          f"for {', '.join(names)} on PATH); install one, set CXX, or set train.compile=false")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.cpp"
+        src.write_text("#include <cmath>\nint main() { return (int)std::sqrt(1.0) - 1; }\n")
+        r = subprocess.run([cxx, "-fsyntax-only", str(src)], capture_output=True, text=True)
+        if r.returncode != 0:
+            err = (r.stderr.strip().splitlines() or ["no output"])[0]
+            raise ConfigError("train.compile", True, f"the C++ compiler {cxx} does not compile a test file: {err}")
+
+
+def _region(layer: DecoderLayer, compiled):
+    """The layer's forward: the compiled region, then what the region handed out (the routers' scores for
+    Quantile Balancing)."""
+    moes = [m for m in layer.modules() if isinstance(m, StableLatentMoE)]
+
+    def forward(*args, **kwargs):
+        out = compiled(*args, **kwargs)
+        for m in moes:
+            m.flush_observation()
+        return out
+    forward.compiled = compiled
+    return forward
+
+
+def compile_layers(model: torch.nn.Module, backend: str = "inductor", cache: str = "") -> int:
+    """Compile every decoder layer of `model` in place as its own region (the parameters, their names and the state
+    dict are untouched); returns how many layers. The compile cache goes to `cache_dir(cache)` (inductor reads
+    TORCHINDUCTOR_CACHE_DIR whenever it opens its cache, and writes its own default there once it has, so the key
+    sets it rather than deferring to it)."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    if not layers:
+        return 0
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir(cache))
+    # every layer shares DecoderLayer.forward's code and specialises on its own constants (its index, its AttnRes
+    # block count, its mixer and FFN): one cache entry per layer, so the limits must hold them all
+    import torch._dynamo.config as dynamo_config
+
+    need = 2 * len(layers) + 8
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * need)
+    for layer in layers:
+        compiled = torch.compile(layer.forward, backend=backend, dynamic=False, fullgraph=False)
+        layer.forward = _region(layer, compiled)
+    return len(layers)
