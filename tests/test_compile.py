@@ -3,7 +3,8 @@
 make test (fast: dynamo's tracing, no code generation):
 - No graph breaks: torch._dynamo.explain over each layer of a 4-layer K3 (KDA dense, KDA MoE twice, MLA MoE; AttnRes)
   reports one graph and zero breaks, in one process (dropless dispatch on plain rows, drop dispatch on packed
-  documents; tests/test_model.py traces the dropless layers on packed rows) and under tp2, tp2+SP with packed
+  documents, the Kimi Linear layout on packed documents; tests/test_model.py traces K3's dropless layers on packed
+  rows) and under tp2, tp2+SP with packed
   documents, ep2 (drop and balanced dispatch) and cp2.
 - No recompilation after the first step over 10 steps whose packed batches all differ.
 - A machine without a C++ compiler stops train.compile=true at start-up with one line.
@@ -82,7 +83,8 @@ def _explain_cases(rank, world, cases):
 
 
 @pytest.mark.parametrize("world,cases", [
-    (1, [("one-process", [], False), ("drop-packed", ["model.moe_overflow=drop"], True)]),
+    (1, [("one-process", [], False), ("drop-packed", ["model.moe_overflow=drop"], True),
+         ("kimi-linear-packed", ["model=kimi_linear_tiny"], True)]),  # SwiGLU experts, softplus gate, rope MLA
     (2, [("tp2", ["parallel.tp=2"], False),
          ("tp2-sp-packed", ["parallel.tp=2", "parallel.sequence_parallel=true"], True),
          ("ep2-drop", ["parallel.ep=2"], False),
