@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..annotations import annotate
+from ..ops.kda import seq_idx_from_cu_seqlens
 from ..ops.numerics import compute_dtype
 from .cache import MLAState
 from .layers import Linear
@@ -28,10 +29,7 @@ from .norm import RMSNorm
 
 def document_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """[T, T] bool: query t may attend key s iff s <= t and both lie in the same packed document."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=T)
-    pos = torch.arange(T, device=cu_seqlens.device)
-    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    return seq_idx_causal_mask(seq_idx_from_cu_seqlens(cu_seqlens, T))[0]
 
 
 def seq_idx_causal_mask(seq_idx_BT: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """pos[t] = t - start of the document containing t, for a packed row of T tokens."""
-    starts = cu_seqlens[:-1]
-    lengths = cu_seqlens[1:] - starts
-    doc_start = torch.repeat_interleave(starts, lengths, output_size=T)
-    return torch.arange(T, device=cu_seqlens.device) - doc_start
+from .kda import seq_idx_from_cu_seqlens
 
 
 def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch.Tensor | None = None,
@@ -51,14 +45,13 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache_BWC: torch
     elif cache_BWC.shape != (B, W - 1, C):
         raise ValueError(f"causal_conv1d: cache must be [B, W-1={W - 1}, C], got {tuple(cache_BWC.shape)}")
     xp = torch.cat([cache_BWC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, W-1+T, C]
-    pos = _positions_in_document(cu_seqlens, T) if cu_seqlens is not None else None
+    if cu_seqlens is not None:  # one masking mechanism: the offsets as the per-token document index
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, T, x_BTC.device)
     # the document of every position of xp (the W-1 leading slots read zeros, whatever their mark)
     doc = F.pad(seq_idx.to(x_BTC.device), (W - 1, 0), value=-1) if seq_idx is not None else None
     y = x_BTC * w[:, W - 1]
     for s in range(1, W):  # tap s looks s steps back
         tap = xp[:, W - 1 - s: W - 1 - s + T]
-        if pos is not None:
-            tap = tap * (pos >= s).to(tap.dtype)[None, :, None]
         if doc is not None:
             tap = tap * (doc[:, W - 1 - s: W - 1 - s + T] == doc[:, W - 1:]).to(tap.dtype)[..., None]
         y = y + tap * w[:, W - 1 - s]
