@@ -103,10 +103,26 @@ def set_cache(warm: str | None):
 
 # ---------------------------------------------------------------- 1. training step
 
-def train_compare(title, models, x, y, steps, checks, ratios):
+def profile_step(name, step, top):
+    """The `top` ops of one more step of `step` by self CPU time (inductor's kernels by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ev = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ev)
+    print(f"profile of one '{name}' step (self CPU time, total {total / 1e3:.0f} ms):")
+    table(("op", "self ms", "share", "calls"),
+          [(e.key[:100], f"{e.self_cpu_time_total / 1e3:.1f}", f"{e.self_cpu_time_total / total:.0%}", str(e.count))
+           for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:top]])
+    print()
+
+
+def train_compare(title, models, x, y, steps, checks, ratios, profile_top=0):
     """First step (timed alone, its loss before any update), loss checks, then `steps` steady steps of each model.
     models: {name: (module, is_hf)}; checks: [(name, reference name)] whose first-step losses must agree;
-    ratios: [(name, reference name)] printed as tokens/s ratios."""
+    ratios: [(name, reference name)] printed as tokens/s ratios; profile_top > 0: that many ops of a profiled step
+    of each of our models after the timing."""
     tok = x.numel()
     step_fns, first, loss, notes, failed = {}, {}, {}, {}, {}
     for name, (model, hf) in models.items():
@@ -148,13 +164,16 @@ def train_compare(title, models, x, y, steps, checks, ratios):
         print(f"{name}: compile cost in the first step ~ {first[name] - steady[name][1]:.1f} s "
               "(first step - median step)")
     print()
+    for name in step_fns:
+        if profile_top and not models[name][1]:
+            profile_step(name, step_fns[name], profile_top)
 
 
 def compiled_copy(model, cfg, backend):
     """A second K3ForCausalLM with `model`'s weights and every decoder layer compiled."""
     twin = K3ForCausalLM(cfg).train()
     twin.load_state_dict(model.state_dict(), strict=True)
-    compile_layers(twin, backend=backend)
+    compile_layers(twin, backend=backend, cache=os.environ["TORCHINDUCTOR_CACHE_DIR"])  # set_cache's directory
     return twin
 
 
@@ -172,7 +191,8 @@ def section_train(args):
     train_compare(f"(a) Kimi Linear layout (bench/train_step.py), {cfg.num_layers} layers, {n / 1e6:.1f}M params",
                   models, x, y, args.steps,
                   checks=[("ours compiled", "ours eager"), ("ours eager", hf_name)],
-                  ratios=[("ours eager", hf_name), ("ours compiled", hf_name), ("ours compiled", "ours eager")])
+                  ratios=[("ours eager", hf_name), ("ours compiled", hf_name), ("ours compiled", "ours eager")],
+                  profile_top=args.profile_top)
     del models, hf, ours
 
     cfg = load_model_config("k3_tiny")
@@ -182,7 +202,8 @@ def section_train(args):
     x, y = train_step.make_batch(cfg.vocab_size, args.batch, args.seq)
     models = {"ours eager": (ours, False), "ours compiled": (compiled_copy(ours, cfg, args.backend), False)}
     train_compare(f"(b) k3_tiny, {cfg.num_layers} layers, {n / 1e6:.1f}M params", models, x, y, args.steps,
-                  checks=[("ours compiled", "ours eager")], ratios=[("ours compiled", "ours eager")])
+                  checks=[("ours compiled", "ours eager")], ratios=[("ours compiled", "ours eager")],
+                  profile_top=args.profile_top)
 
 
 # ---------------------------------------------------------------- 2. MoE layer
@@ -352,6 +373,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warm-cache", metavar="DIR", help="reuse this compile cache (default: a fresh temporary one)")
     ap.add_argument("--latent", type=int, default=None, help="moe: ours' latent width (default bench/moe.py's)")
+    ap.add_argument("--profile-top", type=int, default=0,
+                    help="train: profile one more step of ours and list this many ops (inductor's kernels named: "
+                         "their code records itself, a little slower)")
     ap.add_argument("--glu-rows", type=int, default=8192)
     ap.add_argument("--glu-inter", type=int, default=256)
     args = ap.parse_args()
@@ -364,6 +388,10 @@ def main():
     except ConfigError as e:
         sys.exit(str(e))
     torch.set_num_threads(args.threads)
+    if args.profile_top:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # generated CPU kernels appear by name in the profile
     tmp, cache_line = set_cache(args.warm_cache)
     print(f"machine: {machine()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; load average "
           f"(1 min) {os.getloadavg()[0]:.2f}")
