@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 # make test and make test-fast: TEST_WORKERS pytest processes (pytest-xdist; 0 runs in this process), each test module
-# on one of them, one intra-op thread each: the 2 cores stay busy while a test waits on its gloo workers, a
-# subprocess or the disk (one process: ~20 minutes on 2 cores, ~35% of it idle; two: ~14)
+# on one of them, longest modules first (tests/conftest.py), one intra-op thread each: the 2 cores stay busy while a
+# test waits on its gloo workers, a subprocess or the disk (one process: ~20 minutes on 2 cores, a third of it idle;
+# two: ~14)
 TEST_WORKERS ?= 2
-XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
+XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: install train test test-fast test-compile lint bench clean
 
@@ -32,8 +33,9 @@ test: install
 test-fast: install
 	$(XDIST) -m "not slow and not compile" $(PYTEST_ARGS)
 
-# train.compile with inductor: compiled training equals eager in one process, tp2, ep2 and pp2, and a resumed run
-# reuses the compile cache (inductor's C++ code generation takes minutes per layer on 2 cores; ~25 minutes)
+# train.compile with inductor: one compiled step's gradients against eager and fp64, compiled training equals eager in
+# one process, tp2, ep2 and pp2, and a resumed run reuses the compile cache (inductor's C++ code generation takes
+# minutes per layer on 2 cores; ~30 minutes)
 test-compile: install
 	$(THREADS) $(PY) -m pytest -m compile $(PYTEST_ARGS)
 
