@@ -9,7 +9,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 # make test and make test-fast: TEST_WORKERS pytest processes (pytest-xdist; 0 runs in this process), each test module
 # on one of them, longest modules first (tests/conftest.py), one intra-op thread each: the 2 cores stay busy while a
 # test waits on its gloo workers, a subprocess or the disk (one process: ~20 minutes on 2 cores, a third of it idle;
-# two: ~14)
+# two: ~13)
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
@@ -25,7 +25,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 
 install: $(STAMP)
 
-# the whole suite: unit tests, multi-process gloo worlds, training runs (~14 minutes on 2 cores)
+# the whole suite: unit tests, multi-process gloo worlds, training runs (~13 minutes on 2 cores)
 test: install
 	$(XDIST) -m "not compile" $(PYTEST_ARGS)
 
