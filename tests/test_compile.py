@@ -4,8 +4,7 @@ make test (fast: dynamo's tracing, no code generation):
 - No graph breaks: torch._dynamo.explain over each layer of a 4-layer K3 (KDA dense, KDA MoE twice, MLA MoE; AttnRes)
   reports one graph and zero breaks, in one process (dropless dispatch on plain rows, drop dispatch on packed
   documents, the Kimi Linear layout on packed documents; tests/test_model.py traces K3's dropless layers on packed
-  rows) and under tp2, tp2+SP with packed
-  documents, ep2 (drop and balanced dispatch) and cp2.
+  rows) and under tp2, tp2+SP with packed documents, ep2 (drop and balanced dispatch) and cp2.
 - A machine without a C++ compiler stops train.compile=true at start-up with one line.
 
 make test-compile (marker `compile`; inductor's C++ code generation takes about a minute per layer on 2 cores):
