@@ -190,8 +190,35 @@ def attach(engine) -> ZeroMuon:
         return out
 
     zero.step = step
+    _flush_before_muon_gradients(zero, opt)
     opt.attached = True
     return opt
+
+
+def _flush_before_muon_gradients(zero, opt: ZeroMuon) -> None:
+    """Reduce the pending bucket before a Muon matrix's gradient joins it when the bucket's last gradient belongs to
+    an AdamW group. Under bf16 parameters with fp32 gradient accumulation DeepSpeed 0.19.8 reduces AdamW groups
+    into a compact fp32 partition buffer and Muon groups (whole matrices) into its bf16 one; `average_tensor`
+    merges a Muon slice into the preceding bucket range when both go to the same rank, and the merged range keeps
+    no output buffer, so the AdamW gradient before it is reduced and then dropped (seen: every AttnRes query, short
+    conv filter and most norm weights kept their initial value under ZeRO-2 + bf16 + Muon, whose buckets follow the
+    backward's order). Reducing the bucket at that boundary is what DeepSpeed does when a bucket is full, so the
+    two never share one."""
+    if not hasattr(zero, "ipg_buckets") or not hasattr(zero, "reduce_ipg_grads"):
+        return
+    muon_group = [bool(g.get("use_muon")) for g in opt.param_groups]
+    original = zero.reduce_independent_p_g_buckets_and_remove_grads
+
+    def reduce_independent_p_g_buckets_and_remove_grads(param, i):
+        comm_dtype = zero.get_param_comm_dtype(param)
+        bucket = zero.ipg_buckets[comm_dtype]
+        if muon_group[i] and bucket.params and not muon_group[bucket.params[-1][0]]:
+            zero.reduce_ipg_grads(comm_dtype=comm_dtype)
+            if zero.contiguous_gradients and zero.overlap_comm:
+                bucket.index = 1 - bucket.index  # as DeepSpeed after reducing a full bucket
+        return original(param, i)
+
+    zero.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
 
 
 @torch.no_grad()

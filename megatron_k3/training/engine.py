@@ -15,6 +15,7 @@ in `initialize`), and under expert parallelism the routed experts' optimizer (`E
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -23,6 +24,8 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import groups as ds_groups
 
 from ..annotations import meta
@@ -158,18 +161,52 @@ def build_optimizers(model, run: RunConfig) -> tuple:
     return optimizer, experts
 
 
+class _TestedHere(logging.Filter):
+    """Drops DeepSpeed's "You are using ZeRO with an untested optimizer" warning: DeepSpeed has not tested our
+    optimizers (torch.optim ones: AdamW, Per-Head Muon), this project's tests run them under every ZeRO stage
+    against the single process (tests/test_engine.py, tests/test_muon_train.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _zero_optimizer_for_every_stage():
+    """Within: DeepSpeed wraps the client optimizer in its ZeRO-1/2 optimizer (stage_1_and_2.py) whenever ZeRO is
+    on. DeepSpeed 0.19.8 otherwise hands ZeRO-1 with bf16 parameters and fp32 gradient accumulation to its
+    BF16_Optimizer, which refuses Muon under model or expert parallelism and has none of the Muon plumbing
+    optim/zero.py attaches to. The ZeRO-1/2 optimizer accumulates micro-batch gradients in fp32 there too (its
+    `grad_accum` attribute, the path DeepSpeed itself takes for ZeRO-1 + bf16 with CPU offload), so every
+    precision and optimizer runs on one ZeRO implementation."""
+    check = DeepSpeedEngine._do_optimizer_sanity_check
+
+    def zero_whenever_enabled(engine, basic_optimizer):
+        wrapper = check(engine, basic_optimizer)
+        return ZERO_OPTIMIZATION if engine.zero_optimization() else wrapper
+
+    DeepSpeedEngine._do_optimizer_sanity_check = zero_whenever_enabled
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._do_optimizer_sanity_check = check
+
+
 def initialize(model, optimizer, run: RunConfig):
     """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32, and
     expert-parallel weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
     # The CPU accelerator would otherwise JIT-compile a shared-memory collective (tens of seconds) that gloo
     # does not need.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING if run.logging.level.upper() != "DEBUG" else logging.DEBUG)
+    ds_log = logging.getLogger("DeepSpeed")
+    ds_log.setLevel(logging.WARNING if run.logging.level.upper() != "DEBUG" else logging.DEBUG)
+    if not any(isinstance(f, _TestedHere) for f in ds_log.filters):
+        ds_log.addFilter(_TestedHere())
     cfg = deepspeed_config(run, state.get_data_parallel_world_size(),
                            sum(p.numel() for p in optimizer_params(optimizer)))
     local_experts = {n: p.detach().clone() for n, p in model.named_parameters() if is_expert_parallel(p)}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=get_mpu(),
-                                           dist_init_required=False)
+    with _zero_optimizer_for_every_stage():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=get_mpu(),
+                                               dist_init_required=False)
     with torch.no_grad():
         for n, p in engine.module.named_parameters():
             if n in local_experts:
