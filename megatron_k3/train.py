@@ -4,14 +4,16 @@
     torchrun --nproc_per_node N -m megatron_k3.train ...
     deepspeed --num_gpus N megatron_k3/train.py ...
 
-Extra flags: `--cfg` prints the composed config and exits; `--help` prints this text and the groups.
-A configuration mistake exits with status 2 and one line naming the key, the value and what is valid.
+Extra flags: `--cfg` prints the composed config and exits; `--help` prints this text, the groups and their keys.
+A configuration mistake exits with status 2 and one line naming the key, the value and what is valid (under
+torchrun also the root cause in its failure summary).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by the deepspeed launcher: make the package importable
@@ -19,7 +21,8 @@ if __package__ in (None, ""):  # run as a script by the deepspeed launcher: make
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from megatron_k3.config import CONF_DIR, ConfigError, compose_run_config  # noqa: E402
+from megatron_k3.config import CONF_DIR, ConfigError, compose_run_config, schema_keys  # noqa: E402
+from megatron_k3.errors import report_error  # noqa: E402
 
 
 def _parse_argv(argv):
@@ -39,9 +42,17 @@ def _parse_argv(argv):
 
 def _help():
     print(__doc__.strip())
-    print("\nconfig groups (conf/):")
+    print("\nconfig groups (conf/<group>/<option>.yaml; choose one with group=option):")
     for g in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
         print(f"  {g.name}: {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}")
+    print("\nkeys (set with group.key=value; each key's meaning is the comment beside it in "
+          "megatron_k3/config/schema.py, the composed values: --cfg):")
+    by_group = {}
+    for key in schema_keys():
+        group, _, rest = key.partition(".")
+        by_group.setdefault(group, []).append(rest or group)
+    for group, keys in by_group.items():
+        print(textwrap.fill(", ".join(keys), width=116, initial_indent=f"  {group}: ", subsequent_indent="    "))
 
 
 def main(argv=None) -> int:
@@ -53,14 +64,17 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         run, cfg, hydra_node = compose_run_config(overrides, world_size=world)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # every rank composes the same config: rank 0 says it once
+        return report_error(e, 2, every_rank=False)
     if "--cfg" in flags:
         print(OmegaConf.to_yaml(cfg))
         return 0
     # the training stack (torch, DeepSpeed: seconds to import) is imported once the config is valid, so that a
     # mistake is reported in half a second
+    import torch
+
+    if not torch.cuda.is_available():  # said, DeepSpeed does not warn each process that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megatron_k3.training.launch import run_training
 
     return run_training(run, cfg, hydra_node, overrides)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,15 +30,50 @@ FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_
     ("train.global_batch_size=6", "train.global_batch_size"),
     ("model.no_such_key=1", "model.no_such_key"),
     ("optim=sgd", "optim"),
+    ("checkpoint.load=/no/such/dir", "checkpoint.load"),
 ])
-def test_bad_override_exits_with_one_line(override, key):
+def test_bad_override_exits_with_one_line(override, key, tmp_path):
     t = time.time()
-    p = subprocess.run([sys.executable, "-m", "megatron_k3.train", override], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "megatron_k3.train", override, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and key in lines[0] and override.split("=")[1] in lines[0], p.stderr
+    assert lines[0].count(key) == 1  # the key once (a message naming it again reads as a second error)
     assert time.time() - t < 30  # before any compute
+    assert not run_dir.exists()  # nothing written
+
+
+@pytest.mark.parametrize("override,near", [
+    ("train.step=5", "did you mean train.steps?"),
+    ("trian.steps=5", "did you mean train.steps?"),
+    ("optim.lrr=1e-3", "did you mean optim.lr?"),
+    ("model=k3_tin", "did you mean model=k3_tiny?"),
+])
+def test_a_misspelled_key_suggests_the_near_one(override, near):
+    from megatron_k3.config import ConfigError, compose_run_config
+
+    with pytest.raises(ConfigError, match=re.escape(near)):
+        compose_run_config([override])
+
+
+def test_a_checkpoint_load_that_holds_no_checkpoint_stops_before_building(tmp_path):
+    """A directory that exists but holds no checkpoint is refused with the config, naming what was expected; a run
+    that fails while building (here: a checkpoint written by another model) leaves no run directory behind."""
+    from megatron_k3.config import ConfigError, compose_run_config
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no checkpoint") as e:
+        compose_run_config([f"checkpoint.load={empty}"])
+    assert e.value.key == "checkpoint.load" and "meta.json" in str(e.value)
+    ckpt = tmp_path / "ckpt"
+    args = FAST + ["train.steps=1", "train.eval_interval=0", "logging.wandb.mode=disabled", f"checkpoint.dir={ckpt}"]
+    assert main(args + [f"hydra.run.dir={tmp_path / 'first'}"]) == 0
+    other = tmp_path / "other"
+    assert main(args + ["model.hidden_size=32", f"checkpoint.load={ckpt}", f"hydra.run.dir={other}"]) == 2
+    assert not other.exists()
 
 
 def test_sequence_length_the_data_cannot_serve(tmp_path):
@@ -50,10 +86,13 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_resume_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bitwise_identical(tmp_path, precision):
     a, b = tmp_path / "straight", tmp_path / "resumed"
-    # optim=muon (the default, explicit here): ZeRO-1's flat Muon momentum round-trips through the checkpoint
-    common = FAST + ["train.steps=8", "logging.wandb.mode=disabled", "train.save_interval=0", "optim=muon"]
+    # optim=muon (the default, explicit here): ZeRO-1's flat Muon momentum round-trips through the checkpoint; under
+    # bf16 also the fp32 masters of the bf16 weights
+    common = FAST + ["train.steps=8", "logging.wandb.mode=disabled", "train.save_interval=0", "optim=muon",
+                     f"precision={precision}"]
     assert main(common + [f"hydra.run.dir={a}"]) == 0
     assert main(common + [f"hydra.run.dir={b}", "train.exit_interval=4"]) == 0
     assert max(_losses(b)) == 4 and (b / "checkpoints" / "step_00000004" / "meta.json").is_file()
@@ -177,6 +216,8 @@ def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragm
                        env=WORKER_ENV)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: invalid config") and fragment in line]
-    # Each rank validates before its first collective and exits 2 with the line; torchrun stops the group at the
-    # first exit, so the second rank's line may or may not make it out.
-    assert 1 <= len(errors) <= 2 and "megatron_k3/" not in p.stderr, p.stderr  # no traceback of ours
+    # Each rank validates before its first collective and exits 2; rank 0 prints the line (every rank finds the
+    # same), and each writes it to torchrun's error file, so torchrun's failure summary ends with it as the root cause
+    assert len(errors) == 1 and "megatron_k3/" not in p.stderr, p.stderr  # no traceback of ours
+    last = [line for line in p.stderr.splitlines() if line.strip() and set(line.strip()) != {"="}][-1]
+    assert last.strip() == f"traceback : {errors[0]}", p.stderr[-2000:]

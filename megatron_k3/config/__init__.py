@@ -10,6 +10,7 @@ from .compose import (
                       load_model_config,
                       model_config_from_dict,
                       replace,
+                      schema_keys,
                       split_tool_args,
 )
 from .schema import (
@@ -33,4 +34,5 @@ from .schema import (
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
            "ConfigError", "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict", "available_models",
-           "CONF_DIR", "replace", "compose_run_config", "compose_config", "parse_split", "split_tool_args"]
+           "CONF_DIR", "replace", "compose_run_config", "compose_config", "parse_split", "schema_keys",
+           "split_tool_args"]

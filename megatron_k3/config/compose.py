@@ -9,6 +9,8 @@ OmegaConf reports is reduced to one `ConfigError` line naming the key the user t
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import typing
 from pathlib import Path
 from typing import Iterable
 
@@ -144,7 +146,8 @@ def _one_line_error(e: Exception, overrides) -> ConfigError:
                     key = k
             given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key), None)
             if "not in" in msg or "Key '" in msg:
-                return ConfigError(key, given, f"unknown key ({msg})")
+                return ConfigError(key, given, f"unknown key{_did_you_mean(key, x.full_key)} ({msg}; every key: "
+                                   f"megatron_k3/config/schema.py, or --help)")
             return ConfigError(key, given if given is not None else getattr(x, "value", None), msg)
     text = " ".join(str(e).split())
     options = getattr(e, "options", None)
@@ -152,12 +155,41 @@ def _one_line_error(e: Exception, overrides) -> ConfigError:
     if missing and "/" in str(missing):
         group, name = str(missing).split("/", 1)
         avail = ", ".join(options) if options else "see conf/" + group
-        return ConfigError(group, name, f"no such option; available: {avail}")
+        near = difflib.get_close_matches(name, list(options or ()), n=1)
+        hint = f"did you mean {group}={near[0]}? " if near else ""
+        return ConfigError(group, name, f"no such option; {hint}available: {avail}")
     for o in overrides:
         k = o.lstrip("+").split("=", 1)[0]
         if k and f"'{k}'" in text or f"'{o}'" in text:
             return ConfigError(k, o.split("=", 1)[1] if "=" in o else None, text[:300])
     return ConfigError("config", None, text[:300])
+
+
+def schema_keys(cls=RunConfig, prefix: str = "") -> dict:
+    """{dotted key: its dataclass field} of every leaf key of the run schema (nested groups walked)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out.update(schema_keys(t, key + "."))
+        else:
+            out[key] = f
+    return out
+
+
+def _did_you_mean(typed: str, unknown: str) -> str:
+    """' (did you mean train.steps?)' for a typed key whose segment `unknown` (OmegaConf's full key of the first
+    unknown segment) is near a schema key at that level, else ''."""
+    parent = unknown.rpartition(".")[0]
+    level = {k[len(parent) + 1 if parent else 0:].split(".")[0] for k in schema_keys()
+             if not parent or k.startswith(parent + ".")}
+    near = difflib.get_close_matches(unknown.rpartition(".")[2], sorted(level), n=1)
+    if not near:
+        return ""
+    fixed = (f"{parent}.{near[0]}" if parent else near[0]) + typed[len(unknown):]
+    return f"; did you mean {fixed}?"
 
 
 def split_tool_args(argv: Iterable[str], switches=(), with_value=(), defaults=None, choices=None, repeated=()):
@@ -195,4 +227,4 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
 
 
 __all__ = ["CONF_DIR", "available_models", "model_config_from_dict", "load_model_config", "compose_config",
-           "compose_run_config", "replace", "split_tool_args"]
+           "compose_run_config", "replace", "schema_keys", "split_tool_args"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict
 
 from ..errors import ConfigError
@@ -558,6 +559,23 @@ class LoggingConfig:
         return self
 
 
+# what `checkpoint.load` may name: checked for existence with the config, resolved by training/checkpoint.py
+LOAD_FORMS = ("expected auto, '' (start fresh), a checkpoint (a directory with meta.json), a directory of "
+              "checkpoints (its newest complete step_*), or a Hugging Face directory (config.json and safetensors "
+              "weights)")
+
+
+def _check_load_path(key: str, p: Path) -> None:
+    """What can be told of a `checkpoint.load` path before anything is built: it is a directory holding a checkpoint
+    (meta.json), checkpoints (step_*) or a Hugging Face config.json. Which one, and whether it is complete, is
+    training/checkpoint.py's `resolve_load_path`."""
+    if not p.is_dir():
+        raise ConfigError(key, str(p), f"{'not a directory' if p.exists() else 'no such directory'}; {LOAD_FORMS}")
+    if not ((p / "meta.json").is_file() or (p / "config.json").is_file() or any(p.glob("step_*"))):
+        raise ConfigError(key, str(p), f"holds no checkpoint (no meta.json, no step_* directory, no config.json); "
+                          f"{LOAD_FORMS}")
+
+
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # '' = <run dir>/checkpoints
@@ -569,6 +587,8 @@ class CheckpointConfig:
     export_dtype: str = "bfloat16"  # the non-expert tensors' dtype (the fp32 ones, conv / A_log / ..., stay fp32)
 
     def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
+        if self.load not in ("", "auto"):
+            _check_load_path(_key(prefix, "load"), Path(self.load))
         _require_choice(self, prefix, "export_layout", ("k3", "kimi_linear"))
         _require_choice(self, prefix, "export_dtype", ("bfloat16", "float32"))
         if self.keep_last < 0:
@@ -638,5 +658,5 @@ class RunConfig:
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
-           "RUNTIME_MODEL_KEYS",
+           "RUNTIME_MODEL_KEYS", "LOAD_FORMS",
            "parse_split"]

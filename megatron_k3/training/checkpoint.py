@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ..config.schema import LOAD_FORMS
 from . import shards
 from .shards import CheckpointError
 
@@ -240,14 +241,16 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
         found = list_checkpoints(ckpt_dir, warn=True)
         return found[-1] if found else None
     p = Path(load)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{'not a directory' if p.exists() else 'no such directory'}; {LOAD_FORMS}")
     if is_hf_directory(p):  # pretrained weights (the released K3 checkpoint): streamed in by every rank
         return p
-    if p.is_dir() and not (p / "meta.json").is_file():  # a checkpoint directory: take its newest
+    if not (p / "meta.json").is_file():  # a checkpoint directory: take its newest
         found = list_checkpoints(p, warn=True)
         if found:
             return found[-1]
-    if not (p / "meta.json").is_file():
-        raise FileNotFoundError(f"checkpoint.load={load!r}: no complete checkpoint there (missing meta.json)")
+        raise FileNotFoundError(f"no meta.json, no complete step_* checkpoint inside and no Hugging Face config.json "
+                                f"with safetensors weights; {LOAD_FORMS}")
     return p
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..config import ConfigError, RunConfig
+from ..errors import report_error
 from .engine import shutdown
 from .faults import TrainingError
 from .loop import Trainer
@@ -53,14 +56,31 @@ def _shared_run_dir(run_dir: str) -> Path:
     return Path(run_dir)
 
 
+def _quiet_logs(level: str) -> None:
+    """Our loggers at `logging.level` (rank 0; the others WARNING), everyone else's at WARNING: the INFO lines of
+    libraries (DeepSpeed's op builder probing gcc for libaio, ...) say nothing a user acts on. torch's FutureWarning
+    for the all_gather_into_tensor that DeepSpeed's ZeRO calls every step is not the user's to act on either."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
+    logging.getLogger("megatron_k3").setLevel(getattr(logging, level.upper(), logging.INFO))
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
+
+def _remove_if_unused(run_dir: Path) -> None:
+    """A run directory this run created and that holds nothing but the composed config (a mistake found while
+    building, before the first step): removed, so that a failed start leaves no empty run behind."""
+    if {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def run_training(run: RunConfig, cfg, hydra_node, overrides) -> int:
     """Train `run` (`cfg`: the composed DictConfig, written to the run directory; `hydra_node`: Hydra's, which names
     the run directory)."""
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=getattr(logging, run.logging.level.upper(), logging.INFO) if rank == 0 else "WARNING",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    _quiet_logs(run.logging.level if rank == 0 else "WARNING")
     _init_distributed(run.parallel.backend, run.parallel.timeout_minutes)
     run_dir = _shared_run_dir(OmegaConf.to_container(hydra_node.run, resolve=True)["dir"])
+    created = not run_dir.exists()
     if rank == 0:
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
@@ -70,11 +90,11 @@ def run_training(run: RunConfig, cfg, hydra_node, overrides) -> int:
         trainer = Trainer(run, run_dir)
         last = trainer.fit(OmegaConf.to_container(cfg, resolve=True))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if rank == 0 and created:
+            _remove_if_unused(run_dir)
+        return report_error(e, 2)
     except TrainingError as e:  # non-finite values, a failed collective: one line naming where
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return report_error(e, 1)
     finally:
         shutdown()
         if dist.is_initialized():

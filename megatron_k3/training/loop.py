@@ -324,10 +324,11 @@ class Trainer:
         preemption = faults.Preemption()
         try:
             if self.rank == 0:
-                log.info("training %s: %d params, %d steps of %d sequences x %d tokens (%d micro-batches of %d "
-                         "per rank, dp=%d) on %s", self.run.model.name,
-                         sum(p.numel() for p in self.model.parameters()), t.steps, t.global_batch_size,
-                         t.seq_length, self.num_micro, t.micro_batch_size, self.dp, self.device)
+                log.info("training %s: %s parameters on rank 0, %d steps of %d sequences x %d tokens (%d "
+                         "micro-batch%s of %d per rank, dp=%d, ZeRO-%d) on %s", self.run.model.name,
+                         f"{sum(p.numel() for p in self.model.parameters()):,}", t.steps, t.global_batch_size,
+                         t.seq_length, self.num_micro, "" if self.num_micro == 1 else "es", t.micro_batch_size,
+                         self.dp, self.run.parallel.zero_stage, self.device)
             while self.pos.step < t.steps:
                 rec, loads = self.train_step()
                 step = self.pos.step
