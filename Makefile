@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 # make test and make test-fast: TEST_WORKERS pytest processes (pytest-xdist; 0 runs in this process), each test module
@@ -13,39 +14,46 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: install train test test-fast test-compile lint bench clean
+.PHONY: install install-test train test test-fast test-compile lint bench clean
 
-# runtime (requirements.txt = pyproject's dependencies) + test references and tools, the package in editable mode
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+# what training needs (requirements.txt = pyproject's dependencies), the package in editable mode: make train
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --upgrade pip
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-test.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# + the references the tests compare against, pytest and ruff: make test, lint, bench
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
+install-test: $(TEST_STAMP)
+
 # the whole suite: unit tests, multi-process gloo worlds, training runs (~13 minutes on 2 cores)
-test: install
+test: install-test
 	$(XDIST) -m "not compile" $(PYTEST_ARGS)
 
 # the inner loop: everything not marked slow (no multi-process worlds, no training runs; under 3 minutes)
-test-fast: install
+test-fast: install-test
 	$(XDIST) -m "not slow and not compile" $(PYTEST_ARGS)
 
 # train.compile with inductor: one compiled step's gradients against eager and fp64, compiled training equals eager in
 # one process, tp2, ep2 and pp2, and a resumed run reuses the compile cache (inductor's C++ code generation takes
 # minutes per layer on 2 cores; ~30 minutes)
-test-compile: install
+test-compile: install-test
 	$(THREADS) $(PY) -m pytest -m compile $(PYTEST_ARGS)
 
-lint: install
+lint: install-test
 	$(PY) -m ruff check .
 
 train: install
 	$(PY) -m megatron_k3.train $(ARGS)
 
-bench: install
+bench: install-test
 	$(PY) bench/kda.py
 	$(PY) bench/train_step.py
 	$(PY) bench/indexed.py
