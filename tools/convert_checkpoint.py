@@ -100,12 +100,35 @@ def from_hf(hf_dir: str | Path, dst: str | Path, layout: str = "auto") -> Path:
     return ckpt.save_checkpoint(dst, 0, tensors, {}, {}, meta)
 
 
+EXAMPLES = """examples:
+  # an old (format 2) training checkpoint in the sharded format; any layout then loads it
+  python tools/convert_checkpoint.py runs/old/checkpoints runs/new/checkpoints
+  # a training checkpoint (any TP/PP/EP/DP layout) as the released K3 layout (MXFP4 experts, bf16 elsewhere)
+  python tools/convert_checkpoint.py runs/my_run/checkpoints /out/k3-ft --to-hf
+  # ... or as a Kimi Linear directory that transformers loads, in fp32
+  python tools/convert_checkpoint.py runs/kl/checkpoints /out/kl --to-hf --layout kimi_linear --dtype float32
+  # our unsharded weights file, its model named
+  python tools/convert_checkpoint.py weights.safetensors /out/hf --to-hf model=k3_tiny model.num_layers=2
+  # a Hugging Face directory as a step-0 checkpoint (weights only), then a run from it
+  python tools/convert_checkpoint.py /ckpt/kimi-linear runs/ft/checkpoints --from-hf
+  python -m megatron_k3.train model=kimi_linear_48b checkpoint.load=runs/ft/checkpoints
+
+exit status: 0 done (the path written is printed), 2 a bad argument or input (one line naming it)."""
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--to-hf", action="store_true", help="write DST as a Hugging Face directory")
-    ap.add_argument("--from-hf", action="store_true", help="read SRC as a Hugging Face directory")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", help="a checkpoint, a checkpoint directory (its newest), a weights file, or (--from-hf) a "
+                                "Hugging Face directory")
+    ap.add_argument("dst", help="the checkpoint directory to write into (the result: DST/step_<step>), or (--to-hf) "
+                                "the Hugging Face directory to write")
+    ap.add_argument("--to-hf", action="store_true", help="write DST as a Hugging Face directory (the fp32 master "
+                    "weights of any layout, merged; no optimizer states)")
+    ap.add_argument("--from-hf", action="store_true", help="read SRC as a Hugging Face directory: DST is a checkpoint "
+                    "at step 0 with the weights only; the step resets to 0 and there are no optimizer states, so a "
+                    "run loading it starts the LR schedule and the optimizer afresh (checkpoint.load=HF_DIR streams "
+                    "the same weights into a run without converting)")
     ap.add_argument("--layout", default=None, help="k3 | kimi_linear (--to-hf, default k3); auto (--from-hf)")
     ap.add_argument("--dtype", default=None, help="--to-hf: bfloat16 | float32 for the non-expert tensors")
     ap.add_argument("--max-shard-size", type=int, default=None, help="--to-hf: bytes per safetensors shard")

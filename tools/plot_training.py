@@ -78,10 +78,13 @@ def plot_loss(rows: list, out: Path) -> Path:
     ax[1, 0].set(title="gradient norm (before clipping)", xlabel="step")
     ax[1, 1].plot(steps, [r["tokens_per_s"] for r in rows], color="tab:purple", label="tokens/s")
     ax[1, 1].set(title="throughput", xlabel="step", ylabel="tokens/s")
+    lines = ax[1, 1].get_lines()
     if any("mfu" in r for r in rows):
         tw = ax[1, 1].twinx()
-        tw.plot(steps, [100 * r.get("mfu", float("nan")) for r in rows], color="tab:orange", ls="--", label="MFU")
+        lines += tw.plot(steps, [100 * r.get("mfu", float("nan")) for r in rows], color="tab:orange", ls="--",
+                         label="MFU (right axis, %)")
         tw.set_ylabel("MFU (%)")
+    ax[1, 1].legend(lines, [x.get_label() for x in lines], fontsize=8, loc="lower right")  # one legend, both axes
     return _save(plt, fig, out / "loss.png", "training curves")
 
 
