@@ -9,8 +9,12 @@ case below) moves parameters by 3.0e-6 (norm) / 2.8e-4 (max element, relative to
 the layouts (k3_tiny, lr 3e-3, optim.eps 1e-6, init seed of train.seed; steps compared as tests/trajectory.py
 decides: a near-tie routing flip at step 5 under tp2 stops the strict comparison after step 4): dp=2 ZeRO-1
 3.2e-6 / 1.1e-4, ZeRO-2 4.2e-6 / 1.8e-4 (5 steps), tp=2 x dp=2 ZeRO-1 and ZeRO-2 3.1e-5 / 1.6e-3, tp=2+SP 3.0e-5 /
-1.5e-3 (4 steps; tensor parallelism also reorders the forward's matmul sums); losses within 8e-8. A wrong
-reduction (a missing average, a gradient reduced over the wrong group) is off by O(1).
+1.5e-3 (4 steps; tensor parallelism also reorders the forward's matmul sums); losses within 8e-8. On a machine
+where no routing flips (AVX-512 EPYC, 2026-12-03) all 5 steps compare, and every tp2 layout (tp2 x dp2, tp2+SP,
+tp2 x ep2, pp2 x tp2) ends 6.5e-5 .. 8.1e-5 apart, on a KDA layer's A_log: 2 elements (one per head) that start at
+0, so the tensor is nothing but five AdamW steps, whose normalisation turns rounding into 2e-7 of its ~3e-3;
+PARAM_RTOL is 2e-4 for that. A wrong reduction (a missing average, a gradient reduced over the wrong group) is off
+by O(1).
 """
 
 import pytest
@@ -28,7 +32,7 @@ FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_
 # by lr * g / eps, a hundredth of it, and nothing else about what these tests check changes.
 STEPS = 5
 RTOL = 1e-5
-PARAM_RTOL = 5e-5
+PARAM_RTOL = 2e-4
 
 
 def _full_params(trainer):

@@ -113,8 +113,11 @@ def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
             # the selection bias is a difference of two sigmoid scores (a margin): its rounding error is relative
             # to the scores' scale (~1), not to the bias's own small spread
             floor = 1.0 if "bias" in k else 1e-3
+            # the evaluation runs on the parameters after the step, which may differ by PARAM_RTOL (measured with
+            # all 5 steps compared: eval_loss 1.4e-5 apart under pp2 x tp2)
+            tol = PARAM_RTOL if k.startswith("eval") else RTOL
             for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
-                assert abs(a - b) <= RTOL * max(abs(b), floor), (rank, k, logged[k], ref)
+                assert abs(a - b) <= tol * max(abs(b), floor), (rank, k, logged[k], ref)
     assert held == set(ref_steps[-1].params)  # the stages together hold every parameter
 
 
