@@ -10,7 +10,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 # make test and make test-fast: TEST_WORKERS pytest processes (pytest-xdist; 0 runs in this process), each test module
 # on one of them, longest modules first (tests/conftest.py), one intra-op thread each: the 2 cores stay busy while a
 # test waits on its gloo workers, a subprocess or the disk (one process: ~20 minutes on 2 cores, a third of it idle;
-# two: ~13)
+# two: ~16, tests/test_readme.py included)
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
@@ -33,7 +33,7 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
-# the whole suite: unit tests, multi-process gloo worlds, training runs (~13 minutes on 2 cores)
+# the whole suite: unit tests, multi-process gloo worlds, training runs, the README's commands (~16 minutes on 2 cores)
 test: install-test
 	$(XDIST) -m "not compile" $(PYTEST_ARGS)
 
@@ -42,8 +42,8 @@ test-fast: install-test
 	$(XDIST) -m "not slow and not compile" $(PYTEST_ARGS)
 
 # train.compile with inductor: one compiled step's gradients against eager and fp64, compiled training equals eager in
-# one process, tp2, ep2 and pp2, and a resumed run reuses the compile cache (inductor's C++ code generation takes
-# minutes per layer on 2 cores; ~30 minutes)
+# one process, tp2, ep2 and pp2, a resumed run reuses the compile cache, and the README's train.compile=true command
+# (tests/test_readme.py; 7.6 minutes). Inductor's C++ code generation takes minutes per layer on 2 cores: ~38 minutes
 test-compile: install-test
 	$(THREADS) $(PY) -m pytest -m compile $(PYTEST_ARGS)
 
