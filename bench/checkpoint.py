@@ -31,9 +31,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from megatron_k3.config import compose_run_config  # noqa: E402
-from megatron_k3.training.engine import shutdown  # noqa: E402
+from megatron_k3.training.engine import base_optimizer, shutdown  # noqa: E402
 from megatron_k3.training.loop import Trainer  # noqa: E402
-from megatron_k3.training.zero_views import base_optimizer  # noqa: E402
 
 MODEL = ["model=k3_tiny", "model.hidden_size=512", "model.vocab_size=32768", "model.num_experts=32",
          "model.moe_intermediate_size=256", "model.moe_latent_size=256", "model.dense_intermediate_size=1024",

@@ -25,12 +25,17 @@ class ParallelConfigError(ConfigError):
     valid. A ``ConfigError`` (hence a ``ValueError``)."""
 
 
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (exceptions from libraries and the OS often span several)."""
+    return " ".join(str(e).split())
+
+
 def report_error(e: BaseException, status: int, every_rank: bool = True) -> int:
     """Say `e` in one line on stderr and return the exit status. every_rank=False: only global rank 0 prints (an
     error every rank finds alike, such as the composed config's). Under torchrun the line also goes to the worker's
     error file (TORCHELASTIC_ERROR_FILE), which torchrun shows as the failure's root cause at the end of its
     summary, in place of "To enable traceback see: ..."."""
-    line = f"error: {' '.join(str(e).split())}"
+    line = f"error: {one_line(e)}"
     if every_rank or os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -43,4 +48,4 @@ def report_error(e: BaseException, status: int, every_rank: bool = True) -> int:
     return status
 
 
-__all__ = ["ConfigError", "ParallelConfigError", "report_error"]
+__all__ = ["ConfigError", "ParallelConfigError", "one_line", "report_error"]

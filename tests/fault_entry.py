@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _install(spec: str):
-    from megatron_k3.training import loop, shards
+    from megatron_k3.training import loop
+    from megatron_k3.training.checkpoint import shards
 
     kind, *rest = spec.split(":")
     step = int(rest[0])
@@ -49,7 +50,7 @@ def _install(spec: str):
 
         loop.Trainer._forward = forward
     elif kind == "kill_in_save":
-        orig_write, files = shards._fsync, []
+        orig_write, files = shards.fsync, []
 
         def fsync_then_maybe_die(path):
             orig_write(path)
@@ -58,7 +59,7 @@ def _install(spec: str):
                 if len(files) >= (arg or 1):
                     os.kill(os.getpid(), signal.SIGKILL)
 
-        shards._fsync = fsync_then_maybe_die
+        shards.fsync = fsync_then_maybe_die
     else:
         raise SystemExit(f"K3_FAULT={spec!r}: unknown fault {kind!r}")
 

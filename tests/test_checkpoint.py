@@ -92,29 +92,29 @@ def _logits(trainer):
 
 
 def _save_then_report(rank, world, overrides, ckpt_dir):
+    from megatron_k3.training.checkpoint.deepspeed_state import full_states
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.zero_views import full_states
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.dir={ckpt_dir}"])
         for _ in range(N):
             t.train_step()
         t.save()
-        _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.experts)
+        _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
         return _logits(t), _full_params(t), _gather_states(t, states)
     finally:
         shutdown()
 
 
 def _load_then_report(rank, world, overrides, ckpt_dir):
+    from megatron_k3.training.checkpoint.deepspeed_state import full_states
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.zero_views import full_states
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.load={ckpt_dir}"])
         t.maybe_resume()
         assert t.step == N
-        _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.experts)
+        _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
         return _logits(t), _full_params(t), _gather_states(t, states)
     finally:
         shutdown()

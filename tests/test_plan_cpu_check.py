@@ -91,7 +91,7 @@ def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, c
     # Muon matrices, AdamW's two moments for the rest) and ZeRO's fp32 partition to 1e-3
     n = sum(p.numel() for p in trainer.model.parameters())
     assert plan["memory_breakdown_gb"]["weights"] * 1e9 == n * 4
-    from megatron_k3.training.zero_views import base_optimizer
+    from megatron_k3.training.engine import base_optimizer
 
     base = base_optimizer(trainer.engine)  # the torch optimizer inside DeepSpeed's ZeRO (one partition = all)
     states = sum(t.numel() * t.element_size() for s in base.state.values() for t in s.values()

@@ -1,4 +1,4 @@
-"""The sharded checkpoint format (training/shards.py) and what the Trainer does with it.
+"""The sharded checkpoint format (training/checkpoint/shards.py) and what the Trainer does with it.
 
 Format level, no processes: any flat range of any tensor is cut into boxes that tile it; tensors written as the pieces
 of one layout (tensor-parallel split along any dimension, ZeRO-like flat partitions with ragged boundaries) and read
@@ -25,7 +25,7 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_k3.training import checkpoint as ckpt
-from megatron_k3.training import shards
+from megatron_k3.training.checkpoint import shards
 
 
 # ------------------------------------------------------------------------------------------------ format level
@@ -205,14 +205,14 @@ def _save_memory_and_async(rank, world, d):
     """Sync and async saves of the same state: live tensor bytes during each (allocation tracker), how long the
     async save() took while its writer was held up, a train step run before it committed; the two checkpoints."""
     from megatron_k3.planning.measure import LiveTensorMemory
+    from megatron_k3.training.checkpoint.deepspeed_state import owned_pieces
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.zero_views import owned_pieces
 
     out = {}
     try:
         t = _trainer(world, ["parallel.zero_stage=1", f"checkpoint.dir={d}/sync"])
         t.train_step()
-        own = owned_pieces(t.engine, list(t.model.named_parameters()), t.experts, t.checkpoints._buffers()).nbytes
+        own = owned_pieces(t.engine, list(t.model.named_parameters()), t.ps, t.experts, t.checkpoints._buffers()).nbytes
         with LiveTensorMemory() as mem:
             _track_state(mem, t)
             base = mem.current
@@ -274,9 +274,9 @@ def _report(t):
     from test_checkpoint import _gather_states
     from test_engine import _full_params
 
-    from megatron_k3.training.zero_views import full_states
+    from megatron_k3.training.checkpoint.deepspeed_state import full_states
 
-    _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.experts)
+    _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
     params, states = _full_params(t), _gather_states(t, states)
     # copies: on CPU these may be the live tensors, which a later step updates in place
     return {k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in states.items()}
@@ -376,14 +376,14 @@ def _save_one(rank, world, d):
 def _start_from_pretrained(rank, world, overrides, hf_dir):
     from test_engine import _full_params
 
+    from megatron_k3.training.checkpoint.deepspeed_state import full_states
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.zero_views import full_states
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.load={hf_dir}", f"checkpoint.dir={hf_dir}_run"])
         t.maybe_resume()
         params = {k: v.clone() for k, v in _full_params(t).items()}
-        masters, _, _ = full_states(t.engine, list(t.model.named_parameters()), t.experts)
+        masters, _, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
         masters = {k: v.clone() for k, v in masters.items()}
         loss = t.train_step()[0]["loss"]
         t.save()
@@ -514,14 +514,15 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_previous(t
 
 
 def _share(rank, world, overrides, d):
+    from megatron_k3.training.checkpoint.deepspeed_state import owned_pieces
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.zero_views import owned_pieces
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.dir={d}"])
         t.train_step()
         t.save()
-        return owned_pieces(t.engine, list(t.model.named_parameters()), t.experts, t.checkpoints._buffers()).nbytes
+        named = list(t.model.named_parameters())
+        return owned_pieces(t.engine, named, t.ps, t.experts, t.checkpoints._buffers()).nbytes
     finally:
         shutdown()
 

@@ -41,6 +41,7 @@ from megatron_k3.config import ConfigError, ModelConfig, load_model_config  # no
 from megatron_k3.interop import load_hf, save_hf  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 from megatron_k3.training import checkpoint as ckpt  # noqa: E402
+from megatron_k3.training.checkpoint import legacy  # noqa: E402
 
 
 def convert(src: str | Path, dst: str | Path) -> Path:
@@ -49,7 +50,7 @@ def convert(src: str | Path, dst: str | Path) -> Path:
     meta = ckpt.read_meta(path, legacy=True)
     if meta.get("format_version") == ckpt.FORMAT_VERSION:
         raise ValueError(f"{path} is already in format {ckpt.FORMAT_VERSION}: any layout loads it as it is")
-    model, optim, extra = ckpt.read_legacy(path, meta)
+    model, optim, extra = legacy.read_legacy(path, meta)
     rngs = ckpt.load_pickle_safely(path / "rng.pt")["ranks"] if (path / "rng.pt").is_file() else None
     out = {k: v for k, v in meta.items() if k not in ("format_version", "saved_at", "complete", "tp_split_dims")}
     out.update(converted_from=str(path))

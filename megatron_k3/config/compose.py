@@ -16,7 +16,7 @@ from typing import Iterable
 
 from omegaconf import OmegaConf
 
-from ..errors import ConfigError
+from ..errors import ConfigError, one_line
 from .schema import ModelConfig, RunConfig, VisionConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # megatron_k3/conf (the repository's conf/ links to it)
@@ -149,7 +149,7 @@ def _one_line_error(e: Exception, overrides) -> ConfigError:
                 return ConfigError(key, given, f"unknown key{_did_you_mean(key, x.full_key)} ({msg}; every key: "
                                    f"megatron_k3/config/schema.py, or --help)")
             return ConfigError(key, given if given is not None else getattr(x, "value", None), msg)
-    text = " ".join(str(e).split())
+    text = one_line(e)
     options = getattr(e, "options", None)
     missing = getattr(e, "missing_cfg_file", None)
     if missing and "/" in str(missing):

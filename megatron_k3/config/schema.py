@@ -559,7 +559,7 @@ class LoggingConfig:
         return self
 
 
-# what `checkpoint.load` may name: checked for existence with the config, resolved by training/checkpoint.py
+# what `checkpoint.load` may name: checked for existence with the config, resolved by training/checkpoint/directory.py
 LOAD_FORMS = ("expected auto, '' (start fresh), a checkpoint (a directory with meta.json), a directory of "
               "checkpoints (its newest complete step_*), or a Hugging Face directory (config.json and safetensors "
               "weights)")
@@ -568,7 +568,7 @@ LOAD_FORMS = ("expected auto, '' (start fresh), a checkpoint (a directory with m
 def _check_load_path(key: str, p: Path) -> None:
     """What can be told of a `checkpoint.load` path before anything is built: it is a directory holding a checkpoint
     (meta.json), checkpoints (step_*) or a Hugging Face config.json. Which one, and whether it is complete, is
-    training/checkpoint.py's `resolve_load_path`."""
+    training/checkpoint/directory.py's `resolve_load_path`."""
     if not p.is_dir():
         raise ConfigError(key, str(p), f"{'not a directory' if p.exists() else 'no such directory'}; {LOAD_FORMS}")
     if not ((p / "meta.json").is_file() or (p / "config.json").is_file() or any(p.glob("step_*"))):

@@ -44,7 +44,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..annotations import full_shape, meta, shard_offsets
+from ..errors import one_line
 from ..model.experts import GroupedExperts
+from ..parallel.agree import gather
 from . import k3_layout, kimi_linear
 from .directory import (
     CONFIG,
@@ -106,19 +108,16 @@ def _world(group) -> tuple:
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def _all_gather(obj, group) -> list:
-    if group is None:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def _gather(obj, group) -> list:
+    """Every rank's `obj` in `group` (None: this process alone)."""
+    return gather(obj, group) if group is not None else [obj]
 
 
 def _agree(err: BaseException | None, group, extra=None, other=CheckpointReadError) -> list:
     """Every rank's `extra`; raises, on every rank, the first rank's error (this rank's own exception where it is
     that one, else `other`, or MissingShardError for a missing file, with its message)."""
     payload = (None if err is None else (str(err), isinstance(err, FileNotFoundError)), extra)
-    out = _all_gather(payload, group)
+    out = _gather(payload, group)
     first = next((e for e, _ in out if e is not None), None)
     if first is not None:
         message, missing = first
@@ -144,17 +143,13 @@ def _index(path: Path) -> tuple:
             with safe_open(str(path / SINGLE), framework="pt") as f:
                 return dict.fromkeys(f.keys(), SINGLE), path / SINGLE
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
-            raise CheckpointReadError(f"{path / SINGLE}: (header): cannot be read ({_one_line(e)})") from None
+            raise CheckpointReadError(f"{path / SINGLE}: (header): cannot be read ({one_line(e)})") from None
     raise MissingShardError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
 
 
 def checkpoint_keys(path) -> dict:
     """{tensor name: shard file} of a Hugging Face directory (from its index, or its single file's header)."""
     return _index(Path(path))[0]
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 # ------------------------------------------------------------------------------------------------ where tensors lie
@@ -334,7 +329,7 @@ def _open(file: Path, first_key: str):
     except FileNotFoundError:
         raise MissingShardError(f"{file}: {first_key}: the shard file is missing") from None
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt header: safetensors' own error type
-        raise CheckpointReadError(f"{file}: {first_key}: cannot be read ({_one_line(e)})") from None
+        raise CheckpointReadError(f"{file}: {first_key}: cannot be read ({one_line(e)})") from None
 
 
 def _check_file(file: Path, reads: list):
@@ -593,8 +588,8 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
         kimi_linear.hf_config_from(cfg)  # refuses configs the Kimi Linear layout cannot express
         dt = _dtype(dtype)
     me = _describe(model, tp_group, dist.get_rank() if group is not None else 0)
-    parts = _all_gather(me, group)
-    global_ranks = _all_gather(dist.get_rank() if group is not None else 0, group)
+    parts = _gather(me, group)
+    global_ranks = _gather(dist.get_rank() if group is not None else 0, group)
     _check_cover(parts, cfg)
     same_stage = [r for r, p in enumerate(parts) if p.stage == me.stage]
     plain_writer = min(r for r in same_stage if parts[r].tp[0] == 0)
@@ -605,7 +600,7 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
     gather = _Gather(tp_group, writer_global, rank == plain_writer)
     items = _items(model, layout, dt, mode, rank == plain_writer, rank == expert_writer, gather)
     shards = _shards(items, max_shard_size)
-    counts = _all_gather(len(shards), group)
+    counts = _gather(len(shards), group)
     total = sum(counts)
     before = sum(counts[:rank])
     files = [SINGLE if total == 1 else f"model-{before + j + 1:05d}-of-{total:05d}.safetensors"
@@ -618,7 +613,7 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
                 if old.is_file():
                     old.unlink()
         except Exception as e:  # noqa: BLE001
-            err = CheckpointWriteError(f"{path}: (stale files): cannot be removed ({_one_line(e)})")
+            err = CheckpointWriteError(f"{path}: (stale files): cannot be removed ({one_line(e)})")
     _agree(err, group, other=CheckpointWriteError)
     # peers of the writer's tensor-parallel group send their shards, in the writer's order
     peer = rank != plain_writer and tp_group is not None and me.tp[1] > 1 and writer_global in me.tp_members
@@ -637,7 +632,7 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
                 weight_map.update(dict.fromkeys(tensors, file))
             except Exception as e:  # noqa: BLE001
                 err = CheckpointWriteError(f"{path / file}: {next(iter(tensors))}: cannot be written "
-                                           f"({_one_line(e)})")
+                                           f"({one_line(e)})")
         del tensors
     nbytes = sum(it.nbytes for it in items)
     pieces = _agree(err, group, (weight_map, nbytes), other=CheckpointWriteError)
@@ -658,6 +653,6 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
             (path / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
             log.info("wrote %s (%s layout, %d tensors from %d ranks)", path, layout, len(whole), world)
         except Exception as e:  # noqa: BLE001
-            err = CheckpointWriteError(f"{path}: (index, config.json): cannot be written ({_one_line(e)})")
+            err = CheckpointWriteError(f"{path}: (index, config.json): cannot be written ({one_line(e)})")
     _agree(err, group, other=CheckpointWriteError)
     return path

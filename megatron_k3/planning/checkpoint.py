@@ -8,8 +8,8 @@ persistent buffers at their dtype (the router's bias); with model.vision the tow
 parameter on the first stage (frozen, model.freeze_vision: their fp32 weights only, written with the buffers). The
 total does not depend on the layout, the precision or the ZeRO stage.
 
-Who writes what (training/zero_views.owned_pieces), from the planner's per-rank counts (params.model_params, the
-model's own construction):
+Who writes what (training/checkpoint/deepspeed_state.owned_pieces), from the planner's per-rank counts
+(params.model_params, the model's own construction):
 
 * dense parameters (all but the routed experts) of a pipeline stage, under ZeRO-1/2: one TP rank's shard is split
   over the dp x cp ranks that hold it (its ZeRO partitions); tensors every TP rank holds whole (norms, the router,

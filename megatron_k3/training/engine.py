@@ -1,6 +1,6 @@
 """The DeepSpeed engine: its config generated from the run config, the optimizers it wraps, and
 `deepspeed.initialize` with our parallel state as the mpu. (Per-parameter views of the states ZeRO partitions:
-zero_views.py; the routed experts' optimizer under expert parallelism: expert_optimizer.py.)
+checkpoint/deepspeed_state.py; the routed experts' optimizer under expert parallelism: expert_optimizer.py.)
 
 What DeepSpeed does here: gradient accumulation over `num_micro` micro-batches, the data-parallel gradient
 reduction (ZeRO-1: all-reduce, then each rank updates its 1/dp partition of the fp32 master weights and
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import groups as ds_groups
 
 from ..annotations import meta
@@ -37,7 +38,6 @@ from ..parallel.balanced import flush_replica_gradients
 from ..parallel.mappings import Group
 from ..parallel.mpu import get_mpu
 from .expert_optimizer import ExpertOptimizer
-from .zero_views import base_optimizer, zero_optimizer
 
 log = logging.getLogger("megatron_k3.engine")
 
@@ -112,16 +112,22 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
     return _merge(cfg, extra)
 
 
-def tp_sum(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    dist.all_reduce(t, group=state.get_tensor_model_parallel_group())
-    return t
+def zero_optimizer(engine) -> DeepSpeedZeroOptimizer | None:
+    """The engine's ZeRO-1/2 optimizer (every ZeRO stage runs it: `initialize`), or None under ZeRO-0."""
+    return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) else None
+
+
+def base_optimizer(engine):
+    """The torch optimizer the engine steps: the one inside ZeRO's, else the engine's own."""
+    zero = zero_optimizer(engine)
+    return zero.optimizer if zero is not None else engine.optimizer
 
 
 @torch.no_grad()
-def grad_norm_without_zero(model) -> float:
+def grad_norm_without_zero(model, ps) -> float:
     """The global gradient norm DeepSpeed's ZeRO-0 path clips with but does not report: tensor-sharded parameters
-    count on every TP rank (summed over TP), replicated ones once. Call after the boundary backward."""
+    count on every TP rank (summed over the TP group of `ps`, the rank's ParallelState), replicated ones once. Call
+    after the boundary backward."""
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
@@ -131,8 +137,8 @@ def grad_norm_without_zero(model) -> float:
                 sharded += sq
             else:
                 replicated += sq
-    if state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sharded, group=state.get_tensor_model_parallel_group())
+    if ps.size("tp") > 1:
+        dist.all_reduce(sharded, group=ps.group("tp"))
     return float((sharded + replicated).sqrt())
 
 
@@ -144,20 +150,19 @@ def optimizer_params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def build_optimizers(model, run: RunConfig) -> tuple:
+def build_optimizers(model, run: RunConfig, ps) -> tuple:
     """(the optimizer DeepSpeed wraps, ExpertOptimizer or None): `run.optim` over the dense parameters (with
     optim=muon under ZeRO-1/2 the ZeroMuon that `initialize` attaches), and under expert parallelism the same
-    kind over this rank's routed experts."""
+    kind over this rank's routed experts. `ps`: the rank's parallel.state.ParallelState."""
     o, p = run.optim, run.parallel  # optim=muon with ZeRO-0 and bf16 parameters: refused by RunConfig.validate
-    ps = state.get_parallel_state()
     tp = Group(ps.group("tp"), ps.size("tp"), ps.rank_in("tp"))
     named = list(model.named_parameters())
     dense = [(n, q) for n, q in named if not is_expert_parallel(q)]
     expert = [(n, q) for n, q in named if is_expert_parallel(q)]
     optimizer = build_optimizer(model, o, params=dense, tp=tp, dp_group=ps.group("dp"),
                                 muon_class=ZeroMuon if p.zero_stage > 0 else Muon)
-    experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)", tp=tp))
-               if expert else None)
+    experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)", tp=tp),
+                               ps) if expert else None)
     return optimizer, experts
 
 
@@ -191,9 +196,10 @@ def _zero_optimizer_for_every_stage():
         DeepSpeedEngine._do_optimizer_sanity_check = check
 
 
-def initialize(model, optimizer, run: RunConfig):
-    """`deepspeed.initialize` with our mpu; returns the engine. The model's fp32 buffers stay fp32, and
-    expert-parallel weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
+def initialize(model, optimizer, run: RunConfig, ps):
+    """`deepspeed.initialize` with our mpu (parallel/mpu.py: the adapter through which DeepSpeed reads the groups of
+    `ps`, the rank's ParallelState); returns the engine. The model's fp32 buffers stay fp32, and expert-parallel
+    weights keep this rank's experts (DeepSpeed broadcasts the module over data parallel)."""
     # The CPU accelerator would otherwise JIT-compile a shared-memory collective (tens of seconds) that gloo
     # does not need.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -201,7 +207,7 @@ def initialize(model, optimizer, run: RunConfig):
     ds_log.setLevel(logging.WARNING if run.logging.level.upper() != "DEBUG" else logging.DEBUG)
     if not any(isinstance(f, _TestedHere) for f in ds_log.filters):
         ds_log.addFilter(_TestedHere())
-    cfg = deepspeed_config(run, state.get_data_parallel_world_size(),
+    cfg = deepspeed_config(run, ps.size("dp"),
                            sum(p.numel() for p in optimizer_params(optimizer)))
     local_experts = {n: p.detach().clone() for n, p in model.named_parameters() if is_expert_parallel(p)}
     with _zero_optimizer_for_every_stage():
@@ -232,7 +238,7 @@ class _no_optimizer_step:
         del self.optimizer.step
 
 
-def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, last: bool):
+def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, ps, last: bool):
     """DeepSpeed's step after a micro-batch's backward: a no-op except after the last micro-batch of the step, where
     the experts' gradients are reduced first. Returns (applied, ZeRO-0 gradient norm or None) after the last one:
     ZeRO skips a step whose global norm (experts included) is not finite; without ZeRO DeepSpeed would apply it, so
@@ -244,7 +250,7 @@ def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, last:
     flush_replica_gradients(engine.module)  # balanced dispatch: the step's replica gradients to their owners
     if experts is not None:
         experts.reduce_gradients()
-    norm0 = grad_norm_without_zero(engine.module) if zero0 else None
+    norm0 = grad_norm_without_zero(engine.module, ps) if zero0 else None
     if zero0 and not math.isfinite(norm0):
         with _no_optimizer_step(engine.optimizer):
             engine.step()

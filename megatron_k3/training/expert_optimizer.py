@@ -8,8 +8,6 @@ import torch.distributed as dist
 
 from ..annotations import copy_meta
 from ..optim.zero import ZeroMuon, clip_coefficient
-from ..parallel import state
-from .zero_views import zero_optimizer
 
 
 class ExpertOptimizer:
@@ -24,15 +22,15 @@ class ExpertOptimizer:
     batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`),
     with the same coefficient (`optim.zero.clip_coefficient`), before the optimizer's momentum sees them."""
 
-    def __init__(self, named_params, make_optimizer):
+    def __init__(self, named_params, make_optimizer, ps):
+        """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups)."""
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         # fp32 masters annotated like their parameters, so they are grouped and stepped the same way
         self.masters = [copy_meta(p, p.detach().float().clone().requires_grad_(True)) for p in self.params]
         self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
-        self.edp_group = state.get_expert_data_parallel_group()
-        self.ep_group = state.get_expert_model_parallel_group()
-        self.dp = state.get_data_parallel_world_size()
+        self.edp_group, self.ep_group, self.pp_group = ps.group("edp"), ps.group("ep"), ps.group("pp")
+        self.dp, self.pp = ps.size("dp"), ps.size("pp")
         self.sq_norm = torch.zeros((), dtype=torch.float64)
 
     @property
@@ -53,8 +51,8 @@ class ExpertOptimizer:
             p.grad = None
         if dist.get_world_size(self.ep_group) > 1:
             dist.all_reduce(sq, group=self.ep_group)
-        if state.get_pipeline_model_parallel_world_size() > 1:  # every stage's experts
-            dist.all_reduce(sq, group=state.get_pipeline_model_parallel_group())
+        if self.pp > 1:  # every stage's experts
+            dist.all_reduce(sq, group=self.pp_group)
         self.sq_norm = sq
 
     def skip(self):
@@ -74,9 +72,9 @@ class ExpertOptimizer:
             p.copy_(m.to(p.dtype))
 
 
-def install_norm(engine, experts: ExpertOptimizer) -> None:
-    """Make DeepSpeed's global gradient norm (which it clips with) include the experts outside it."""
-    zero = zero_optimizer(engine)
+def install_norm(zero, experts: ExpertOptimizer) -> None:
+    """Make DeepSpeed's global gradient norm (which it clips with) include the experts outside it; `zero`: the
+    engine's ZeRO-1/2 optimizer (expert parallelism needs ZeRO)."""
     inner = zero.scaled_global_norm
 
     def scaled_global_norm(norm_type=2):

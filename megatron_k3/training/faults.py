@@ -4,10 +4,11 @@
   `--signal=USR1@<seconds>`) set a flag; at the end of every step the flag is OR-reduced over all ranks, so every
   rank sees the request at the same step, saves one checkpoint together and exits cleanly. A signal delivered
   to one rank only (a node being drained) stops the whole job consistently.
-- `install_collective_diagnostics()`: a collective that times out (`parallel.timeout_minutes`) or whose peer died
-  raises `CollectiveError` naming the collective, the parallel group (tp/cp/dp/ep/pp/... from parallel.state) and
-  its ranks, instead of gloo/NCCL's bare "Timed out waiting 2000ms for recv". torch.distributed's collectives are
-  wrapped once per process; the wrapper costs one Python call per collective and does nothing unless one fails.
+- `install_collective_diagnostics(ps)`: a collective that times out (`parallel.timeout_minutes`) or whose peer died
+  raises `CollectiveError` naming the collective, the parallel group (tp/cp/dp/ep/pp/... of the ParallelState it
+  was given) and its ranks, instead of gloo/NCCL's bare "Timed out waiting 2000ms for recv". torch.distributed's
+  collectives are wrapped once per process; the wrapper costs one Python call per collective and does nothing unless
+  one fails.
 - `NonFiniteError` and `diagnose_nonfinite`: when too many consecutive steps had a non-finite loss or gradient,
   the run stops naming the first parameter holding a non-finite value, else the first module (in execution
   order) whose forward output is non-finite, else the first parameter whose gradient is non-finite.
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..layout.grid import GROUPS
-from ..parallel import state
 
 log = logging.getLogger("megatron_k3.faults")
 
@@ -98,16 +98,18 @@ _TIMEOUT_MARKS = ("timed out", "timeout")
 _PEER_MARKS = ("connection closed by peer", "connection reset", "pair closure", "broken pipe", "socket closed")
 
 
-def describe_group(group) -> str:
-    """'the tp group (ranks [0, 1]; the same communicator serves tp-cp)' for a process group."""
+_NAMED = {}  # "ps": the ParallelState whose group names a failed collective gets (install_collective_diagnostics)
+
+
+def describe_group(group, ps=None) -> str:
+    """'the tp group (ranks [0, 1]; the same communicator serves tp-cp)' for a process group, named by `ps` (a
+    parallel.state.ParallelState; default: the one install_collective_diagnostics was last given)."""
     if not dist.is_initialized():
         return "no process group"
     if group is None or group is dist.group.WORLD:
         return f"the world group (ranks 0..{dist.get_world_size() - 1})"
-    names = []
-    if state.model_parallel_is_initialized():
-        st = state.get_parallel_state()
-        names = [n for n in GROUPS if st.group(n) is group]
+    ps = ps if ps is not None else _NAMED.get("ps")
+    names = [n for n in GROUPS if ps.group(n) is group] if ps is not None else []
     try:
         ranks = dist.get_process_group_ranks(group)
     except (RuntimeError, ValueError):
@@ -146,9 +148,12 @@ def _wrap(fn, op):
     return collective
 
 
-def install_collective_diagnostics() -> None:
+def install_collective_diagnostics(ps=None) -> None:
     """Wrap torch.distributed's collectives (idempotent). DeepSpeed's comm layer and our mappings call them through
-    the module attribute, so they are covered too."""
+    the module attribute, so they are covered too. `ps`: the rank's ParallelState, whose names a failure's group
+    gets (called before it exists, then again with it: the groups are built by collectives too)."""
+    if ps is not None:
+        _NAMED["ps"] = ps
     for op in _COLLECTIVES:
         fn = getattr(dist, op, None)
         if fn is not None and not getattr(fn, "_k3_wrapped", False):

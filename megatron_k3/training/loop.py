@@ -4,7 +4,7 @@ clipping, fp32 or bf16 autocast, periodic evaluation, metrics, checkpoints and e
 The Trainer builds this rank's part of the model (megatron_k3.parallel.build_model) and hands it to the
 DeepSpeed engine (engine.py): ZeRO-1/2 over the data-parallel group, gradient accumulation and clipping. Each
 data-parallel rank reads its slice of every global batch (`rank_sample_ids`), so the order of samples does not
-depend on the layout. Checkpoints: checkpointing.py; pipeline stages run the 1F1B order of parallel/pipeline.py.
+depend on the layout. Checkpoints: checkpoint/; pipeline stages run the 1F1B order of parallel/pipeline.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..precision import forward_context, prepare_model_for_precision
 from . import balancing, faults
 from . import compile as compile_regions
 from . import engine as ds_engine
-from .checkpointing import CheckpointManager, Position, Ranks
+from .checkpoint import CheckpointManager, Position
 from .expert_optimizer import install_norm
 from .metrics import (
     MetricsLogger,
@@ -74,6 +74,8 @@ class Trainer:
         faults.install_collective_diagnostics()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ps = state.initialize_from_config(run, timeout=datetime.timedelta(minutes=run.parallel.timeout_minutes))
+        self.ps = ps  # this rank's process groups, handed to what needs them
+        faults.install_collective_diagnostics(ps)  # a failed collective now names its group
         self.dp, self.dp_rank, self.dp_group = ps.size("dp"), ps.rank_in("dp"), ps.group("dp")
         # context parallelism: the CP ranks of a data-parallel replica read the same samples and the model keeps
         # each rank's share of every sequence; statistics of distinct tokens are summed over dp x cp
@@ -99,10 +101,10 @@ class Trainer:
         prepare_model_for_precision(model, run.precision, self.device)
         # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
-        optimizer, self.experts = ds_engine.build_optimizers(model, run)
-        self.engine = ds_engine.initialize(model, optimizer, run)
+        optimizer, self.experts = ds_engine.build_optimizers(model, run, ps)
+        self.engine = ds_engine.initialize(model, optimizer, run, ps)
         if self.experts is not None:
-            install_norm(self.engine, self.experts)
+            install_norm(ds_engine.zero_optimizer(self.engine), self.experts)
         self.model = self.engine.module
         if t.compile:  # each decoder layer one compiled region (training/compile.py)
             n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache)
@@ -121,9 +123,7 @@ class Trainer:
         self.skips = faults.SkipCounter()  # steps skipped for non-finite values: in total, in a row
         self._last_samples = None
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
-        self.checkpoints = CheckpointManager(run, self.engine, self.experts, Ranks(
-            self.rank, self.world, self.tp, ps.rank_in("tp"), self.pp, self.pp_rank, self.dp, self.cp,
-            ps.rank_in("dp-cp")), self.ckpt_dir)
+        self.checkpoints = CheckpointManager(run, self.engine, self.experts, ps, self.ckpt_dir)
         self.start_time = time.time()
 
     @property
@@ -246,7 +246,7 @@ class Trainer:
                 dist.all_reduce(stats, group=self.pp_group)
             dist.all_reduce(stats, group=self.dp_cp_group)
             if self.tp > 1:
-                stats[1:] = ds_engine.tp_sum(stats[1:])
+                dist.all_reduce(stats[1:], group=self.ps.group("tp"))
             loss, dropped, loads = stats[0].cpu() / (self.dp * self.cp), stats[1].cpu(), stats[2:].cpu().view_as(loads)
             tokens *= self.dp
             if acc.media_flops:  # every data-parallel rank's media (the CP and TP ranks of one read the same)
@@ -284,9 +284,9 @@ class Trainer:
         """After a micro-batch's backward: the engine's step (engine.boundary_step), and at the boundary whether
         the step was applied (and the batch to diagnose if not)."""
         if micro < self.num_micro - 1:
-            ds_engine.boundary_step(self.engine, self.experts, self.run, last=False)
+            ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=False)
             return
-        self._applied, self._norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, last=True)
+        self._applied, self._norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=True)
         if self._last_samples is None and not self._applied:
             self._last_samples = samples
 

@@ -51,9 +51,22 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupted or unsafe; the message names the file."""
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+def fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries (a rename into it), to the disk. A directory that cannot be opened
+    for it (some filesystems) is left to the filesystem's own ordering."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if Path(path).is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not Path(path).is_dir():
+            raise
+    finally:
+        os.close(fd)
 
 
 def rank_file(rank: int) -> str:
@@ -160,13 +173,13 @@ class RankPieces:
             f.write(raw)
             for _, _, _, _, data in self.entries:
                 _write_bytes(f, data)
-        _fsync(path)
+        fsync(path)
         index = {"rank": rank, "file": rank_file(rank),
                  "entries": {k: [n, list(o), list(s)] for k, n, o, s, _ in self.entries},
                  "tensors": {n: [list(g), d] for n, (g, d) in self.shapes.items()}}
         tmp = directory / f".{rank_index(rank)}.tmp"
         tmp.write_text(json.dumps(index))
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, directory / rank_index(rank))
 
 
@@ -242,7 +255,7 @@ def merge_index(directory: Path, world: int) -> dict:
     index = {"tensors": dict(sorted(tensors.items()))}
     tmp = directory / f".{INDEX}.tmp"
     tmp.write_text(json.dumps(index))
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, directory / INDEX)
     return index
 

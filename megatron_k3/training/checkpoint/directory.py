@@ -1,6 +1,6 @@
-"""Checkpoints for an exact resume: fp32 master weights and optimizer states (sharded: every rank writes what it
-owns, any layout reads what it needs: shards.py), RNG states, data position and step; the directory protocol
-(temporary directory, meta.json, rename, `latest`), the safe readers, and format 2's readers for the converter.
+"""The checkpoint directory: the protocol that makes a save atomic (a temporary directory, meta.json, the rename
+into place, `latest`, pruning), finding checkpoints (`list_checkpoints`, `resolve_load_path`), meta.json and
+rng.pt, the safe readers, and whole-tensor save and read for offline tools (the files themselves: shards.py).
 
 Written atomically: everything goes to a temporary directory that is renamed into place only when
 complete, so a crash mid-save never leaves a checkpoint that `load=auto` would pick. Loading never
@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..config.schema import LOAD_FORMS
+from ...config.schema import LOAD_FORMS
 from . import shards
 from .shards import CheckpointError
 
@@ -31,17 +31,6 @@ log = logging.getLogger("megatron_k3.checkpoint")
 FORMAT_VERSION = 3  # 3: sharded, every rank writes its own pieces (shards.py); 2: full size per TP shard (legacy)
 LEGACY_VERSION = 2
 _PREFIX = "step_"
-
-
-def _fsync_dir(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def rng_state() -> dict:
@@ -61,7 +50,7 @@ def set_rng_state(st: dict):
 def write_rng(tmp: Path, ranks: list):
     """`rng.pt`: every rank's RNG states, in global rank order."""
     torch.save({"ranks": ranks}, tmp / "rng.pt")
-    shards._fsync(tmp / "rng.pt")
+    shards.fsync(tmp / "rng.pt")
 
 
 def load_tensors(path: Path) -> dict:
@@ -125,7 +114,7 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     ckpt_dir = final.parent
     meta = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time(), complete=True)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    shards._fsync(tmp / "meta.json")
+    shards.fsync(tmp / "meta.json")
     if final.exists():  # a re-save of the same step: move the old one aside first
         old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
@@ -133,7 +122,7 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    _fsync_dir(ckpt_dir)
+    shards.fsync(ckpt_dir)
     latest_tmp = ckpt_dir / f".latest-{os.getpid()}"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, ckpt_dir / "latest")
@@ -271,66 +260,3 @@ def read_meta(path: str | Path, legacy: bool = False) -> dict:
         raise CheckpointError(f"{path}: checkpoint format {version} is not {FORMAT_VERSION} (written by another "
                               f"megatron-k3 version)")
     return meta
-
-
-# ------------------------------------------------------------------------------------------------ format 2 (legacy)
-# Read only by tools/convert_checkpoint.py, which turns a format-2 checkpoint into the current format.
-def legacy_suffix(tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> str:
-    """Format 2's file-name suffix of one (tensor-parallel shard, pipeline stage): '', '_tp01', '_pp01', ..."""
-    return (f"_tp{tp_rank:02d}" if tp > 1 else "") + (f"_pp{pp_rank:02d}" if pp > 1 else "")
-
-
-def read_legacy_shard(path: Path, suffix: str = "") -> tuple:
-    """(model tensors, {param: {key: tensor}}, extra) of one shard written by format 2."""
-    path = Path(path)
-    if not (path / f"model{suffix}.safetensors").is_file():
-        raise CheckpointError(f"{path}: no model{suffix}.safetensors (this checkpoint has "
-                              f"{sorted(p.name for p in path.glob('model*.safetensors'))})")
-    model = load_tensors(path / f"model{suffix}.safetensors")
-    optim = {}
-    for k, v in load_tensors(path / f"optim{suffix}.safetensors").items():
-        name, key = k.rsplit("::", 1)
-        optim.setdefault(name, {})[key] = v
-    extra = load_pickle_safely(path / f"state{suffix}.pt")
-    return model, optim, extra
-
-
-def read_legacy_stages(path: Path, meta: dict, tp_rank: int = 0) -> tuple:
-    """(model tensors, optimizer states, extra) of one tensor-parallel shard, every pipeline stage's files merged:
-    a stage holds its own parameters under their global names, so the merge is a union (the optimizer scalars,
-    keyed by parameter-group rule, likewise)."""
-    tp, pp = int(meta.get("tensor_parallel", 1)), int(meta.get("pipeline_parallel", 1))
-    stages = [read_legacy_shard(path, legacy_suffix(tp, tp_rank, pp, s)) for s in range(pp)]
-    model, optim, extra = {}, {}, dict(stages[0][2])
-    scalars = {}
-    for m, o, e in stages:
-        model.update(m)
-        optim.update(o)
-        scalars.update(e.get("optimizer_scalars", {}))
-    extra["optimizer_scalars"] = scalars
-    return model, optim, extra
-
-
-def read_legacy(path: Path, meta: dict) -> tuple:
-    """A format-2 checkpoint's (model tensors, optimizer states, extra) at full, unsharded size whatever
-    tensor-parallel size and pipeline split saved them: the stage files merged (`read_legacy_stages`), the shards of
-    each tensor concatenated along the dimension `meta['tp_split_dims']` records. Routed experts are stored in
-    global order already (gathered over expert parallelism at save time)."""
-    tp = int(meta.get("tensor_parallel", 1))
-    shards = [read_legacy_stages(path, meta, r) for r in range(tp)]
-    if tp == 1:
-        return shards[0]
-    dims = meta.get("tp_split_dims")
-    if dims is None:
-        raise CheckpointError(f"{path}: saved with tensor_parallel={tp} but meta.json has no tp_split_dims "
-                              f"(an older checkpoint); resume it with parallel.tp={tp}")
-
-    def merge(name, parts):
-        d = dims.get(name)
-        return parts[0] if d is None else torch.cat(parts, dim=d)
-
-    model = {k: merge(k, [s[0][k] for s in shards]) for k in shards[0][0]}
-    optim = {n: {k: merge(n, [s[1][n][k] for s in shards]) for k in st} for n, st in shards[0][1].items()}
-    return model, optim, shards[0][2]
-
-

@@ -1,6 +1,6 @@
 """The Trainer's checkpoints: `CheckpointManager.save()` and `resume()`. The file format is shards.py's (format 3:
-every rank writes the pieces it owns, rank 0 merges the indexes and commits); what a rank owns and reads back is
-zero_views.py's (`owned_pieces`, `load_pieces`).
+every rank writes the pieces it owns, rank 0 merges the indexes and commits), the directory protocol
+directory.py's; what a rank owns and reads back is deepspeed_state.py's (`owned_pieces`, `load_pieces`).
 
 Every rank takes part in both. A save gathers nothing but the RNG states and the optimizers' scalars (small, to
 rank 0); a load reads on each rank only the regions of the saved tensors that rank keeps, whatever layout wrote
@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..annotations import full_shape
-from ..config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
-from ..interop import load_hf_sharded, save_hf_sharded
-from ..parallel import state
-from . import checkpoint as ckpt
-from .shards import ShardIndex, merge_index, wait_for_ranks
-from .zero_views import load_pieces, masters_from_module, owned_pieces, scalars_of
+from ...annotations import full_shape
+from ...config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
+from ...errors import one_line
+from ...interop import load_hf_sharded, save_hf_sharded
+from ...parallel.agree import first_failure
+from . import directory as ckpt
+from .deepspeed_state import load_pieces, masters_from_module, owned_pieces, scalars_of
+from .shards import CheckpointError, ShardIndex, merge_index, wait_for_ranks
 
 log = logging.getLogger("megatron_k3.train")
 
@@ -43,6 +44,12 @@ class Ranks:
     dp: int
     cp: int
     dp_cp_rank: int
+
+    @classmethod
+    def of(cls, ps) -> "Ranks":
+        """This rank's place in a parallel.state.ParallelState."""
+        return cls(ps.rank, ps.grid.world_size, ps.size("tp"), ps.rank_in("tp"), ps.size("pp"), ps.rank_in("pp"),
+                   ps.size("dp"), ps.size("cp"), ps.rank_in("dp-cp"))
 
 
 @dataclass
@@ -67,29 +74,23 @@ def _attempt(fn, *args) -> str | None:
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001 -- exchanged with the other ranks by _agree
-        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+        return f"{type(e).__name__}: {one_line(e)}"
     return None
 
 
-def _first_failure(err, world: int):
-    """(rank, error) of the lowest rank whose `err` is not None, or None: every rank learns it (a collective, so
-    also a barrier), and none goes on alone to hang in the next collective."""
-    errs = [None] * world
-    dist.all_gather_object(errs, err)
-    return next(((i, e) for i, e in enumerate(errs) if e is not None), None)
-
-
-def _agree(err: str | None, ranks: Ranks, step: int) -> None:
+def _agree(err: str | None, step: int) -> None:
     """A step of a synchronous save: raised on every rank if it failed on any, naming the rank."""
-    bad = _first_failure(err, ranks.world)
+    bad = first_failure(err)
     if bad is not None:
-        raise ckpt.CheckpointError(f"rank {bad[0]}: checkpoint of step {step} failed: {bad[1]} (the previous "
+        raise CheckpointError(f"rank {bad[0]}: checkpoint of step {step} failed: {bad[1]} (the previous "
                                    f"checkpoint stays the newest)")
 
 
 class CheckpointManager:
-    def __init__(self, run: RunConfig, engine, experts, ranks: Ranks, ckpt_dir: Path):
-        self.run, self.engine, self.experts, self.ranks, self.dir = run, engine, experts, ranks, ckpt_dir
+    def __init__(self, run: RunConfig, engine, experts, ps, ckpt_dir: Path):
+        """`ps`: the rank's parallel.state.ParallelState."""
+        self.run, self.engine, self.experts, self.ps, self.dir = run, engine, experts, ps, ckpt_dir
+        self.ranks = Ranks.of(ps)
         self._thread, self._error = None, None
 
     @property
@@ -100,7 +101,7 @@ class CheckpointManager:
     def resume(self) -> Position | None:
         """Load `checkpoint.load` (None: nothing to load) into the model, the optimizers and the RNG; returns the
         position it was saved at. Any layout loads any checkpoint: each rank reads only the regions of the saved
-        tensors that its parameters, ZeRO fragments and experts hold (zero_views.load_pieces)."""
+        tensors that its parameters, ZeRO fragments and experts hold (deepspeed_state.load_pieces)."""
         r = self.ranks
         self.wait()
         try:
@@ -130,17 +131,17 @@ class CheckpointManager:
             for name, b in self._buffers().items():
                 if name in index:
                     index.read(name, (0,) * b.dim(), b)
-            load_pieces(self.engine, named, index, saved.get("optimizer_scalars", {}), self.experts)
+            load_pieces(self.engine, named, index, saved.get("optimizer_scalars", {}), self.ps, self.experts)
             rng = ckpt.load_pickle_safely(path / "rng.pt") if (path / "rng.pt").is_file() else None
         except ConfigError as e:
             failure = e
         except Exception as e:  # noqa: BLE001 -- a file, DeepSpeed's fragments: exchanged, raised on every rank
-            failure = ConfigError("checkpoint.load", str(path), " ".join(str(e).split()))
+            failure = ConfigError("checkpoint.load", str(path), one_line(e))
         finally:
             if index is not None:
                 index.close()
         # a file only some ranks read (a missing or truncated shard) fails on those ranks: every rank stops
-        bad = _first_failure(None if failure is None else (failure.key, str(failure.value), failure.valid), r.world)
+        bad = first_failure(None if failure is None else (failure.key, str(failure.value), failure.valid))
         if failure is not None:
             raise failure
         if bad is not None:
@@ -168,8 +169,8 @@ class CheckpointManager:
         try:
             report = load_hf_sharded(self.model, path)
         except (ValueError, OSError) as e:
-            raise ConfigError("checkpoint.load", str(path), " ".join(str(e).split())) from None
-        masters_from_module(self.engine, self.experts)
+            raise ConfigError("checkpoint.load", str(path), one_line(e)) from None
+        masters_from_module(self.engine, self.ps, self.experts)
         log.info("rank %d: initialised from %s (%s layout): %d tensors, %.1f MB read from %d files",
                  self.ranks.rank, path, report.layout, report.tensors, report.bytes_read / 1e6, len(report.files))
 
@@ -179,7 +180,7 @@ class CheckpointManager:
         only, each block of experts quantised by its owner; one index, written by rank 0 last)."""
         c = self.run.checkpoint
         out = Path(c.export_hf)
-        save_hf_sharded(self.model, out, c.export_layout, tp_group=state.get_tensor_model_parallel_group(),
+        save_hf_sharded(self.model, out, c.export_layout, tp_group=self.ps.group("tp"),
                         dtype=getattr(torch, c.export_dtype))
         if self.ranks.rank == 0:
             log.info("exported %s (%s layout, %s)", out, c.export_layout, c.export_dtype)
@@ -237,7 +238,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, pos: Position, blocking: bool | None = None) -> None:
-        """Every rank writes its own pieces (zero_views.owned_pieces) into the temporary directory, rank 0 merges
+        """Every rank writes its own pieces (deepspeed_state.owned_pieces) into the temporary directory, rank 0 merges
         the ranks' indexes and commits (meta.json, rename into place, `latest` last). With checkpoint.async_save
         (and blocking not True) each rank snapshots its pieces to host memory and returns; a thread writes them
         and rank 0's commits once every rank's index is there. A save waits for the previous one first."""
@@ -245,7 +246,7 @@ class CheckpointManager:
         self.wait(collective=True)
         async_ = self.run.checkpoint.async_save if blocking is None else not blocking
         named = list(self.model.named_parameters())
-        pieces = owned_pieces(self.engine, named, self.experts, self._buffers())
+        pieces = owned_pieces(self.engine, named, self.ps, self.experts, self._buffers())
         meta_json = {"step": pos.step, "consumed_samples": pos.consumed, "tokens": pos.tokens,
                      "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
                      "tensor_parallel": r.tp, "expert_parallel": self.run.parallel.ep, "context_parallel": r.cp,
@@ -264,10 +265,10 @@ class CheckpointManager:
         tmp = self.dir / f".tmp-step_{pos.step:08d}"
         if not async_:
             err = _attempt(self._write, pieces, tmp, rngs)
-            _agree(err, r, pos.step)  # every rank's files are in place before rank 0 commits ...
+            _agree(err, pos.step)  # every rank's files are in place before rank 0 commits ...
             if r.rank == 0:
                 err = _attempt(self._commit, tmp, final, meta_json)
-            _agree(err, r, pos.step)  # ... and it committed (or failed, on every rank) before anyone goes on
+            _agree(err, pos.step)  # ... and it committed (or failed, on every rank) before anyone goes on
             return
         t0 = time.perf_counter()
         snap = pieces.snapshot()
@@ -298,7 +299,7 @@ class CheckpointManager:
             if r.rank == 0:
                 self._commit(tmp, final, meta_json, wait_s=60 * self.run.parallel.timeout_minutes)
         except BaseException as e:  # noqa: BLE001 -- reported to every rank by wait(collective=True)
-            self._error = f"rank {r.rank}: checkpoint of step {meta_json['step']} failed: {' '.join(str(e).split())}"
+            self._error = f"rank {r.rank}: checkpoint of step {meta_json['step']} failed: {one_line(e)}"
             try:
                 (tmp / f"rank_{r.rank:05d}.error").write_text(self._error + "\n")
             except OSError:
@@ -320,7 +321,7 @@ class CheckpointManager:
         self.join()
         err, self._error = self._error, None
         if collective:
-            bad = _first_failure(err, self.ranks.world)
+            bad = first_failure(err)
             err = bad[1] if bad is not None else None
         if err:
-            raise ckpt.CheckpointError(err)
+            raise CheckpointError(err)
