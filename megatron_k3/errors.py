@@ -22,7 +22,26 @@ class ConfigError(ValueError):
 
 class ParallelConfigError(ConfigError):
     """A parallel layout is impossible or breaks a rule; the message names the key, the value and what is
-    valid. A ``ConfigError`` (hence a ``ValueError``)."""
+    valid. A ``ConfigError`` (hence a ``ValueError``). `rule`: which rule, in words without the numbers (the
+    planner counts rejected layouts by key and rule)."""
+
+    def __init__(self, key: str, value, valid: str, rule: str = ""):
+        super().__init__(key, value, valid)
+        self.rule = rule or valid
+
+
+class DataError(ConfigError):
+    """A bad document under data.on_bad_sample=stop (or a file that changed after the scan): one line naming the
+    document (file:line) and the problem. A ConfigError, so the entry point reports it as one line and exits 2."""
+
+    def __init__(self, where: str, problem: str):
+        self.key, self.value, self.valid = "data.paths", where, problem
+        self.where, self.problem = where, problem
+        ValueError.__init__(self, f"bad document {where}: {problem}")
+
+
+class BadDocument(Exception):
+    """Raised while reading or scanning one document of data=multimodal; the message is the problem."""
 
 
 def one_line(e: BaseException) -> str:
@@ -31,14 +50,16 @@ def one_line(e: BaseException) -> str:
 
 
 def report_error(e: BaseException, status: int, every_rank: bool = True) -> int:
-    """Say `e` in one line on stderr and return the exit status. every_rank=False: only global rank 0 prints (an
-    error every rank finds alike, such as the composed config's). Under torchrun the line also goes to the worker's
+    """Say `e` in one line on stderr and return the exit status. Under torchrun the line also goes to the worker's
     error file (TORCHELASTIC_ERROR_FILE), which torchrun shows as the failure's root cause at the end of its
-    summary, in place of "To enable traceback see: ..."."""
+    summary, in place of "To enable traceback see: ...". every_rank=False (an error every rank finds alike, such as
+    the composed config's): under torchrun only global rank 0 prints it as well (the summary has it whichever rank
+    torchrun saw fail first, also when it stopped rank 0 before it printed); under other launchers every rank does,
+    as one may stop the others before rank 0 got to it."""
     line = f"error: {one_line(e)}"
-    if every_rank or os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if every_rank or not path or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
     if path:
         try:
             with open(path, "w") as f:
@@ -48,4 +69,4 @@ def report_error(e: BaseException, status: int, every_rank: bool = True) -> int:
     return status
 
 
-__all__ = ["ConfigError", "ParallelConfigError", "one_line", "report_error"]
+__all__ = ["ConfigError", "ParallelConfigError", "DataError", "BadDocument", "one_line", "report_error"]

@@ -11,22 +11,15 @@ import torch
 from PIL import Image
 
 from megatron_k3.config import DataConfig, RunConfig, compose_run_config, load_model_config
-from megatron_k3.data import multimodal as mm
+from megatron_k3.data import drawings
 from megatron_k3.data.build import build_data
 from megatron_k3.data.dataset import Sample, make_batch
-from megatron_k3.data.multimodal import (
-    COLORS,
-    BadDocument,
-    DataError,
-    JsonlDocuments,
-    MediaProcessor,
-    MediaTokens,
-    MultimodalDataset,
-    SyntheticDocuments,
-    draw,
-    media_tokens_for,
-)
-from megatron_k3.errors import ConfigError
+from megatron_k3.data.documents import JsonlDocuments
+from megatron_k3.data.drawings import COLORS, SyntheticDocuments, draw
+from megatron_k3.data.media_tokens import MediaTokens, media_tokens_for
+from megatron_k3.data.multimodal import MultimodalDataset, build_multimodal_datasets
+from megatron_k3.data.pixels import MediaProcessor
+from megatron_k3.errors import BadDocument, ConfigError, DataError
 
 TOK = MediaTokens.after(300)  # above the byte tokenizer's ids 0..256
 PROC = MediaProcessor(14, (2, 2), 256, 512, 4)
@@ -216,7 +209,7 @@ def test_embedded_captions_describe_the_pixels():
         if " in the " in text and len(images) == 1:  # one shape at a named place
             h = images[0]
             row, col = min(2, 3 * h.cy // h.height), min(2, 3 * h.cx // h.width)
-            assert f"in the {mm._position_name(row, col)}" in text
+            assert f"in the {drawings._position_name(row, col)}" in text
 
 
 def test_long_document_is_cut_outside_media_runs():
@@ -372,11 +365,11 @@ def test_multimodal_needs_a_vision_model_and_room_for_the_media_ids():
         DataConfig(name="multimodal", image_max_patches=0).validate()
     with pytest.raises(ConfigError, match="data.paths"):
         run = RunConfig(model=vl, data=DataConfig(name="multimodal", paths=["/nonexistent/x.jsonl"]))
-        mm.build_multimodal_datasets(run, [(1.0, "/nonexistent/x.jsonl")], byte_encode, 257, 0)
+        build_multimodal_datasets(run, [(1.0, "/nonexistent/x.jsonl")], byte_encode, 257, 0)
 
 
 def test_data_multimodal_builds_with_the_embedded_tokenizer(monkeypatch):
-    monkeypatch.setattr(mm, "EMBEDDED_DOCUMENTS", 600)
+    monkeypatch.setattr(drawings, "EMBEDDED_DOCUMENTS", 600)
     run, _, _ = compose_run_config(["model=k3_vl_tiny", "data=multimodal", "train.seq_length=128"])
     train, valid = build_data(run, 0)
     assert len(train) > 0 and len(valid) > 0 and len(train.doc_ids) + len(valid.doc_ids) == 600

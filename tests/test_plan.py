@@ -13,10 +13,10 @@ import pytest
 from megatron_k3.config import compose_config, load_model_config
 from megatron_k3.model.params import count_parameters
 from megatron_k3.planning.activations import attn_res_sources
-from megatron_k3.planning.layout import Layout, layout_problems, stage_layers
+from megatron_k3.planning.layout import Layout, planner_problems, stage_layers
 from megatron_k3.planning.memory import GB, Workload, training_memory
 from megatron_k3.planning.params import model_params
-from megatron_k3.planning.planner import plan_inference, plan_training
+from megatron_k3.planning.planner import plan_inference, plan_training, search_training
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,10 +174,22 @@ def test_layout_rules():
     cfg = load_model_config("k3")
     cl = compose_config(["cluster=supernodes_8x64"])[0].cluster
     ok = Layout(world=512, tp=8, pp=8, ep=64)
-    assert layout_problems(cfg, cl, ok, 1, 4096, 4096) == []
-    assert any("EP group" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=8, pp=4, ep=128), 1, 4096, 4096))
-    assert any("blocks" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=4, pp=16, ep=8), 1, 4096, 4096))
-    assert any("node" in p for p in layout_problems(cfg, cl, Layout(world=512, tp=16, pp=4, ep=8), 1, 4096, 4096))
+    w = Workload(4096, 1, 4096, "bf16", "muon")
+
+    def reasons(lay):
+        return " | ".join(p.reason for p in planner_problems(cfg, cl, lay, w))
+
+    assert planner_problems(cfg, cl, ok, w) == []
+    assert "EP group" in reasons(Layout(world=512, tp=8, pp=4, ep=128))
+    assert "blocks" in reasons(Layout(world=512, tp=4, pp=16, ep=8))
+    assert "node" in reasons(Layout(world=512, tp=16, pp=4, ep=8))
+    # a rejected layout is counted by its key and rule, which hold no numbers: layouts that break one rule with
+    # other sizes count together
+    kinds = {planner_problems(cfg, cl, lay, w)[0].kind
+             for lay in (Layout(world=512, tp=8, pp=4, ep=128), Layout(world=512, tp=4, pp=2, ep=256))}
+    assert kinds == {"parallel.ep: EP <= supernode size"}, kinds
+    res = search_training(load_model_config("k3_tiny"), cl, w, top=1, find_min_world=False)
+    assert res.invalid == {"parallel.tp: divides model.kda_num_heads": 90}, res.invalid
     assert stage_layers(cfg, 8)[0] == (0, 12) and stage_layers(cfg, 8)[-1] == (84, 93)  # whole 12-layer blocks
 
 
@@ -723,6 +735,7 @@ def test_plan_reports_the_vision_tower(plan_tool, capsys):
     rc = plan_tool.main([*args, "--image-share", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "--image-share" in err and len(err.strip().splitlines()) == 1
-    probs = layout_problems(load_model_config("k3", ["model.vision.enabled=true"]), compose_config(
-        ["cluster=supernodes_8x64"])[0].cluster, Layout(world=512, tp=8, pp=8, ep=64, cp=2), 1, 4096, 8192)
-    assert any("context parallelism does not take media" in p for p in probs)
+    probs = planner_problems(load_model_config("k3", ["model.vision.enabled=true"]), compose_config(
+        ["cluster=supernodes_8x64"])[0].cluster, Layout(world=512, tp=8, pp=8, ep=64, cp=2),
+        Workload(8192, 1, 4096, "bf16", "muon"))
+    assert any("context parallelism does not take media" in p.reason for p in probs)

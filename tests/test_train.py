@@ -217,7 +217,9 @@ def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragm
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: invalid config") and fragment in line]
     # Each rank validates before its first collective and exits 2; rank 0 prints the line (every rank finds the
-    # same), and each writes it to torchrun's error file, so torchrun's failure summary ends with it as the root cause
-    assert len(errors) == 1 and "megatron_k3/" not in p.stderr, p.stderr  # no traceback of ours
-    last = [line for line in p.stderr.splitlines() if line.strip() and set(line.strip()) != {"="}][-1]
-    assert last.strip() == f"traceback : {errors[0]}", p.stderr[-2000:]
+    # same; torchrun may stop rank 0 first when another rank exits sooner), and each writes it to torchrun's error
+    # file, so torchrun's failure summary ends with it as the root cause, whichever rank it saw fail first
+    assert len(errors) <= 1 and "megatron_k3/" not in p.stderr, p.stderr  # no traceback of ours
+    last = [line for line in p.stderr.splitlines() if line.strip() and set(line.strip()) != {"="}][-1].strip()
+    assert last.startswith("traceback : error: invalid config") and fragment in last, p.stderr[-2000:]
+    assert not errors or last == f"traceback : {errors[0]}"

@@ -106,7 +106,7 @@ def test_a_sample_unreadable_mid_run_stops_after_a_checkpoint_and_resumes(tmp_pa
     from PIL import Image
 
     from megatron_k3.config import compose_run_config
-    from megatron_k3.data.multimodal import DataError
+    from megatron_k3.errors import DataError
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 

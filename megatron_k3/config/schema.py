@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ..errors import ConfigError
-from ..layout import has_moe, layout_problems
+from ..layout import has_moe, layout_problems, replica_slots
 
 # Marks a ModelConfig field that changes no tensor and no tensor's meaning: it may differ between a checkpoint and
 # the run that loads it, and between a Hugging Face config.json and the model config it is loaded for.
@@ -40,12 +40,39 @@ def _require_choice(obj, prefix: str, k: str, choices) -> None:
         raise ConfigError(_key(prefix, k), v, "valid: " + ", ".join(map(str, choices)))
 
 
+def _value(x):
+    """A config value as hashable plain data: dataclasses as (class name, field values), lists as tuples."""
+    if dataclasses.is_dataclass(x):
+        return (type(x).__name__,) + tuple(_value(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(_value(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _value(v)) for k, v in x.items()))
+    return x
+
+
+def _value_hash(self) -> int:
+    """Configs the planner memoises on (model, vision, cluster) hash by value, as they compare. The hash is kept
+    until a field is set again (`_setattr`); a config is read-only once validated (dataclasses.replace makes
+    another one), so a nested config is not changed in place."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = self.__dict__["_hash"] = hash(_value(self))
+    return h
+
+
+def _setattr(self, name, value) -> None:
+    self.__dict__.pop("_hash", None)
+    object.__setattr__(self, name, value)
+
+
 @dataclass
 class VisionConfig:
     """K3's vision tower (MoonViT-3D) and projector (patchmergerv2), `model.vision.*`; the defaults are the released
     K3's `vision_config` (vt_* keys there). Off (`enabled: false`) in the text-only models. The fixed choices of the
     released tower (divided fixed position embedding, RMSNorm, GELU-tanh MLP without biases, 2D RoPE, sd2_tpool
     merge, patchmergerv2 projector) are not keys: a checkpoint that differs is refused on load."""
+    __hash__, __setattr__ = _value_hash, _setattr
     enabled: bool = False
     patch_size: int = 14  # pixels per patch side; pixel_values are [patches, 3, patch_size, patch_size]
     hidden_size: int = 1024  # vt_hidden_size
@@ -100,6 +127,7 @@ class ModelConfig:
     gated MLA) and Kimi Linear (ordinary residuals, SwiGLU, no latent projection, softplus gate, low-rank
     output gate, ungated MLA) through these switches.
     """
+    __hash__, __setattr__ = _value_hash, _setattr
 
     name: str = field(default="custom", metadata=RUNTIME)
     vocab_size: int = 163840
@@ -272,6 +300,7 @@ RUNTIME_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.
 class ClusterConfig:
     """The hardware: sizes, peak rates and link bandwidths (used by the planner and for MFU); the defaults describe
     this CPU machine (conf/cluster/cpu.yaml)."""
+    __hash__, __setattr__ = _value_hash, _setattr
     name: str = "cpu"
     num_nodes: int = 1
     devices_per_node: int = 1
@@ -495,10 +524,8 @@ class MoEConfig:
     replica_exchange: str = "micro_batch"
 
     def slots(self, model, parallel) -> int | None:
-        """The replica slots balanced dispatch runs with (None where it does not run)."""
-        if model.moe_overflow != "balanced" or parallel.ep <= 1:
-            return None
-        return model.num_experts // parallel.ep if self.redundant_experts < 0 else self.redundant_experts
+        """The replica slots balanced dispatch runs with (None where it does not run): layout.replica_slots."""
+        return replica_slots(model, parallel.ep, self.redundant_experts)
 
     def validate(self, prefix: str = "moe") -> "MoEConfig":
         _require_choice(self, prefix, "balancing", ("quantile", "sign", "none"))
@@ -625,9 +652,10 @@ class RunConfig:
         problems = layout_problems(m, world_size, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, order=p.order,
                                    supernode_size=self.cluster.supernode_size,
                                    sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
-                                   global_batch_size=t.global_batch_size, seq_length=t.seq_length)
+                                   global_batch_size=t.global_batch_size, seq_length=t.seq_length,
+                                   redundant_experts=self.moe.redundant_experts)
         if problems:
-            raise ConfigError(*problems[0])
+            raise problems[0].error()
         self._validate_pairings()
         return self
 
@@ -639,12 +667,6 @@ class RunConfig:
                               "i.e. on the first stage")
         if has_moe(m) and p.ep > 1 and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
-        slots = self.moe.slots(m, p) if has_moe(m) else None
-        if slots is not None and not 1 <= slots <= m.num_experts - m.num_experts // p.ep:
-            raise ConfigError("moe.redundant_experts", self.moe.redundant_experts, (
-                f"replica slots per EP rank must lie in [1, {m.num_experts - m.num_experts // p.ep}] "
-                f"(model.num_experts={m.num_experts} minus the {m.num_experts // p.ep} each of parallel.ep={p.ep} "
-                f"ranks owns; -1 = {m.num_experts // p.ep}, exact balance for any routing)"))
         if o.name == "muon" and p.zero_stage == 0 and pr.param_dtype == "bf16":
             raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
                               "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")

@@ -11,7 +11,8 @@ from ..errors import ConfigError
 from .corpus import EmbeddedCorpus
 from .dataset import BlendedDataset, IndexedDocuments, PackedDataset, split_documents
 from .indexed import IndexedDataset, IndexedDatasetError
-from .multimodal import build_multimodal_datasets, tokenizer_encoder
+from .media_tokens import tokenizer_encoder
+from .multimodal import build_multimodal_datasets
 from .tokenizer import EOD_TOKEN, load_tokenizer
 
 __all__ = ["build_data"]

@@ -79,6 +79,8 @@ class Sample:
 class PackedDataset:
     """Samples of seq_length + 1 tokens over the documents `doc_ids` of `source`, reshuffled every epoch."""
 
+    reads_files = False  # the tokens are in memory (or a memory map checked at start-up): a read cannot fail
+
     def __init__(self, source, doc_ids: np.ndarray, seq_length: int, seed: int, name: str = "dataset"):
         self.source, self.seq_length, self.seed, self.name = source, seq_length, seed, name
         self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
@@ -131,6 +133,7 @@ class BlendedDataset:
     as integers allow. Deterministic; each dataset is read in its own order."""
 
     def __init__(self, datasets: list, weights: list, name: str = "blend"):
+        self.reads_files = any(d.reads_files for d in datasets)
         w = np.asarray(weights, dtype=np.float64)
         if len(datasets) != len(w) or (w <= 0).any():
             raise ValueError(f"{name}: need one positive weight per dataset, got {list(weights)}")

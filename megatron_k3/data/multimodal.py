@@ -2,417 +2,41 @@
 
 Legend: T sequence length (train.seq_length), P pixel patches, M media, ps patch size, (mh, mw) merge kernel.
 
-Documents. A user's data is JSON lines, one document per line (paths relative to the JSONL file):
-
-    {"text": "A photo: <image> and a clip <video> ...", "images": ["a.png"], "videos": [["f0.png", "f1.png"]]}
-
-Every `<image>` marker takes the next entry of "images", every `<video>` the next entry of "videos" (a list of frame
-files of one size). Without `data.paths` the embedded default is used: procedurally drawn images (coloured shapes,
-seven-segment digits) and short videos (a shape moving across the frames) with captions that describe them, the same
-for every run (no download).
-
-Tokens. Text goes through the embedded BPE (the tokenizer data=embedded trains and caches); each medium becomes
-`<|media_begin|>`, exactly (h / mh) * (w / mw) placeholder tokens (model.vision.placeholder_token_id), then
-`<|media_end|>`, and every document ends with the end-of-document token. A video is cut into chunks of at most
-model.vision.pos_emb_time frames, each chunk one medium (its frames pool into one set of features).
-
-Pixels, as the released K3 / K2.5 processor: RGB; scaled down (bicubic, keeping the aspect) when it has more than
-`data.image_max_patches` patches or a side over `data.image_max_side_patches` patches; padded with black at the
-bottom and right to a multiple of ps * merge; `(x / 255 - 0.5) / 0.5`; patchified to [t * (H/ps) * (W/ps), 3, ps, ps]
-in (frame, patch row, patch column) order; grid (t, H/ps, W/ps).
+Documents come from JSON lines (documents.JsonlDocuments) or, without `data.paths`, the embedded drawn set
+(drawings.SyntheticDocuments). Tokens: text goes through the embedded BPE (the tokenizer data=embedded trains and
+caches, or data.tokenizer); each medium becomes `<|media_begin|>`, exactly (h / mh) * (w / mw) placeholder tokens,
+then `<|media_end|>` (media_tokens.py), and every document ends with the end-of-document token. A video is cut into
+chunks of at most model.vision.pos_emb_time frames, each chunk one medium (its frames pool into one set of
+features). Pixels: pixels.MediaProcessor.
 
 Samples. Whole documents are packed (first fit over the most recent open samples) into samples of T + 1 tokens; the
 rest of a sample is padding whose labels are ignored; a document longer than a sample is cut before the media run the
 cut would split (the media after the cut are dropped). The packing is fixed by train.seed and every epoch visits the
 samples in a new order, so sample c of the run is a pure function of (seed, c). Documents are scanned (tokenized,
-image headers read, checked) when the dataset is built; pixels are decoded and preprocessed per sample.
+image headers read, checked) when the dataset is built; pixels are decoded and preprocessed per sample, so reading a
+sample can fail mid-run (a file changed after the scan): `reads_files` says so to the Trainer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
-from PIL import Image, ImageDraw
 
-from ..errors import ConfigError
+from ..errors import BadDocument, ConfigError, DataError
 from .dataset import BlendedDataset, Sample, split_documents
+from .documents import JsonlDocuments, media_of
+from .drawings import SyntheticDocuments
+from .media_tokens import MediaTokens, media_tokens_for
+from .pixels import MediaProcessor
 
 log = logging.getLogger(__name__)
 
-IMAGE_MARKER, VIDEO_MARKER = "<image>", "<video>"
-_MARKERS = re.compile(r"(<image>|<video>)")
-EMBEDDED_DOCUMENTS = 20000  # documents of the embedded default
 _PACK_WINDOW = 64  # open samples a document may go into (first fit)
 _LOGGED_BAD = 100  # bad documents logged one by one per dataset; the rest are counted in the summary line
 
-__all__ = ["DataError", "MediaTokens", "MediaProcessor", "JsonlDocuments", "SyntheticDocuments", "MultimodalDataset",
-           "build_multimodal_datasets", "media_tokens_for", "tokenizer_encoder"]
-
-
-class DataError(ConfigError):
-    """A bad document under data.on_bad_sample=stop (or a file that changed after the scan): one line naming the
-    document (file:line) and the problem. A ConfigError, so the entry point reports it as one line and exits 2."""
-
-    def __init__(self, where: str, problem: str):
-        self.key, self.value, self.valid = "data.paths", where, problem
-        self.where, self.problem = where, problem
-        ValueError.__init__(self, f"bad document {where}: {problem}")
-
-
-class BadDocument(Exception):
-    """Raised while reading or scanning one document; the message is the problem."""
-
-
-# ---------------------------------------------------------------------------------------------------------- tokens
-
-@dataclass(frozen=True)
-class MediaTokens:
-    """The ids around and inside a medium's run, and the padding id; the placeholder is the model's."""
-    placeholder: int
-    begin: int
-    end: int
-    pad: int
-
-    @classmethod
-    def after(cls, placeholder: int) -> "MediaTokens":
-        """placeholder, <|media_begin|> = placeholder + 1, <|media_end|> = + 2, <|pad|> = + 3."""
-        return cls(placeholder, placeholder + 1, placeholder + 2, placeholder + 3)
-
-    @property
-    def ids(self) -> tuple:
-        return self.placeholder, self.begin, self.end, self.pad
-
-
-def media_tokens_for(model, text_vocab: int) -> MediaTokens:
-    """The media ids for `model` (a ModelConfig) over a tokenizer of `text_vocab` ids, or a ConfigError naming the
-    key to change."""
-    v = model.vision
-    if not v.enabled:
-        raise ConfigError("model.vision.enabled", False, "data=multimodal needs a model with a vision tower "
-                          "(e.g. model=k3_vl_tiny)")
-    t = MediaTokens.after(v.placeholder_token_id)
-    if t.placeholder < text_vocab:
-        raise ConfigError("model.vision.placeholder_token_id", t.placeholder,
-                          f"must be >= the tokenizer's vocabulary ({text_vocab}): data=multimodal uses ids "
-                          f"{t.placeholder}..{t.pad} for the media tokens, above the text ids")
-    if t.pad >= model.vocab_size:
-        raise ConfigError("model.vocab_size", model.vocab_size,
-                          f"must be > {t.pad}: data=multimodal uses {t.placeholder} (placeholder), {t.begin} "
-                          f"<|media_begin|>, {t.end} <|media_end|> and {t.pad} <|pad|>")
-    return t
-
-
-def tokenizer_encoder(tok) -> Callable:
-    """texts -> lists of ids, for a `tokenizers.Tokenizer`."""
-    return lambda texts: [e.ids for e in tok.encode_batch(list(texts))]
-
-
-# ------------------------------------------------------------------------------------------------------ preprocessing
-
-@dataclass(frozen=True)
-class MediaProcessor:
-    """Pixel preprocessing and feature counts (the released K3 / K2.5 processor's rules)."""
-    patch_size: int = 14
-    merge_kernel_size: tuple = (2, 2)
-    max_patches: int = 256  # data.image_max_patches (the released in_patch_limit)
-    max_side_patches: int = 512  # data.image_max_side_patches (patch_limit_on_one_side)
-    chunk_frames: int = 4  # model.vision.pos_emb_time: frames per video chunk
-
-    def fit(self, width: int, height: int) -> tuple:
-        """(width, height) after the scale-down, exactly as the released processor computes it."""
-        ps, side = self.patch_size, self.max_side_patches
-        s1 = math.sqrt(self.max_patches / (max(1.0, width // ps) * max(1.0, height // ps)))
-        scale = min(1.0, s1, side * ps / width, side * ps / height)
-        return (min(max(1, int(width * scale)), side * ps), min(max(1, int(height * scale)), side * ps))
-
-    def padded(self, width: int, height: int) -> tuple:
-        """(width, height) after padding to a multiple of patch_size * merge kernel."""
-        fh, fw = self.patch_size * self.merge_kernel_size[0], self.patch_size * self.merge_kernel_size[1]
-        return -(-width // fw) * fw, -(-height // fh) * fh
-
-    def grid(self, width: int, height: int, frames: int = 1) -> tuple:
-        """(t, h, w) in patches of a medium whose frames are `width` x `height` pixels before preprocessing."""
-        w, h = self.padded(*self.fit(width, height))
-        return frames, h // self.patch_size, w // self.patch_size
-
-    def num_tokens(self, grid) -> int:
-        """Placeholder tokens of a medium: (h / mh) * (w / mw) (a chunk's frames pool into one set)."""
-        t, h, w = (int(x) for x in grid)
-        mh, mw = self.merge_kernel_size
-        if h % mh or w % mw or not 1 <= t <= self.chunk_frames or h < 1 or w < 1:
-            raise BadDocument(f"a medium's grid (t, h, w)=({t}, {h}, {w}) does not fit model.vision."
-                              f"merge_kernel_size={list(self.merge_kernel_size)} (h, w multiples of it) with "
-                              f"1 <= t <= model.vision.pos_emb_time={self.chunk_frames}")
-        return (h // mh) * (w // mw)
-
-    def _pixels(self, img: Image.Image) -> np.ndarray:
-        """[H, W, 3] uint8: RGB, scaled down if needed, padded with black (bottom, right)."""
-        img = img.convert("RGB")
-        size = self.fit(*img.size)
-        if size != img.size:
-            img = img.resize(size, Image.Resampling.BICUBIC)
-        w, h = self.padded(*size)
-        out = np.zeros((h, w, 3), dtype=np.uint8)
-        out[: size[1], : size[0]] = np.asarray(img, dtype=np.uint8)
-        return out
-
-    def chunk(self, frames: list) -> tuple:
-        """(patches [t*(H/ps)*(W/ps), 3, ps, ps] float32, grid (t, H/ps, W/ps)) of one image or video chunk."""
-        if not 1 <= len(frames) <= self.chunk_frames:
-            raise ValueError(f"a chunk holds 1..{self.chunk_frames} frames, got {len(frames)}")
-        arrs = [self._pixels(f) for f in frames]
-        if len({a.shape for a in arrs}) > 1:
-            raise BadDocument(f"video frames of different sizes: {sorted({f.size for f in frames})}")
-        x = (np.stack(arrs).astype(np.float32) / np.float32(255.0) - np.float32(0.5)) / np.float32(0.5)
-        t, H, W, C = x.shape
-        ps = self.patch_size
-        patches = x.reshape(t, H // ps, ps, W // ps, ps, C).transpose(0, 1, 3, 5, 2, 4)
-        return np.ascontiguousarray(patches.reshape(-1, C, ps, ps)), (t, H // ps, W // ps)
-
-    def image(self, img: Image.Image) -> tuple:
-        return self.chunk([img])
-
-    def video(self, frames: list) -> list:
-        """[(patches, grid)] for the chunks of at most chunk_frames frames."""
-        return [self.chunk(frames[i: i + self.chunk_frames]) for i in range(0, len(frames), self.chunk_frames)]
-
-
-# ---------------------------------------------------------------------------------------------------------- sources
-
-def _media_of(text: str, images: list, videos: list) -> tuple:
-    """(text pieces [n+1], media [n]) for the n markers, in order: media[k] = ('image' | 'video', frame handles) goes
-    between pieces k and k+1 (a video is cut into chunks later). BadDocument when the markers and lists disagree."""
-    parts = _MARKERS.split(text)
-    n_img, n_vid = parts[1::2].count(IMAGE_MARKER), parts[1::2].count(VIDEO_MARKER)
-    if n_img != len(images) or n_vid != len(videos):
-        raise BadDocument(f"{n_img} {IMAGE_MARKER} and {n_vid} {VIDEO_MARKER} markers in the text for "
-                          f"{len(images)} images and {len(videos)} videos")
-    it_img, it_vid, media = iter(images), iter(videos), []
-    for m in parts[1::2]:
-        if m == IMAGE_MARKER:
-            media.append(("image", [next(it_img)]))
-        else:
-            frames = next(it_vid)
-            if not frames:
-                raise BadDocument("a video with no frames")
-            media.append(("video", list(frames)))
-    return parts[0::2], media
-
-
-class JsonlDocuments:
-    """The documents of one JSONL file (one JSON object per non-blank line), read line by line on demand."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.base, self.name = self.path.parent, str(path)
-        offsets, lines, pos = [], [], 0
-        with open(self.path, "rb") as f:  # FileNotFoundError / OSError for the caller
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    offsets.append(pos)
-                    lines.append(lineno)
-                pos += len(line)
-        self.offsets, self.lines = np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64)
-        self._fh = None
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __del__(self):
-        if getattr(self, "_fh", None) is not None:
-            self._fh.close()
-
-    def where(self, i: int) -> str:
-        return f"{self.path}:{int(self.lines[i])}"
-
-    def _line(self, i: int) -> bytes:
-        if self._fh is None:
-            self._fh = open(self.path, "rb")
-        self._fh.seek(int(self.offsets[i]))
-        return self._fh.readline()
-
-    def _path(self, p) -> str:
-        if not isinstance(p, str) or not p:
-            raise BadDocument(f"a media path must be a non-empty string, got {p!r}")
-        return str(self.base / p)
-
-    def document(self, i: int) -> tuple:
-        """(text, [image handle], [[frame handle]]); handles are file paths."""
-        try:
-            rec = json.loads(self._line(i))
-        except ValueError as e:
-            raise BadDocument(f"not valid JSON ({e})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise BadDocument('expected a JSON object with a string "text"')
-        images, videos = rec.get("images") or [], rec.get("videos") or []
-        if not isinstance(images, list) or not isinstance(videos, list) or \
-                not all(isinstance(v, list) for v in videos):
-            raise BadDocument('"images" must be a list of paths and "videos" a list of lists of frame paths')
-        return rec["text"], [self._path(p) for p in images], [[self._path(p) for p in v] for v in videos]
-
-    @staticmethod
-    def size(handle) -> tuple:
-        """(width, height) from the file's header (no decoding)."""
-        try:
-            with Image.open(handle) as im:
-                return im.size
-        except FileNotFoundError:
-            raise BadDocument(f"image file not found: {handle}") from None
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise BadDocument(f"cannot read image {handle}: {e}") from None
-
-    @staticmethod
-    def load(handle) -> Image.Image:
-        try:
-            with Image.open(handle) as im:
-                return im.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise BadDocument(f"cannot decode image {handle}: {e}") from None
-
-
-class _Drawing(NamedTuple):
-    """One procedurally drawn frame: size, colours and a shape (or a digit) at a centre."""
-    width: int
-    height: int
-    background: tuple
-    color: tuple
-    shape: str  # circle, square, triangle, diamond, or a digit '0'..'9'
-    cx: int
-    cy: int
-    radius: int
-
-
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
-          "white": (245, 245, 245), "black": (20, 20, 20), "orange": (245, 140, 30), "purple": (140, 60, 200)}
-SHAPES = ("circle", "square", "triangle", "diamond")
-ROWS, COLUMNS = ("top", "middle", "bottom"), ("left", "center", "right")
-# seven-segment digits: segments a (top), b (top right), c (bottom right), d (bottom), e (bottom left), f (top left),
-# g (middle)
-SEGMENTS = {"0": "abcdef", "1": "bc", "2": "abdeg", "3": "abcdg", "4": "bcfg", "5": "acdfg", "6": "acdefg",
-            "7": "abc", "8": "abcdefg", "9": "abcdfg"}
-IMAGE_SIZES_W, IMAGE_SIZES_H = (56, 70, 84, 98, 112), (56, 70, 84)
-VIDEO_SIZES = ((84, 56), (112, 84), (84, 84))
-DIRECTIONS = ("from left to right", "from right to left", "from top to bottom", "from bottom to top")
-
-
-def _a(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
-def _position_name(r: int, c: int) -> str:
-    if r == 1 and c == 1:
-        return "center"
-    return f"{ROWS[r]} {COLUMNS[c]}"
-
-
-def draw(d: _Drawing) -> Image.Image:
-    """The frame `d` describes (integer geometry, no anti-aliasing: the same pixels everywhere)."""
-    img = Image.new("RGB", (d.width, d.height), d.background)
-    g = ImageDraw.Draw(img)
-    x, y, r = d.cx, d.cy, d.radius
-    if d.shape == "circle":
-        g.ellipse([x - r, y - r, x + r, y + r], fill=d.color)
-    elif d.shape == "square":
-        g.rectangle([x - r, y - r, x + r, y + r], fill=d.color)
-    elif d.shape == "triangle":
-        g.polygon([(x, y - r), (x + r, y + r), (x - r, y + r)], fill=d.color)
-    elif d.shape == "diamond":
-        g.polygon([(x, y - r), (x + r, y), (x, y + r), (x - r, y)], fill=d.color)
-    else:  # a digit, 2r high and r wide, strokes of r/4
-        w, s = r // 2, max(2, r // 4)
-        box = {"a": (-w, -r, w, -r + s), "d": (-w, r - s, w, r), "g": (-w, -s // 2, w, s - s // 2),
-               "f": (-w, -r, -w + s, 0), "b": (w - s, -r, w, 0), "e": (-w, 0, -w + s, r), "c": (w - s, 0, w, r)}
-        for seg in SEGMENTS[d.shape]:
-            x0, y0, x1, y1 = box[seg]
-            g.rectangle([x + x0, y + y0, x + x1 - 1, y + y1 - 1], fill=d.color)
-    return img
-
-
-class SyntheticDocuments:
-    """The embedded default: `num_documents` captioned images and videos drawn from (seed, index), no download.
-
-    Kinds: a shape in one of nine places ("<image> A red circle in the top left on a blue background."), a digit,
-    two images in one document, and a video of 4 or 6 frames (chunks of 4 and 2) of a shape moving across. Every
-    caption follows its media, so it is predictable from the pixels."""
-
-    def __init__(self, num_documents: int | None = None, seed: int = 0):
-        self.num_documents = EMBEDDED_DOCUMENTS if num_documents is None else int(num_documents)
-        self.seed, self.name = seed, "embedded multimodal set"
-
-    def __len__(self) -> int:
-        return self.num_documents
-
-    def where(self, i: int) -> str:
-        return f"embedded multimodal document {i}"
-
-    @staticmethod
-    def _colors(u0: float, u1: float) -> tuple:
-        names = list(COLORS)
-        bg = names[int(u0 * len(names))]
-        rest = [n for n in names if n != bg]
-        return bg, rest[int(u1 * len(rest))]
-
-    def _shape_image(self, u) -> tuple:
-        """(drawing, caption words) of a shape in one of nine places; u: 7 uniforms."""
-        W, H = IMAGE_SIZES_W[int(u[0] * 5)], IMAGE_SIZES_H[int(u[1] * 3)]
-        bg, fg = self._colors(u[2], u[3])
-        shape, r, c = SHAPES[int(u[4] * 4)], int(u[5] * 3), int(u[6] * 3)
-        rad = max(4, int(0.4 * min(W, H) / 3))
-        d = _Drawing(W, H, COLORS[bg], COLORS[fg], shape, int((2 * c + 1) * W / 6), int((2 * r + 1) * H / 6), rad)
-        return d, f"{_a(fg)} {fg} {shape} in the {_position_name(r, c)}", bg
-
-    def document(self, i: int) -> tuple:
-        """(text, [image handle], [[frame handle]]); handles are _Drawing tuples."""
-        if not 0 <= i < self.num_documents:
-            raise IndexError(i)
-        u = np.random.default_rng([self.seed, i]).random(24)
-        kind = u[0]
-        if kind < 0.5:  # one shape
-            d, what, bg = self._shape_image(u[1:8])
-            template = int(u[8] * 3)
-            text = (f"{IMAGE_MARKER} {what[0].upper()}{what[1:]} on {_a(bg)} {bg} background." if template == 0 else
-                    f"Image: {IMAGE_MARKER}\nCaption: {what}, {bg} background." if template == 1 else
-                    f"{IMAGE_MARKER} This picture shows {what}. The background is {bg}.")
-            return text, [d], []
-        if kind < 0.7:  # a digit
-            W, H = IMAGE_SIZES_W[int(u[1] * 5)], IMAGE_SIZES_H[int(u[2] * 3)]
-            bg, fg = self._colors(u[3], u[4])
-            digit = str(int(u[5] * 10))
-            d = _Drawing(W, H, COLORS[bg], COLORS[fg], digit, W // 2, H // 2, int(0.35 * H))
-            return f"{IMAGE_MARKER} The digit {digit} in {fg} on {_a(bg)} {bg} background.", [d], []
-        if kind < 0.85:  # two images
-            d1, what1, bg1 = self._shape_image(u[1:8])
-            d2, what2, bg2 = self._shape_image(u[8:15])
-            return (f"First image: {IMAGE_MARKER} {what1} on {bg1}. Second image: {IMAGE_MARKER} {what2} on {bg2}.",
-                    [d1, d2], [])
-        W, H = VIDEO_SIZES[int(u[1] * 3)]  # a video: a shape moving across the frames
-        bg, fg = self._colors(u[2], u[3])
-        shape, direction = SHAPES[int(u[4] * 4)], int(u[5] * 4)
-        n = 4 if u[6] < 0.7 else 6
-        rad = max(4, int(0.4 * min(W, H) / 3))
-        frames = []
-        for k in range(n):
-            f = (1 + 4 * k / (n - 1)) / 6  # from 1/6 to 5/6 of the way across
-            f = f if direction in (0, 2) else 1 - f
-            cx, cy = (int(f * W), H // 2) if direction < 2 else (W // 2, int(f * H))
-            frames.append(_Drawing(W, H, COLORS[bg], COLORS[fg], shape, cx, cy, rad))
-        return (f"{VIDEO_MARKER} {_a(fg).capitalize()} {fg} {shape} moving {DIRECTIONS[direction]} on {_a(bg)} {bg} "
-                "background.", [], [frames])
-
-    @staticmethod
-    def size(handle) -> tuple:
-        return handle.width, handle.height
-
-    @staticmethod
-    def load(handle) -> Image.Image:
-        return draw(handle)
+__all__ = ["MultimodalDataset", "build_multimodal_datasets"]
 
 
 # ----------------------------------------------------------------------------------------------------------- dataset
@@ -447,6 +71,8 @@ class MultimodalDataset:
     from the file headers and checked; a bad one is logged once (when `report`) and left out
     (on_bad_sample='skip', counted in `self.skipped`) or raises DataError (on_bad_sample='stop')."""
 
+    reads_files = True  # a sample's pixels are read when it is: a file changed after the scan fails then
+
     def __init__(self, source, doc_ids, seq_length: int, seed: int, *, encode: Callable, eod_id: int | None,
                  media_tokens: MediaTokens, processor: MediaProcessor, on_bad_sample: str = "skip",
                  name: str = "multimodal", report: bool = True):
@@ -476,7 +102,7 @@ class MultimodalDataset:
 
     def _media(self, i: int) -> tuple:
         """(text pieces [n+1], media [n]: ('image' | 'video', frame handles)) of document i; BadDocument."""
-        return _media_of(*self.source.document(int(i)))
+        return media_of(*self.source.document(int(i)))
 
     def _chunked(self, media: list) -> list:
         """The media as the model sees them: an image, or a video's chunks of at most chunk_frames frames."""

@@ -48,7 +48,7 @@ GROUPS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
 
 def positive_int(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ParallelConfigError(key, value, "must be a positive integer")
+        raise ParallelConfigError(key, value, "must be a positive integer", "a positive integer")
     return value
 
 
@@ -60,13 +60,15 @@ def _require_divides(world: int, name: str, value: int, others: Dict[str, int]) 
     if world % (value * rest) == 0:
         return
     valid = [d for d in divisors(world) if world % (d * rest) == 0]
+    rule = "divides the world size" if not others else f"{'*'.join([name, *others])} divides the world size"
     if not others:
-        raise ParallelConfigError(f"parallel.{name}", value, f"must divide the world size {world}; valid: {valid}")
+        raise ParallelConfigError(f"parallel.{name}", value, f"must divide the world size {world}; valid: {valid}",
+                                  rule)
     expr = "*".join([name, *others])
     nums = "*".join(str(v) for v in [value, *others.values()])
     fixed = ", ".join(f"parallel.{k}={v}" for k, v in others.items())
     raise ParallelConfigError(f"parallel.{name}", value, f"{expr} = {nums} = {value * rest} must divide the world "
-                              f"size {world}; with {fixed} valid {name}: {valid}")
+                              f"size {world}; with {fixed} valid {name}: {valid}", rule)
 
 
 def _offsets(axes: Sequence[Tuple[int, int]]) -> List[int]:
@@ -126,11 +128,13 @@ class RankGrid:
         if self._given_order[-1] != "pp" and pp > 1 and self.edp != self.dp:
             raise ParallelConfigError(
                 "parallel.order", order, f"with pp={pp} not last in the order the dense and expert data-parallel "
-                f"sizes must match (dp={self.dp}, edp={self.edp}); put pp last, e.g. {DEFAULT_ORDER}")
+                f"sizes must match (dp={self.dp}, edp={self.edp}); put pp last, e.g. {DEFAULT_ORDER}",
+                "dense and expert data-parallel sizes match unless pp is last")
         if not self._pp_outermost() and self._enumerate("dense", ("pp",)) != self._enumerate("expert", ("pp",)):
             raise ParallelConfigError(
                 "parallel.order", order, f"the dense (tp={tp}, cp={cp}) and expert (etp={etp}, ep={ep}) grids give "
-                f"different pipeline groups; put pp last in the order or make tp*cp equal etp*ep")
+                f"different pipeline groups; put pp last in the order or make tp*cp equal etp*ep",
+                "dense and expert grids give the same pipeline groups")
         if supernode_size is not None:
             self._check_supernodes()
 
@@ -138,20 +142,21 @@ class RankGrid:
     def _parse_order(self, order) -> Tuple[str, ...]:
         valid = f"a '-'-joined permutation of {'-'.join(AXES)} (size-1 axes may be left out), e.g. {DEFAULT_ORDER}"
         if not isinstance(order, str) or not order:
-            raise ParallelConfigError("parallel.order", order, valid)
+            raise ParallelConfigError("parallel.order", order, valid, "a valid order")
         tokens = order.lower().split("-")
         unknown = [t for t in tokens if t not in AXES]
         if unknown:
-            raise ParallelConfigError("parallel.order", order, f"unknown axis {unknown[0]!r}; {valid}")
+            raise ParallelConfigError("parallel.order", order, f"unknown axis {unknown[0]!r}; {valid}", "a valid order")
         if len(set(tokens)) != len(tokens):
             dup = next(t for t in tokens if tokens.count(t) > 1)
-            raise ParallelConfigError("parallel.order", order, f"axis {dup!r} appears twice; {valid}")
+            raise ParallelConfigError("parallel.order", order, f"axis {dup!r} appears twice; {valid}", "a valid order")
         sizes = {"tp": {"tp": self.tp, "etp": self.etp}, "cp": {"cp": self.cp}, "ep": {"ep": self.ep},
                  "dp": {"dp": self.dp, "edp": self.edp}, "pp": {"pp": self.pp}}
         for axis in AXES:
             if axis not in tokens and max(sizes[axis].values()) > 1:
                 shown = ", ".join(f"{k}={v}" for k, v in sizes[axis].items())
-                raise ParallelConfigError("parallel.order", order, f"axis {axis!r} is missing but {shown}; {valid}")
+                raise ParallelConfigError("parallel.order", order, f"axis {axis!r} is missing but {shown}; {valid}",
+                                          "a valid order")
         self._given_order = tuple(tokens)
         return tuple(tokens) + tuple(a for a in _APPEND_ORDER if a not in tokens)
 
@@ -269,7 +274,7 @@ class RankGrid:
                 f"cluster.supernode_size={s}, but every {what} group must lie inside one supernode; "
                 f"with parallel.order={self.order_string} and the other sizes fixed, valid {key}: {valid}"
                 + ("" if what == "TP" else "; placing ep (and tp) left of dp and pp in the order keeps EP groups "
-                   "contiguous"))
+                   "contiguous"), f"{what} groups inside one supernode")
 
     def _sizes(self) -> Dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp, "etp": self.etp}

@@ -13,7 +13,10 @@ Rules, in the order they are reported:
 3. pipeline: stages hold whole AttnRes blocks (`stages`), tied embeddings need one stage;
 4. context parallelism: 2 cp equal zigzag chunks per sequence, each at least the short convolution's halo;
 5. tokens: under tensor parallelism each rank routes (or, with sequence parallelism, holds) 1/tp of them;
-6. batch: the global batch is whole micro-batches on every data-parallel rank.
+6. batch: the global batch is whole micro-batches on every data-parallel rank;
+7. balanced expert dispatch: the replica slots per EP rank lie in [1, E - E/ep] (`replica_slots`).
+
+Each Problem carries its `rule` in words without the numbers, by which the planner counts the layouts it rejects.
 """
 
 from __future__ import annotations
@@ -25,16 +28,22 @@ from .grid import DEFAULT_ORDER, RankGrid
 from .sharding import has_moe, sharding_problems
 from .stages import stage_layers
 
-__all__ = ["Problem", "layout_problems", "check_layout"]
+__all__ = ["Problem", "layout_problems", "check_layout", "replica_slots"]
 
 
 class Problem(NamedTuple):
     key: str
     value: object
     reason: str
+    rule: str = ""  # the rule broken, without the numbers: what rejected layouts are counted by
 
     def error(self) -> ParallelConfigError:
-        return ParallelConfigError(self.key, self.value, self.reason)
+        return ParallelConfigError(self.key, self.value, self.reason, self.rule)
+
+    @property
+    def kind(self) -> str:
+        """'parallel.ep: divides the world size': the key and the rule, the same for every layout it rejects."""
+        return f"{self.key}: {self.rule or self.reason}"
 
     def __str__(self) -> str:
         return self.reason
@@ -43,34 +52,61 @@ class Problem(NamedTuple):
 def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp: int = 1,
                     order: str = DEFAULT_ORDER, supernode_size: int | None = None, sequence_parallel: bool = False,
                     micro_batch_size: int | None = None, global_batch_size: int | None = None,
-                    seq_length: int | None = None) -> list:
-    """Every Problem of this layout (empty: it runs). Batch rules apply when the batch sizes are given."""
+                    seq_length: int | None = None, redundant_experts: int | None = None,
+                    moe_overflow: str | None = None) -> list:
+    """Every Problem of this layout (empty: it runs). Batch rules apply when the batch sizes are given, the replica
+    slots of balanced dispatch when moe.redundant_experts is (`moe_overflow`: in place of the model's)."""
     out = []
     for key, size, what in (("parallel.tp", tp, "TP"), ("parallel.ep", ep, "EP")):
         if supernode_size and isinstance(size, int) and size > supernode_size:
             out.append(Problem(key, size, f"{what} groups stay inside one supernode: must be <= "
-                                          f"cluster.supernode_size={supernode_size}"))
+                                          f"cluster.supernode_size={supernode_size}", f"{what} <= supernode size"))
     try:
         grid = RankGrid(world, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp, order=order, supernode_size=supernode_size)
     except ParallelConfigError as e:  # the sizes do not form a grid: nothing below is defined
-        return out + [Problem(e.key, e.value, e.valid)]
+        return out + [Problem(e.key, e.value, e.valid, e.rule)]
     out += [Problem(*p) for p in sharding_problems(model, tp, ep, etp)]
     if pp > 1:
         try:
             stage_layers(model, pp)
         except ValueError as e:
             out.append(Problem("parallel.pp", pp, f"{e} (model.num_layers={model.num_layers}, "
-                                                  f"model.attn_res_block_size={model.attn_res_block_size})"))
+                                                  f"model.attn_res_block_size={model.attn_res_block_size})",
+                               "stages hold whole AttnRes blocks"))
         if model.tie_word_embeddings:
             out.append(Problem("parallel.pp", pp, "model.tie_word_embeddings=true needs the embedding and the LM "
-                                                  "head on one stage: use parallel.pp=1 or untied embeddings"))
+                                                  "head on one stage: use parallel.pp=1 or untied embeddings",
+                               "tied embeddings on one stage"))
     if seq_length is not None:
         out += _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_length)
     if micro_batch_size is not None and global_batch_size is not None \
             and global_batch_size % (micro_batch_size * grid.dp):
         out.append(Problem("train.global_batch_size", global_batch_size,
-                           f"must be a multiple of micro_batch_size*dp = {micro_batch_size}*{grid.dp}"))
+                           f"must be a multiple of micro_batch_size*dp = {micro_batch_size}*{grid.dp}",
+                           "a multiple of micro_batch_size*dp"))
+    if redundant_experts is not None:
+        out += _replica_problems(model, ep, redundant_experts, moe_overflow)
     return out
+
+
+def replica_slots(model, ep: int, redundant_experts: int, moe_overflow: str | None = None) -> int | None:
+    """The replica slots per EP rank balanced dispatch runs with (moe.redundant_experts; -1: E/ep, which balances
+    exactly for any routing), or None where it does not run (model.moe_overflow, or `moe_overflow` in its place,
+    not balanced; ep = 1; no MoE layers)."""
+    if (moe_overflow or model.moe_overflow) != "balanced" or ep <= 1 or not has_moe(model):
+        return None
+    return model.num_experts // ep if redundant_experts < 0 else redundant_experts
+
+
+def _replica_problems(model, ep: int, redundant_experts: int, moe_overflow: str | None) -> list:
+    slots = replica_slots(model, ep, redundant_experts, moe_overflow)
+    E, own = model.num_experts, model.num_experts // max(ep, 1)
+    if slots is None or 1 <= slots <= E - own:
+        return []
+    return [Problem("moe.redundant_experts", redundant_experts, (
+        f"{slots} replica slots per EP rank must lie in [1, {E - own}] (model.num_experts={E} minus the {own} each "
+        f"of parallel.ep={ep} ranks owns; -1 = {own}, exact balance for any routing)"),
+        "replica slots in [1, experts - experts/ep]")]
 
 
 def _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_length) -> list:
@@ -79,25 +115,29 @@ def _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_leng
     if cp > 1:  # zigzag context parallelism: 2*cp equal chunks per sequence (parallel/context.py)
         if seq_length % (2 * cp):
             out.append(Problem("parallel.cp", cp, f"splits each sequence into 2*cp={2 * cp} equal chunks: "
-                                                  f"train.seq_length={seq_length} must be divisible by {2 * cp}"))
+                                                  f"train.seq_length={seq_length} must be divisible by {2 * cp}",
+                               "2*cp divides the sequence"))
             return out
         chunk = seq_length // (2 * cp)
         if "kda" in model.layer_types() and chunk < model.kda_conv_size - 1:
             out.append(Problem("parallel.cp", cp, f"chunks of train.seq_length/(2*cp)={chunk} tokens are shorter "
                                                   f"than the short convolution's halo of model.kda_conv_size-1="
-                                                  f"{model.kda_conv_size - 1}"))
+                                                  f"{model.kda_conv_size - 1}", "chunks cover the convolution's halo"))
         if micro_batch_size is not None:
             local = micro_batch_size * seq_length // cp
             if tp > 1 and local % tp and (sequence_parallel or moe):
                 out.append(Problem("parallel.cp", cp, f"each CP rank holds micro_batch_size*seq_length/cp={local} "
-                                                      f"tokens, which must divide over parallel.tp={tp}"))
+                                                      f"tokens, which must divide over parallel.tp={tp}",
+                                   "a CP rank's tokens divide over tp"))
     if micro_batch_size is not None and tp > 1 and (micro_batch_size * seq_length) % tp:
         if sequence_parallel:
             out.append(Problem("parallel.sequence_parallel", True, f"needs train.micro_batch_size*train.seq_length "
-                                                                   f"divisible by parallel.tp={tp}"))
+                                                                   f"divisible by parallel.tp={tp}",
+                               "tokens divide over tp"))
         elif moe:
             out.append(Problem("parallel.tp", tp, "each TP rank routes 1/tp of the tokens: needs "
-                                                  "train.micro_batch_size*train.seq_length divisible by parallel.tp"))
+                                                  "train.micro_batch_size*train.seq_length divisible by parallel.tp",
+                               "tokens divide over tp"))
     return out
 
 

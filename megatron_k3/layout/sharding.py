@@ -35,18 +35,21 @@ def _tp_split_dims(cfg) -> list:
 
 
 def sharding_problems(cfg, tp: int = 1, ep: int = 1, etp: int = 1) -> list:
-    """[(key, value, reason)] for every split of `cfg` that the sizes do not divide (empty: shardable)."""
+    """[(key, value, reason, rule)] for every split of `cfg` that the sizes do not divide (empty: shardable)."""
     out = []
     for what, n in _tp_split_dims(cfg):
         if n % tp:
-            out.append(("parallel.tp", tp, f"must divide model.{what}={n}; valid: {divisors(n)}"))
+            out.append(("parallel.tp", tp, f"must divide model.{what}={n}; valid: {divisors(n)}",
+                        f"divides model.{what}"))
     if has_moe(cfg):
         if cfg.num_experts % ep:
             n = cfg.num_experts
-            out.append(("parallel.ep", ep, f"must divide model.num_experts={n}; valid: {divisors(n)}"))
+            out.append(("parallel.ep", ep, f"must divide model.num_experts={n}; valid: {divisors(n)}",
+                        "divides model.num_experts"))
         if cfg.moe_intermediate_size % etp:
             n = cfg.moe_intermediate_size
-            out.append(("parallel.etp", etp, f"must divide model.moe_intermediate_size={n}; valid: {divisors(n)}"))
+            out.append(("parallel.etp", etp, f"must divide model.moe_intermediate_size={n}; valid: {divisors(n)}",
+                        "divides model.moe_intermediate_size"))
     return out
 
 

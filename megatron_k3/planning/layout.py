@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import has_moe, rules, stage_layers
+from ..layout import Problem, has_moe, rules, stage_layers
 
-__all__ = ["Layout", "layout_problems", "stage_layers", "group_span"]
+__all__ = ["Layout", "planner_problems", "stage_layers", "group_span"]
 
 
 @dataclass(frozen=True)
@@ -56,26 +56,29 @@ def group_span(size: int, stride: int, supernode: int) -> tuple:
     return per, -(-size // per)
 
 
-def layout_problems(cfg, cluster, lay: Layout, micro_batch_size: int, global_batch_size: int,
-                    seq_length: int) -> list:
-    """Why `lay` is not a layout the planner considers on `cluster` (empty list: it is). Each reason is one line:
-    first the rules every layout must obey (megatron_k3.layout: the rank grid in the default order, sharding,
-    pipeline stages, context-parallel chunks, tokens per rank, the batch), then the planner's own preferences
-    (tensor parallelism inside a node and TP x CP inside a supernode, no EP without experts), and that a
-    vision-language model runs without context parallelism (parallel.context refuses media)."""
+def planner_problems(cfg, cluster, lay: Layout, w) -> list:
+    """Why `lay` is not a layout the planner considers on `cluster` for workload `w` (a memory.Workload; empty
+    list: it is), as layout.Problem: first the rules every layout must obey (megatron_k3.layout: the rank grid in
+    the default order, sharding, pipeline stages, context-parallel chunks, tokens per rank, the batch, balanced
+    dispatch's replica slots), then the planner's own preferences (tensor parallelism inside a node and TP x CP
+    inside a supernode, no EP without experts), and that a vision-language model runs without context parallelism
+    (parallel.context refuses media)."""
     if lay.recompute not in ("none", "selective", "full"):
-        return [f"recompute={lay.recompute!r}: valid none, selective, full"]
-    out = [f"{p.key}={p.value}: {p.reason}" for p in rules.layout_problems(
+        return [Problem("train.recompute", lay.recompute, "valid: none, selective, full", "a known policy")]
+    out = rules.layout_problems(
         cfg, lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, cp=lay.cp, supernode_size=cluster.supernode_size,
-        sequence_parallel=lay.sp, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-        seq_length=seq_length)]
-    sn = cluster.supernode_size
-    if lay.tp > cluster.devices_per_node and cluster.devices_per_node > 1:
-        out.append(f"TP group of {lay.tp} spans more than one node of {cluster.devices_per_node}")
+        sequence_parallel=lay.sp, micro_batch_size=w.micro_batch_size, global_batch_size=w.global_batch_size,
+        seq_length=w.seq_length, redundant_experts=w.redundant_experts, moe_overflow=w.moe_overflow)
+    sn, node = cluster.supernode_size, cluster.devices_per_node
+    if lay.tp > node and node > 1:
+        out.append(Problem("parallel.tp", lay.tp, f"a TP group of {lay.tp} spans more than one node of {node}",
+                           "TP inside one node"))
     if lay.tp * lay.cp > sn:
-        out.append(f"TP x CP = {lay.tp * lay.cp} would cross a supernode of {sn}")
+        out.append(Problem("parallel.cp", lay.cp, f"TP x CP = {lay.tp * lay.cp} would cross a supernode of {sn}",
+                           "TP x CP inside one supernode"))
     if not has_moe(cfg) and lay.ep > 1:
-        out.append("ep > 1 without MoE layers")
+        out.append(Problem("parallel.ep", lay.ep, "ep > 1 without MoE layers", "EP only with MoE layers"))
     if cfg.vision.enabled and lay.cp > 1:
-        out.append(f"parallel.cp={lay.cp}: context parallelism does not take media (model.vision.enabled)")
+        out.append(Problem("parallel.cp", lay.cp, "context parallelism does not take media (model.vision.enabled)",
+                           "no context parallelism with media"))
     return out

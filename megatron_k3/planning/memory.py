@@ -32,14 +32,16 @@ working set is transient).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
+from ..layout import replica_slots
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes, vision_terms
 from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
 from .layout import Layout, stage_layers
-from .params import cfg_key, model_params
+from .params import model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",
            "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations"]
@@ -83,11 +85,9 @@ class Workload:
 
 
 def balanced_slots(cfg, ep: int, w: Workload) -> int | None:
-    """S, the replica slots per EP rank balanced dispatch runs with on a layout of `ep` (as MoEConfig.slots: None
-    unless model.moe_overflow=balanced, ep > 1 and the model has MoE layers; moe.redundant_experts=-1 -> E/ep)."""
-    if w.moe_overflow != "balanced" or ep <= 1 or "moe" not in cfg.ffn_types():
-        return None
-    return cfg.num_experts // ep if w.redundant_experts < 0 else w.redundant_experts
+    """S, the replica slots per EP rank balanced dispatch runs with on a layout of `ep` (layout.replica_slots, as
+    the run resolves them), or None."""
+    return replica_slots(cfg, ep, w.redundant_experts, w.moe_overflow)
 
 
 @dataclass(frozen=True)
@@ -241,21 +241,16 @@ def _opt_state_bytes(group, optimizer: str) -> float:
     return group.total * 8
 
 
-_COEF: dict = {}
-
-
-def _layer_coefficients(cfg, i: int, tp: int, kernels: str, sources, skip_cheap: bool, cp: int = 1) -> dict:
-    """Layer i's terms summed per (category, token class, dtype class): elements per token (memoised)."""
-    key = (cfg_key(cfg), i, tp, kernels, skip_cheap, cp)
-    hit = _COEF.get(key)
-    if hit is None:
-        hit = {}
-        for t in layer_terms(cfg, i, tp, kernels, sources[i], cp):
-            if not (skip_cheap and t.cheap):
-                k = (t.category, t.tokens, t.dtype)
-                hit[k] = hit.get(k, 0.0) + t.per_token
-        _COEF[key] = hit
-    return hit
+@functools.lru_cache(maxsize=1 << 14)
+def _layer_coefficients(cfg, i: int, tp: int, kernels: str, source: tuple, skip_cheap: bool, cp: int = 1) -> dict:
+    """Layer i's terms summed per (category, token class, dtype class): elements per token (memoised; `source`: the
+    layer's AttnRes sources, attn_res_sources(cfg)[0][i]). Read-only: shared between calls."""
+    out = {}
+    for t in layer_terms(cfg, i, tp, kernels, source, cp):
+        if not (skip_cheap and t.cheap):
+            k = (t.category, t.tokens, t.dtype)
+            out[k] = out.get(k, 0.0) + t.per_token
+    return out
 
 
 def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, sources, out_src,
@@ -270,7 +265,7 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
     by_cat, total, largest = {}, 0.0, 0.0
     for i in range(start, end):
         layer_total = 0.0
-        for (cat, tok, dt), per_token in _layer_coefficients(cfg, i, lay.tp, w.kernels, sources,
+        for (cat, tok, dt), per_token in _layer_coefficients(cfg, i, lay.tp, w.kernels, sources[i],
                                                              skip_cheap, lay.cp).items():
             b = per_token * tokens[tok] * nbytes[dt]
             by_cat[cat] = by_cat.get(cat, 0.0) + b

@@ -15,8 +15,7 @@ text model's (model.params.count_parameters) plus the tower and projector.
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,19 +121,6 @@ def _buffer_bytes(module) -> int:
     return n
 
 
-_KEYS: dict = {}
-
-
-def cfg_key(cfg) -> tuple:
-    """A hashable identity of a model config's values (memoised per live config object)."""
-    hit = _KEYS.get(id(cfg))
-    if hit is not None and hit[0]() is cfg:
-        return hit[1]
-    key = tuple((f.name, repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
-    _KEYS[id(cfg)] = (weakref.ref(cfg), key)
-    return key
-
-
 def _model_params(cfg, tp: int, ep: int) -> ModelParams:
     """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model), then
     counted per layer, embedding and head."""
@@ -158,14 +144,10 @@ def _model_params(cfg, tp: int, ep: int) -> ModelParams:
     return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj)
 
 
-_CACHE: dict = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _built(cfg, tp: int, ep: int) -> ModelParams:
-    key = (cfg_key(cfg), tp, ep)
-    if key not in _CACHE:
-        _CACHE[key] = _model_params(cfg, tp, ep)
-    return _CACHE[key]
+    """_model_params, memoised per (config value, tp, ep): building a rank on the meta device takes a while."""
+    return _model_params(cfg, tp, ep)
 
 
 def model_params(cfg, tp: int = 1, ep: int = 1) -> ModelParams:

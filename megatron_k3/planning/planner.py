@@ -27,8 +27,8 @@ memory and that traffic on its own. Its FLOPs are the drop model's (M pairs per 
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from dataclasses import dataclass, field, replace
 
 from ..layout import rules
@@ -42,7 +42,7 @@ from .flops import (
     vision_media,
     vision_tp_share,
 )
-from .layout import Layout, layout_problems, stage_layers
+from .layout import Layout, planner_problems, stage_layers
 from .memory import (
     GB,
     MXFP4_BYTES_PER_PARAM,
@@ -54,10 +54,10 @@ from .memory import (
     mla_cache_bytes_per_token,
     training_memory,
 )
-from .params import cfg_key, count_parameters, model_params
+from .params import count_parameters, model_params
 
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
-           "SearchResult", "min_world_for_training", "model_state_bytes", "dispatch_problems"]
+           "SearchResult", "min_world_for_training", "model_state_bytes"]
 
 CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
 _CHEAP_FLOPS = ("kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve",
@@ -134,14 +134,9 @@ def _peak_flops(cluster, precision: str) -> float:
     return peak * 1e12
 
 
-_FLOP_CACHE: dict = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _model_flops(cfg, seq_length: int, image_share: float):
-    key = (cfg_key(cfg), seq_length, image_share)
-    if key not in _FLOP_CACHE:
-        _FLOP_CACHE[key] = model_flops(cfg, seq_length, "causal", image_share)
-    return _FLOP_CACHE[key]
+    return model_flops(cfg, seq_length, "causal", image_share)
 
 
 def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
@@ -160,20 +155,17 @@ def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
     return fwd, bwd, sum(t.forward for t in terms if t.name in again) * n
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def _layer_flop_classes(cfg, i: int, T: int, attention: str) -> tuple:
     """Layer i's per-token (forward, backward, recomputable forward) FLOPs: (TP-split part, routed part)."""
-    key = (cfg_key(cfg), i, T, attention)
-    hit = _FLOP_CACHE.get(key)
-    if hit is None:
-        split, routed = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
-        for t in layer_flop_terms(cfg, i, T, attention):
-            acc = split if (t.category in ("kda", "mla", "dense_ffn") or t.name == "moe.shared_experts") else routed
-            acc[0] += t.forward
-            acc[1] += t.backward
-            if t.name in _CHEAP_FLOPS:
-                acc[2] += t.forward
-        hit = _FLOP_CACHE[key] = (tuple(split), tuple(routed))
-    return hit
+    split, routed = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    for t in layer_flop_terms(cfg, i, T, attention):
+        acc = split if (t.category in ("kda", "mla", "dense_ffn") or t.name == "moe.shared_experts") else routed
+        acc[0] += t.forward
+        acc[1] += t.backward
+        if t.name in _CHEAP_FLOPS:
+            acc[2] += t.forward
+    return tuple(split), tuple(routed)
 
 
 def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, first: bool = False) -> tuple:
@@ -215,16 +207,6 @@ def model_state_bytes(cfg, w: Workload) -> float:
     return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt + frozen * w.weight_bytes
 
 
-def dispatch_problems(cfg, lay: Layout, w: Workload) -> list:
-    """Why balanced dispatch cannot run on a layout: replica slots outside [1, E - E/ep] (RunConfig.validate's
-    rule, here per planned layout)."""
-    bal = balanced_moe(cfg, lay, w)
-    if bal is None or 1 <= bal.S <= bal.E - bal.El:
-        return []
-    return [f"moe.redundant_experts={w.redundant_experts}: {bal.S} replica slots per EP rank must lie in "
-            f"[1, {bal.E - bal.El}] (model.num_experts={bal.E} minus the {bal.El} each of ep={bal.R} ranks owns)"]
-
-
 def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> dict:
     """The balanced dispatch of a plan: slots, rows computed, replica memory on the largest stage, and the replica
     weights out / gradients back per step with their time on the EP links (the slowest stage's)."""
@@ -248,10 +230,9 @@ def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> di
 
 def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
     """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
-    problems = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
-    problems += dispatch_problems(cfg, lay, w)
+    problems = planner_problems(cfg, cluster, lay, w)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError("; ".join(f"{p.key}={p.value}: {p.reason}" for p in problems))
     if counts is None:
         counts = count_parameters(cfg)
     stages = stage_layers(cfg, lay.pp)
@@ -408,32 +389,17 @@ class SearchResult:
     state_floor_bytes: float = 0.0
 
 
-_SEARCHES: dict = {}
-
-
+@functools.lru_cache(maxsize=32)
 def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bool = True) -> SearchResult:
     """Every candidate layout planned; the `top` fastest that fit (or the least-memory ones that do not, the
-    model-state floor, and the smallest accelerator count that would fit). Memoised per input (pure)."""
-    key = (cfg_key(cfg), repr(cluster), w, top, find_min_world)
-    if key not in _SEARCHES:
-        _SEARCHES[key] = _search_training(cfg, cluster, w, top, find_min_world)
-    return _SEARCHES[key]
-
-
-def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) -> SearchResult:
+    model-state floor, and the smallest accelerator count that would fit). Memoised per input (pure; the result
+    is shared: read it, do not change it)."""
     counts = count_parameters(cfg)
     fits, over, invalid, n = [], [], {}, 0
     for lay in candidate_layouts(cfg, cluster, w):
-        probs = layout_problems(cfg, cluster, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
-        probs += dispatch_problems(cfg, lay, w)
+        probs = planner_problems(cfg, cluster, lay, w)
         if probs:
-            key = probs[0]
-            for word in ("does not divide", "must divide", "cross", "spans", "exceeds", "not a multiple", "must lie",
-                         "must be a multiple", "must be divisible"):
-                if word in key:
-                    key = _reason_class(key)
-                    break
-            invalid[key] = invalid.get(key, 0) + 1
+            invalid[probs[0].kind] = invalid.get(probs[0].kind, 0) + 1
             continue
         n += 1
         p = plan_training(cfg, cluster, lay, w, counts)
@@ -444,14 +410,6 @@ def _search_training(cfg, cluster, w: Workload, top: int, find_min_world: bool) 
     if not fits and find_min_world:
         res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts)
     return res
-
-
-def _reason_class(reason: str) -> str:
-    """Group similar rejections by the reason's first clause without its numbers ("parallel.ep=24: ep*etp*pp =
-    24*1*1 = 24 must divide the world size 64; ..." -> "parallel.ep: ep*etp*pp must divide the world size")."""
-    head = re.sub(r"\[[^\]]*\]", "", reason.split(";")[0])
-    head = re.sub(r"=\s*[\d*]+", "", head)
-    return re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", head)).replace(" :", ":").strip()
 
 
 def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256):
@@ -469,8 +427,7 @@ def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernode
         capacity = c.device_memory_gb * GB
         fits = False
         for lay in candidate_layouts(cfg, c, w, recomputes=("full",)):
-            if (layout_problems(cfg, c, lay, w.micro_batch_size, w.global_batch_size, w.seq_length)
-                    or dispatch_problems(cfg, lay, w)):
+            if planner_problems(cfg, c, lay, w):
                 continue
             if max(s.total for s in training_memory(cfg, c, lay, w)) <= capacity:  # memory alone decides
                 fits = True
@@ -573,12 +530,12 @@ def search_inference(cfg, cluster, batch: int, context: int, top: int = 10) -> S
     for tp in tps:
         for ep in eps:
             for pp in pps:
-                try:
-                    p = plan_inference(cfg, cluster, tp, ep, pp, batch, context, counts)
-                except ValueError as e:
-                    key = _reason_class(str(e).split(";")[0])
-                    invalid[key] = invalid.get(key, 0) + 1
+                probs = rules.layout_problems(cfg, cluster.world_size, tp=tp, ep=ep, pp=pp,
+                                              supernode_size=cluster.supernode_size)
+                if probs:
+                    invalid[probs[0].kind] = invalid.get(probs[0].kind, 0) + 1
                     continue
+                p = plan_inference(cfg, cluster, tp, ep, pp, batch, context, counts)
                 n += 1
                 (fits if p.fits else over).append(p)
     fits.sort(key=lambda p: (-p.decode_tokens_per_s, p.memory.total))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig
 from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
-from ..data.multimodal import DataError
+from ..errors import DataError
 from ..optim.schedule import lr_at
 from ..parallel import ParallelGroups, build_model, pipeline, state
 from ..parallel.balanced import balanced_layers
@@ -58,13 +58,17 @@ def _device(run: RunConfig) -> torch.device:
 
 @dataclass
 class _Step:
-    """What one step's micro-batches add up on this rank."""
+    """One step on this rank: its micro-batches' samples, what they add up, and how the optimizer step went."""
     loads: torch.Tensor
+    samples: list  # per micro-batch: the samples it reads (all read before any compute)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     ep_balance: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # RoutingStats
     tokens: int = 0
     media_flops: float = 0.0  # the vision tower's model FLOPs on this rank's media
+    applied: bool = True  # the optimizer step was taken (a non-finite global norm skips it)
+    norm0: float | None = None  # the gradient norm under ZeRO-0 (DeepSpeed reports none)
+    nonfinite: list | None = None  # the samples of the last micro-batch whose loss was not finite
 
 
 class Trainer:
@@ -121,7 +125,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.pos = Position()
         self.skips = faults.SkipCounter()  # steps skipped for non-finite values: in total, in a row
-        self._last_samples = None
+        self.diagnose_samples = None  # the batch a non-finite diagnosis re-runs: the last skipped step's
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(run, self.engine, self.experts, ps, self.ckpt_dir)
         self.start_time = time.time()
@@ -167,7 +171,7 @@ class Trainer:
             out = [self._samples(self.train_ds, self.pos.consumed, m) for m in range(self.num_micro)]
         except DataError as e:
             err = e
-        if self.run.data.name != "multimodal":  # token datasets are read whole at start-up: nothing to agree on
+        if not self.train_ds.reads_files:  # token datasets are read whole at start-up: nothing to agree on
             if err is not None:
                 raise err
             return out
@@ -183,11 +187,10 @@ class Trainer:
                                    "read there")
         return out
 
-    def _forward_micro(self, acc: _Step, held: dict, micro: int, x):
+    def _forward_micro(self, acc: _Step, micro: int, x):
         """Micro-batch `micro` forward on this stage: the loss on the last stage, else the activation to send."""
-        samples = self._read[micro]
+        samples = acc.samples[micro]
         out, n = self._forward(samples) if x is None else self._forward(samples, x)
-        held[micro] = samples
         acc.tokens += n
         acc.media_flops += sum(media_train_flops(self.run.model, s.grid_thws) for s in samples)
         acc.dropped += self.routing.add(acc.loads)
@@ -196,7 +199,7 @@ class Trainer:
         if not self.last_stage:
             return out
         if not bool(torch.isfinite(out.loss.detach())):
-            self._last_samples = samples  # the batch a diagnosis re-runs
+            acc.nonfinite = samples
         acc.loss_sum += out.loss.detach().double().cpu()
         return out.loss
 
@@ -218,26 +221,25 @@ class Trainer:
         lr = lr_at(self.pos.step + 1, self.run.train.steps, o.lr, o.min_lr, o.warmup_steps, o.decay)
         for g in self.engine.optimizer.param_groups + (self.experts.param_groups if self.experts else []):
             g["lr"] = lr
-        self._read = self._step_samples()
-        acc = _Step(torch.zeros(len(self.routing.layer_ids), self.run.model.num_experts, dtype=torch.float64))
-        held = {}
-        self._norm0, self._applied = None, True
+        acc = _Step(torch.zeros(len(self.routing.layer_ids), self.run.model.num_experts, dtype=torch.float64),
+                    self._step_samples())
 
         def forward(micro, x):
-            return self._forward_micro(acc, held, micro, x)
+            return self._forward_micro(acc, micro, x)
 
         def after_backward(micro):
-            self._after_backward(micro, held.pop(micro))
+            self._after_backward(acc, micro)
 
         if self.pp > 1:
             pipeline.run_1f1b(self.link, self.num_micro, self.device, forward, self._backward_micro, after_backward)
-        for micro in range(self.num_micro if self.pp == 1 else 0):
-            self._backward_micro(micro, forward(micro, None), None)
-            after_backward(micro)
+        else:
+            for micro in range(self.num_micro):
+                self._backward_micro(micro, forward(micro, None), None)
+                after_backward(micro)
         return self._finish_step(acc, lr, t0)
 
     def _finish_step(self, acc: _Step, lr: float, t0: float) -> tuple:
-        applied, norm0, loads, dropped = self._applied, self._norm0, acc.loads, acc.dropped
+        applied, norm0, loads, dropped = acc.applied, acc.norm0, acc.loads, acc.dropped
         loss, tokens = acc.loss_sum / self.num_micro, acc.tokens
         if self.world > 1:  # statistics of the global batch; each TP rank routes its own 1/tp of the tokens
             # (every CP rank's loss is already its sequences' whole mean; its routing counts are its own tokens')
@@ -257,7 +259,9 @@ class Trainer:
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
             b.step() if applied else b.discard()
         if self.skips.count(applied, self.pos.step + 1, loss, grad_norm, self.rank == 0):
-            self._last_samples = None
+            self.diagnose_samples = None
+        elif acc.nonfinite is not None or self.diagnose_samples is None:  # a non-finite loss, else the last batch
+            self.diagnose_samples = acc.nonfinite if acc.nonfinite is not None else acc.samples[-1]
         self.pos.step += 1
         self.pos.consumed += self.run.train.global_batch_size
         self.pos.tokens += tokens
@@ -280,15 +284,13 @@ class Trainer:
             rec["expert_load"].update(rank_max_over_mean=float(ep[0]), replicas=int(ep[1]))
         return rec, loads
 
-    def _after_backward(self, micro: int, samples):
+    def _after_backward(self, acc: _Step, micro: int):
         """After a micro-batch's backward: the engine's step (engine.boundary_step), and at the boundary whether
-        the step was applied (and the batch to diagnose if not)."""
-        if micro < self.num_micro - 1:
-            ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=False)
-            return
-        self._applied, self._norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=True)
-        if self._last_samples is None and not self._applied:
-            self._last_samples = samples
+        the step was applied."""
+        last = micro == self.num_micro - 1
+        applied, norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=last)
+        if last:
+            acc.applied, acc.norm0 = applied, norm0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -372,7 +374,7 @@ class Trainer:
         """Too many skipped steps in a row: find where the non-finite values start, then stop (nothing is saved:
         the newest checkpoint is the last good state)."""
         rerun = None
-        if self.pp == 1 and self._last_samples is not None:
+        if self.pp == 1 and self.diagnose_samples is not None:
             self.model.train()
-            rerun = lambda: self._forward(self._last_samples)[0].loss  # noqa: E731
+            rerun = lambda: self._forward(self.diagnose_samples)[0].loss  # noqa: E731
         faults.stop_nonfinite(self.model, rerun, self.pp > 1, self.pos.step, self.skips.in_a_row, self.ckpt_dir)
