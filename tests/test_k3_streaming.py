@@ -1,4 +1,5 @@
-"""Streaming, sharded import and export of Hugging Face directories (megatron_k3.interop.sharded).
+"""Streaming, sharded import and export of Hugging Face directories (megatron_k3.interop.sharded_load and
+sharded_save).
 
 - A K3-layout checkpoint of 1.12 GB (over 1 GiB: 6 layers at hidden size 2048, 32 experts per MoE layer in MXFP4,
   a 49152-token vocabulary; random bit patterns, written with safetensors directly into 8 shards of at most 128 MiB
@@ -35,15 +36,18 @@ from safetensors.torch import save_file
 
 from megatron_k3.annotations import full_shape, shard_offsets
 from megatron_k3.config import load_model_config
-from megatron_k3.interop import k3_layout, kimi_linear, load_hf, save_hf
-from megatron_k3.interop.hf import read_checkpoint
-from megatron_k3.interop.sharded import (
+from megatron_k3.interop import (
     CheckpointReadError,
     CheckpointWriteError,
     MissingShardError,
+    k3_layout,
+    kimi_linear,
+    load_hf,
     load_hf_sharded,
+    save_hf,
     save_hf_sharded,
 )
+from megatron_k3.interop.hf import read_checkpoint
 from megatron_k3.layout.grid import RankGrid
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.parallel import ParallelGroups, build_model
@@ -110,7 +114,7 @@ def _reference(path, cfg) -> dict:
 
 def _needed_files(model, cfg, weight_map: dict) -> list:
     """The shard files holding the K3 tensors of this rank's part."""
-    rules = {ours: key for ours, key, _, _ in k3_layout._pairs(cfg)}
+    rules = {ours: key for ours, key, _, _ in k3_layout.pairs(cfg)}
     keys = []
     for name, t in model.state_dict(keep_vars=True).items():
         if ".mlp.experts.w" in name:
@@ -177,7 +181,7 @@ def _k3_specs(cfg) -> list:
     with torch.device("meta"):
         sd = K3ForCausalLM(cfg, init=False).state_dict()
     out = []
-    for ours, key, _, _ in k3_layout._pairs(cfg):
+    for ours, key, _, _ in k3_layout.pairs(cfg):
         shape = tuple(sd[ours].shape)
         kind = "fp32" if k3_layout.is_fp32_key(key) else "bf16"
         if ours.endswith(".A_log"):
@@ -465,12 +469,12 @@ def test_rank_slices_equal_the_unsharded_load(tiny, world, coords):
 
 
 def test_reopening_the_memory_maps_changes_nothing(tiny, monkeypatch):
-    """A map re-opened after every 64 KiB read (sharded.READ_BUDGET): expert halves read from an earlier map
+    """A map re-opened after every 64 KiB read (sharded_load.READ_BUDGET): expert halves read from an earlier map
     stay valid, every slice arrives."""
-    from megatron_k3.interop import sharded
+    from megatron_k3.interop import sharded_load
 
     path, cfg, whole = tiny
-    monkeypatch.setattr(sharded, "READ_BUDGET", 1 << 16)
+    monkeypatch.setattr(sharded_load, "READ_BUDGET", 1 << 16)
     model = build_model(cfg, _groups(tp=(0, 2), ep=(1, 2)), "meta")
     load_hf_sharded(model, path)
     for n, t in model.state_dict(keep_vars=True).items():

@@ -149,7 +149,7 @@ def _tp_media(rank, world, grids, sp):
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith(("vision", "mm_"))}
         with torch.no_grad():
-            feats = model._encode(pv, [tuple(g) for g in grid.tolist()], counts)
+            feats = model.vision_features(pv, grid)
         return float(out.loss), feats, grads
     finally:
         state.destroy_model_parallel()

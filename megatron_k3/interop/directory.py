@@ -3,7 +3,8 @@
 A directory holds `config.json` and the tensors in safetensors only: `model.safetensors`, or, above
 `max_shard_size` bytes, `model-0000i-of-0000n.safetensors` shards listed by `model.safetensors.index.json`
 ({"metadata": {"total_size": bytes}, "weight_map": {tensor name: file}}), as transformers writes them.
-Layouts: "kimi_linear" (interop.kimi_linear) and "k3" (interop.k3_layout, routed experts in packed MXFP4).
+Layouts: "kimi_linear" (interop.kimi_linear) and "k3" (interop.k3_layout, routed experts in packed MXFP4), each a
+checkpoint family (interop.family).
 A model config given to a loader must agree with the checkpoint's config.json on every architectural key;
 otherwise ConfigMismatchError lists each differing key with both values.
 """
@@ -15,17 +16,28 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from ..config import RUNTIME_MODEL_KEYS
-from . import k3_layout, kimi_linear
+from ..errors import one_line
+from .family import FAMILIES, family
 
-LAYOUTS = ("kimi_linear", "k3")
+LAYOUTS = tuple(FAMILIES)  # ("kimi_linear", "k3")
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes, transformers' historical default ("5GB")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointReadError(ValueError):
+    """A Hugging Face directory that does not hold what its config says, or cannot be read: one line,
+    `<file>: <tensor>: <what>`."""
+
+
+class MissingShardError(CheckpointReadError, FileNotFoundError):
+    """A file the directory needs (config.json, the index, a shard file the index names) is not there."""
 
 
 class ConfigMismatchError(ValueError):
@@ -94,15 +106,11 @@ def detect_layout(config: dict) -> str:
 
 def config_from_hf(config: dict, layout: str):
     """config.json -> our ModelConfig for the given layout."""
-    if layout == "k3":
-        return k3_layout.k3_config_to(config)
-    if layout == "kimi_linear":
-        return kimi_linear.hf_config_to(config)
-    raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    return family(layout).config_to(config)
 
 
 # ------------------------------------------------------------------------------------------------ files
-def _own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
+def own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
     """t, copied if it is a view or shares storage with a tensor already written (safetensors refuses both)."""
     t = t.detach().cpu().contiguous()
     ptr = t.untyped_storage().data_ptr()
@@ -123,7 +131,7 @@ def write_checkpoint(path, tensors: dict, config: dict, max_shard_size: int = DE
         if old.is_file():
             old.unlink()
     seen = set()
-    tensors = {k: _own_storage(tensors[k], seen) for k in sorted(tensors)}
+    tensors = {k: own_storage(tensors[k], seen) for k in sorted(tensors)}
     nbytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     total = sum(nbytes.values())
     shards, size = [[]], 0
@@ -171,7 +179,32 @@ def read_checkpoint(path):
     return config, tensors
 
 
-def _dtype(d):
+def read_index(path: Path) -> tuple:
+    """({tensor name: file name}, the file that lists them) of a directory."""
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointReadError(f"{path / INDEX}: weight_map: not a safetensors index ({e})") from None
+        return weight_map, path / INDEX
+    if (path / SINGLE).is_file():
+        try:
+            with safe_open(str(path / SINGLE), framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE), path / SINGLE
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+            raise CheckpointReadError(f"{path / SINGLE}: (header): cannot be read ({one_line(e)})") from None
+    raise MissingShardError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
+
+
+def checkpoint_keys(path) -> dict:
+    """{tensor name: shard file} of a Hugging Face directory (from its index, or its single file's header)."""
+    return read_index(Path(path))[0]
+
+
+def dtype_of(d):
+    """A dtype from its name ("bfloat16", "bf16", ...) or as given; None stays None."""
     if d is None or isinstance(d, torch.dtype):
         return d
     try:
@@ -180,9 +213,11 @@ def _dtype(d):
         raise ValueError(f"dtype {d!r}; valid: {', '.join(_DTYPES)}") from None
 
 
-def _dtype_name(d: torch.dtype) -> str:
+def dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
 __all__ = ["LAYOUTS", "CONFIG", "SINGLE", "INDEX", "DEFAULT_MAX_SHARD_SIZE", "ConfigMismatchError",
-           "config_differences", "detect_layout", "config_from_hf", "write_checkpoint", "read_checkpoint"]
+           "CheckpointReadError", "MissingShardError", "config_differences", "detect_layout", "config_from_hf",
+           "write_checkpoint", "read_checkpoint", "read_index", "checkpoint_keys", "dtype_of", "dtype_name",
+           "own_storage"]

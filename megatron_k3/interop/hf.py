@@ -5,7 +5,7 @@ config.json <-> ModelConfig mapping and the whole-file `read_checkpoint` / `writ
 interop.directory (re-exported here). Layouts: "kimi_linear" (interop.kimi_linear) and "k3" (interop.k3_layout,
 routed experts in packed MXFP4). A model config given to `load_hf` must agree with the checkpoint's config.json on
 every architectural key; otherwise ConfigMismatchError lists each differing key with both values. `load_hf` streams
-the tensors into the model (interop.sharded), which also serves the ranks of a parallel layout.
+the tensors into the model (interop.sharded_load), which also serves the ranks of a parallel layout.
 """
 
 from __future__ import annotations
@@ -14,27 +14,26 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from ..annotations import meta
 from ..model import causal_lm_class
 from ..model.experts import GroupedExperts
-from . import k3_layout, kimi_linear
+from . import kimi_linear
 from .directory import (
     CONFIG,
     DEFAULT_MAX_SHARD_SIZE,
     LAYOUTS,
     ConfigMismatchError,
-    _dtype,
-    _dtype_name,
+    checkpoint_keys,
     config_differences,
     config_from_hf,
     detect_layout,
+    dtype_of,
     read_checkpoint,
     write_checkpoint,
 )
+from .family import family
 from .k3_experts import export_scale_mode
-from .sharded import checkpoint_keys, load_hf_sharded
+from .sharded_load import load_hf_sharded
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None)
     names every differing key. Without it the model is built from config.json. `vision`: None = as the directory
     (or `config`) says; False = the text model only, the vision tensors skipped with one log line.
 
-    The tensors stream into the model (interop.sharded.load_hf_sharded: a memory map per shard file, never a whole
+    The tensors stream into the model (interop.sharded_load.load_hf_sharded: a memory map per shard file, never a whole
     state dict in memory); a Kimi Linear directory in transformers' in-memory naming is read whole."""
     path = Path(path)
     if not (path / CONFIG).is_file():
@@ -66,7 +65,7 @@ def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None)
     if vision and not cfg.vision.enabled:
         raise ValueError(f"{path}: vision=True but {CONFIG} has no vision_config")
     model = causal_lm_class(cfg)(cfg, init=False)
-    if layout == "kimi_linear" and kimi_linear._is_runtime_naming(checkpoint_keys(path)):
+    if family(layout).naming_problem(checkpoint_keys(path)):  # transformers' in-memory naming: read whole
         _, tensors = read_checkpoint(path)
         model.load_state_dict(kimi_linear.from_hf_state_dict(tensors, cfg), strict=True)
         n = len(tensors)
@@ -85,29 +84,19 @@ def save_hf(model, path, layout: str = "k3", dtype=None, max_shard_size: int = D
     `scale_mode` (default: the model's QAT weight mode, else floor).
     layout "kimi_linear": every tensor in `dtype` (default: as the model holds it), the same fp32 ones kept fp32.
     Returns the directory."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    fam = family(layout)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if any(meta(p).tp_dim is not None or meta(p).expert_parallel for p in model.parameters()):
         raise ValueError("save_hf needs an unsharded model (tensor and expert parallel size 1); gather the "
                          "shards into one process first")
     cfg = model.cfg
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    if layout == "k3":
-        dt = _dtype(dtype) or torch.bfloat16
-        mode = export_scale_mode(experts[0], scale_mode) if experts else "floor"
-        loaded = {int(n.split(".")[2]): m.loaded_scales for n, m in model.named_modules()
-                  if isinstance(m, GroupedExperts) and getattr(m, "loaded_scales", None)}
-        tensors = k3_layout.to_k3_state_dict(sd, cfg, dt, mode, loaded)
-        hf_config = k3_layout.k3_config_dict(cfg, _dtype_name(dt))
-    else:
-        dt = _dtype(dtype)
-        tensors = kimi_linear.to_hf_state_dict(sd, cfg)
-        if dt is not None:
-            tensors = {k: v if k3_layout.is_fp32_key(k) else v.to(dt) for k, v in tensors.items()}
-        hf_config = kimi_linear.hf_config_dict(cfg)
-        hf_config["dtype"] = _dtype_name(dt or next(iter(sd.values())).dtype)
-    write_checkpoint(path, tensors, hf_config, max_shard_size)
+    dt = dtype_of(dtype) or fam.default_dtype
+    mode = export_scale_mode(experts[0], scale_mode) if experts else "floor"
+    loaded = {int(n.split(".")[2]): m.loaded_scales for n, m in model.named_modules()
+              if isinstance(m, GroupedExperts) and getattr(m, "loaded_scales", None)}
+    tensors = fam.tensors_of(sd, cfg, dt, mode, loaded)
+    write_checkpoint(path, tensors, fam.config_dict(cfg, dt or next(iter(sd.values())).dtype), max_shard_size)
     log.info("wrote %s (%s layout, %d tensors)", path, layout, len(tensors))
     return Path(path)
 

@@ -335,7 +335,7 @@ def checkpoint_name(key: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ tensors
-def _pairs(cfg):
+def pairs(cfg):
     """(our key, K3 key without the prefix, ours->K3, K3->ours) for every non-expert tensor."""
     H = cfg.kda_num_heads
     Hp = padded_heads(H)
@@ -396,7 +396,7 @@ def _pairs(cfg):
     return out
 
 
-def _moe_layers(cfg):
+def moe_layers(cfg):
     return [i for i, f in enumerate(cfg.ffn_types()) if f == "moe"]
 
 
@@ -413,11 +413,11 @@ def to_k3_state_dict(sd: dict, cfg, dtype=torch.bfloat16, scale_mode: str = "flo
     check_representable(cfg)
     sd = dict(sd)
     out = {}
-    for ours, key, fwd, _ in _pairs(cfg):
+    for ours, key, fwd, _ in pairs(cfg):
         t = sd.pop(ours).detach()
         t = fwd(t) if fwd else t
         out[checkpoint_name(key)] = t.to(torch.float32 if is_fp32_key(key) else (dtype or t.dtype)).contiguous()
-    for i in _moe_layers(cfg):
+    for i in moe_layers(cfg):
         w = {n: sd.pop(f"model.layers.{i}.mlp.experts.{n}") for n in ("w1", "w2", "w3")}
         packed = pack_expert_weights(w, _expert_prefix(i), 0, scale_mode, (loaded or {}).get(i))
         out.update({PREFIX + k: v for k, v in packed.items()})
@@ -442,12 +442,12 @@ def from_k3_state_dict(tensors: dict, cfg) -> dict:
     if skipped:
         log.info("Kimi K3 checkpoint: skipped %d vision-tower tensors", skipped)
     out = {}
-    for ours, key, _, back in _pairs(cfg):
+    for ours, key, _, back in pairs(cfg):
         if key not in hf:
             raise KeyError(f"Kimi K3 checkpoint has no {PREFIX}{key}")
         t = hf.pop(key).to(torch.float32)
         out[ours] = back(t) if back else t
-    for i in _moe_layers(cfg):
+    for i in moe_layers(cfg):
         prefix = _expert_prefix(i)
         if f"{prefix}.0.w1.weight" in hf:  # an unquantised export
             w = {n: torch.stack([hf.pop(f"{prefix}.{e}.{n}.weight").float() for e in range(cfg.num_experts)])

@@ -279,14 +279,14 @@ def _layer_pairs(cfg, i: int, mixer: str, ffn: str):
     return out
 
 
-def _pairs(cfg):
+def pairs(cfg):
     out = [(k, k, None, None) for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")]
     for i, (mixer, ffn) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())):
         out += _layer_pairs(cfg, i, mixer, ffn)
     return out
 
 
-def _moe_layers(cfg):
+def moe_layers(cfg):
     return [i for i, f in enumerate(cfg.ffn_types()) if f == "moe"]
 
 
@@ -295,10 +295,10 @@ def to_hf_state_dict(sd: dict, cfg) -> dict:
     hf_config_from(cfg)  # refuses configs the Kimi Linear layout cannot express
     sd = dict(sd)
     out = {}
-    for ours, hf, fwd, _ in _pairs(cfg):
+    for ours, hf, fwd, _ in pairs(cfg):
         t = sd.pop(ours)
         out[hf] = (fwd(t) if fwd else t).contiguous()
-    for i in _moe_layers(cfg):
+    for i in moe_layers(cfg):
         for w in ("w1", "w2", "w3"):
             batched = sd.pop(f"model.layers.{i}.mlp.experts.{w}")
             for e in range(batched.shape[0]):
@@ -308,7 +308,7 @@ def to_hf_state_dict(sd: dict, cfg) -> dict:
     return out
 
 
-def _is_runtime_naming(keys) -> bool:
+def is_runtime_naming(keys) -> bool:
     return any(k.endswith((".self_attn.conv1d.weight", ".experts.gate_up_proj")) for k in keys)
 
 
@@ -317,7 +317,7 @@ def from_hf_state_dict(hf: dict, cfg) -> dict:
 
     transformers (5.x) writes a dense layer's MLP as `block_sparse_moe.{gate,up,down}_proj` (its renaming of
     `block_sparse_moe.` to `mlp.` is reversed on save for every layer); that spelling is read as `mlp.` too."""
-    if _is_runtime_naming(hf):
+    if is_runtime_naming(hf):
         return map_hf_state_dict(hf, cfg)
     hf = dict(hf)
     for i, f in enumerate(cfg.ffn_types()):
@@ -326,12 +326,12 @@ def from_hf_state_dict(hf: dict, cfg) -> dict:
             if f == "dense" and quirk in hf:
                 hf.setdefault(f"model.layers.{i}.mlp.{n}.weight", hf.pop(quirk))
     out = {}
-    for ours, key, _, back in _pairs(cfg):
+    for ours, key, _, back in pairs(cfg):
         if key not in hf:
             raise KeyError(f"Kimi Linear checkpoint has no {key}")
         t = hf.pop(key)
         out[ours] = back(t) if back else t
-    for i in _moe_layers(cfg):
+    for i in moe_layers(cfg):
         for w in ("w1", "w2", "w3"):
             keys = [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.num_experts)]
             missing = [k for k in keys if k not in hf]

@@ -12,20 +12,22 @@ Two forms of `input_ids` are accepted:
 Any other placeholder count is an error naming both counts. Labels of a compact input move with their tokens (a
 placeholder's label goes to its last feature row; feature rows otherwise get -100).
 
-The tower and projector sit with the embedding. How they run distributed (their work split by media, the
-features gathered) is parallel/tensor.py's `_vision`, through three hooks set from outside: `vision_view`,
-`media_split` and `sequence_view`; docs/vision.md explains the choice.
+The tower and projector sit with the embedding. This is single-device code: how they run distributed (their work
+split by media, the features gathered, their gradients summed, the features of a sequence share under sequence
+parallelism) is applied from outside by parallel/tensor.py's `_vision`; docs/vision.md explains the choice.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .cache import InferenceCache
 from .k3 import CausalLMOutput, K3ForCausalLM
-from .vision import MoonViT3d, ParamView, PatchMergerV2, check_media, media_shares, num_features
+from .vision import MoonViT3d, PatchMergerV2, check_media, num_features
 
-__all__ = ["K3ForConditionalGeneration", "expand_placeholders", "causal_lm_class"]
+__all__ = ["K3ForConditionalGeneration", "MediaRows", "expand_placeholders", "causal_lm_class"]
 
 PAD_TOKEN_ID = 0  # K3's pad_token_id
 
@@ -57,6 +59,27 @@ def expand_placeholders(input_ids: torch.Tensor, labels: torch.Tensor | None, co
     return ids, lab
 
 
+@dataclass
+class MediaRows:
+    """The vision features of a batch laid out as its token embeddings: `rows` [B, T, K] holds feature rows at the
+    placeholder positions `mask` [B, T] (zeros elsewhere); called on the embeddings h [B, T, K] it puts them in."""
+    rows: torch.Tensor
+    mask: torch.Tensor
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask.unsqueeze(-1), self.rows.to(h.dtype), h)
+
+
+@dataclass
+class _TouchTower:
+    """A batch without media: the embeddings plus zero times the tower's parameters, so that they take part in the
+    backward (with a zero gradient) whatever a replica's batch holds."""
+    touch: torch.Tensor | float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return h + 0.0 * self.touch if torch.is_tensor(self.touch) else h
+
+
 class K3ForConditionalGeneration(K3ForCausalLM):
     """K3ForCausalLM plus `vision_tower` (MoonViT3d) and `mm_projector` (PatchMergerV2) on the model part that holds
     the embedding (None elsewhere). See the module docstring for the inputs."""
@@ -66,11 +89,8 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         if not cfg.vision.enabled:
             raise ValueError("model.vision.enabled is false: build K3ForCausalLM")
         super().__init__(cfg, init=False, layers=layers, embedding=embedding, head=head)
-        self.vision_view = ParamView()  # how the tower reads its parameters (set from outside)
-        self.vision_tower = MoonViT3d(cfg.vision, self.vision_view) if embedding else None
-        self.mm_projector = PatchMergerV2(cfg.vision, cfg.hidden_size, self.vision_view) if embedding else None
-        self.sequence_view = None  # this rank's share of a [B, T, ...] tensor (set from outside)
-        self.media_split = None  # which media this rank encodes, and the gather of all (set from outside)
+        self.vision_tower = MoonViT3d(cfg.vision) if embedding else None
+        self.mm_projector = PatchMergerV2(cfg.vision, cfg.hidden_size) if embedding else None
         if cfg.freeze_vision:
             self.freeze_vision()
         if init:
@@ -89,28 +109,16 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         if self.vision_tower is None:
             raise ValueError("this model part has no vision tower (only the first pipeline stage takes media)")
         grids = check_media(pixel_values, grid_thws, self.cfg.vision)
-        return self._encode(pixel_values, grids, num_features(grids, self.cfg.vision))
-
-    def _encode(self, pixel_values, grids: list, counts: list) -> torch.Tensor:
-        """The features of all media, in order: encoded here, or with `media_split` each rank encoding its
-        share (media_shares, by patch count) and the shares gathered."""
-        split = self.media_split
-        if split is None or split.size == 1:
-            return self.mm_projector(self.vision_tower(pixel_values, grids))
-        shares = media_shares(grids, split.size)
-        first, end = shares[split.rank]
-        rows = [t * h * w for t, h, w in grids]
-        local = self.mm_projector(self.vision_tower(pixel_values[sum(rows[:first]):sum(rows[:end])], grids[first:end]))
-        return split.gather(local, [sum(counts[a:b]) for a, b in shares])
+        return self.mm_projector(self.vision_tower(pixel_values, grids))
 
     def _media(self, input_ids, labels, cu_seqlens, pixel_values, grid_thws):
-        """(input_ids, labels, the embedding hook) for one call with media."""
+        """(input_ids, labels, what to do to the token embeddings: MediaRows) for one call with media."""
         v = self.cfg.vision
         grids = check_media(pixel_values, grid_thws, v)
         if not grids:  # a batch without media: the tower takes part with a zero gradient (every replica reduces
             # the same gradients whatever its batch holds)
-            touch = sum(p.reshape(-1)[0] for p in self.vision_parameters() if p.requires_grad)
-            return input_ids, labels, (lambda h: h + 0.0 * touch if torch.is_tensor(touch) else h)
+            return input_ids, labels, _TouchTower(sum(p.reshape(-1)[0] for p in self.vision_parameters()
+                                                      if p.requires_grad))
         counts = num_features(grids, v)
         n, m = sum(counts), len(counts)
         found = int((input_ids == v.placeholder_token_id).sum())
@@ -123,19 +131,10 @@ class K3ForConditionalGeneration(K3ForCausalLM):
                     f"{v.placeholder_token_id}), matching neither the {m} media (one per medium) nor their {n} "
                     f"feature rows (one per row)" + (" (the one-per-medium form is not taken with cu_seqlens)"
                                                       if found == m else ""))
-        features = self._encode(pixel_values, grids, counts)
+        features = self.mm_projector(self.vision_tower(pixel_values, grids))
         slots = input_ids == v.placeholder_token_id
-        view = self.sequence_view
-
-        def insert(h):
-            full = torch.zeros(slots.shape + (features.shape[-1],), dtype=h.dtype, device=h.device)
-            full = full.masked_scatter(slots.unsqueeze(-1), features.to(h.dtype))
-            mask = slots
-            if view is not None:
-                full, mask = view(full), view(slots)
-            return torch.where(mask.unsqueeze(-1), full, h)
-
-        return input_ids, labels, insert
+        rows = features.new_zeros(slots.shape + (features.shape[-1],)).masked_scatter(slots.unsqueeze(-1), features)
+        return input_ids, labels, MediaRows(rows, slots)
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache: InferenceCache | None = None,

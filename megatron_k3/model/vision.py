@@ -35,19 +35,8 @@ from ..annotations import annotate
 from .layers import Linear
 from .norm import RMSNorm
 
-__all__ = ["VisionRMSNorm", "MoonViT3d", "PatchMergerV2", "ParamView", "check_media", "sincos_time_table",
+__all__ = ["VisionRMSNorm", "MoonViT3d", "PatchMergerV2", "check_media", "sincos_time_table",
            "num_features", "media_shares"]
-
-
-class ParamView:
-    """How the tower's and projector's modules read their parameters: as they are, or through `fn` (set from
-    outside: parallel/tensor.py's `_vision`)."""
-
-    def __init__(self):
-        self.fn = None
-
-    def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return p if self.fn is None else self.fn(p)
 
 
 def media_shares(grids: list, parts: int) -> list:
@@ -67,15 +56,15 @@ def media_shares(grids: list, parts: int) -> list:
 class VisionRMSNorm(RMSNorm):
     """RMSNorm with the released tower's eps: the machine epsilon of the input's dtype (fp32: 1.19e-7)."""
 
-    def __init__(self, dim: int, eps: float | None = None, view: ParamView | None = None):
+    def __init__(self, dim: int, eps: float | None = None):
         super().__init__(dim, 0.0)
-        self.eps, self._view = eps, view or ParamView()
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return self._view(self.weight) * y.to(x.dtype)
+        return self.weight * y.to(x.dtype)
 
 
 def sincos_time_table(frames: int, dim: int) -> torch.Tensor:
@@ -119,9 +108,8 @@ def check_media(pixel_values: torch.Tensor, grid_thws: torch.Tensor, vcfg) -> li
 
 
 class PatchEmbed3d(nn.Module):
-    def __init__(self, vcfg, view: ParamView):
+    def __init__(self, vcfg):
         super().__init__()
-        self._view = view
         D, p = vcfg.hidden_size, vcfg.patch_size
         self.proj = nn.Conv2d(3, D, kernel_size=p, stride=p, bias=False)
         annotate(self.proj.weight, adamw_reason="patch_embedding")
@@ -132,7 +120,7 @@ class PatchEmbed3d(nn.Module):
 
     def position(self, grids: list) -> torch.Tensor:
         """[L, D]: each medium's interpolated 2D table, plus the frame embedding where t > 1."""
-        w = self._view(self.pos_emb.weight)
+        w = self.pos_emb.weight
         out = [w.reshape(-1, w.shape[-1])[:0]]  # (no media: an empty table that still reads the parameter)
         for t, h, wd in grids:
             if (h, wd) == tuple(w.shape[:2]):
@@ -147,7 +135,7 @@ class PatchEmbed3d(nn.Module):
         return torch.cat(out)
 
     def forward(self, pixel_values: torch.Tensor, grids: list) -> torch.Tensor:
-        w = self._view(self.proj.weight)
+        w = self.proj.weight
         x = F.linear(pixel_values.to(w.dtype).flatten(1), w.flatten(1))  # the stride-p conv of each patch
         return x + self.position(grids).to(x.dtype)
 
@@ -176,33 +164,31 @@ def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, view: ParamView):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc0 = Linear(dim, hidden, bias=False)
         self.fc1 = Linear(hidden, dim, bias=False)
-        self._view = view
 
     def forward(self, x):
-        v = self._view
-        return F.linear(F.gelu(F.linear(x, v(self.fc0.weight)), approximate="tanh"), v(self.fc1.weight))
+        return F.linear(F.gelu(F.linear(x, self.fc0.weight), approximate="tanh"), self.fc1.weight)
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vcfg, view: ParamView):
+    def __init__(self, vcfg):
         super().__init__()
         D, Q, H = vcfg.hidden_size, vcfg.qkv_hidden_size, vcfg.num_heads
-        self.num_heads, self.head_dim, self._view = H, vcfg.head_dim, view
-        self.norm0 = VisionRMSNorm(D, view=view)
-        self.norm1 = VisionRMSNorm(D, view=view)
+        self.num_heads, self.head_dim = H, vcfg.head_dim
+        self.norm0 = VisionRMSNorm(D)
+        self.norm1 = VisionRMSNorm(D)
         self.wqkv = Linear(D, 3 * Q, bias=False)
         self.wo = Linear(Q, D, bias=False)
-        self.mlp = VisionMLP(D, vcfg.intermediate_size, view)
+        self.mlp = VisionMLP(D, vcfg.intermediate_size)
         # Per-Head Muon: q, k and v of each head are blocks of wqkv's rows (3H blocks), wo's columns per head
         annotate(self.wqkv.weight, blocks=3 * H, block_axis=0, block_kind="heads")
         annotate(self.wo.weight, blocks=H, block_axis=1, block_kind="heads")
 
     def attention(self, x: torch.Tensor, lengths: list, cos, sin) -> torch.Tensor:
-        qkv = F.linear(x, self._view(self.wqkv.weight))
+        qkv = F.linear(x, self.wqkv.weight)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # [L, H, hd] each
         q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
         out, start = [v.flatten(1)[:0]], 0  # (no media: an empty output that still reads wqkv)
@@ -211,7 +197,7 @@ class VisionBlock(nn.Module):
             o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1))
             out.append(o.transpose(0, 1).flatten(1))
             start += n
-        return F.linear(torch.cat(out), self._view(self.wo.weight))
+        return F.linear(torch.cat(out), self.wo.weight)
 
     def forward(self, x, lengths, cos, sin):
         x = x + self.attention(self.norm0(x), lengths, cos, sin)
@@ -219,21 +205,20 @@ class VisionBlock(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, vcfg, view: ParamView):
+    def __init__(self, vcfg):
         super().__init__()
-        self.blocks = nn.ModuleList(VisionBlock(vcfg, view) for _ in range(vcfg.num_layers))
-        self.final_layernorm = VisionRMSNorm(vcfg.hidden_size, view=view)
+        self.blocks = nn.ModuleList(VisionBlock(vcfg) for _ in range(vcfg.num_layers))
+        self.final_layernorm = VisionRMSNorm(vcfg.hidden_size)
 
 
 class MoonViT3d(nn.Module):
     """The tower: pixel_values [L, 3, p, p] -> merged patch groups [N, 4D] (see the module docstring)."""
 
-    def __init__(self, vcfg, view: ParamView | None = None):
+    def __init__(self, vcfg):
         super().__init__()
         self.vcfg = vcfg
-        view = view or ParamView()
-        self.patch_embed = PatchEmbed3d(vcfg, view)
-        self.encoder = VisionEncoder(vcfg, view)
+        self.patch_embed = PatchEmbed3d(vcfg)
+        self.encoder = VisionEncoder(vcfg)
 
     def forward(self, pixel_values: torch.Tensor, grids: list) -> torch.Tensor:
         v = self.vcfg
@@ -255,16 +240,14 @@ class MoonViT3d(nn.Module):
 class PatchMergerV2(nn.Module):
     """[N, 4D] merged patch groups -> [N, K] features in the text model's width."""
 
-    def __init__(self, vcfg, text_hidden: int, view: ParamView | None = None):
+    def __init__(self, vcfg, text_hidden: int):
         super().__init__()
         width = vcfg.hidden_size * vcfg.merge_size
-        self._view = view or ParamView()
         self.proj = nn.Sequential(Linear(width, width, bias=False), nn.GELU(), Linear(width, text_hidden, bias=False))
-        self.post_norm = VisionRMSNorm(text_hidden, vcfg.projector_eps, self._view)
+        self.post_norm = VisionRMSNorm(text_hidden, vcfg.projector_eps)
 
     def forward(self, x):
-        v = self._view
-        return self.post_norm(F.linear(F.gelu(F.linear(x, v(self.proj[0].weight))), v(self.proj[2].weight)))
+        return self.post_norm(F.linear(F.gelu(F.linear(x, self.proj[0].weight)), self.proj[2].weight))
 
 
 def num_features(grids: list, vcfg) -> list:

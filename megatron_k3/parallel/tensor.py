@@ -34,6 +34,8 @@ from ..model.k3 import CausalLMOutput, K3ForCausalLM
 from ..model.kda import KimiDeltaAttention
 from ..model.mla import GatedMLA
 from ..model.mlp import GatedMLP
+from ..model.multimodal import MediaRows
+from ..model.vision import media_shares, num_features
 from . import mappings as M
 from .mappings import Group
 
@@ -323,32 +325,56 @@ def apply_tensor_parallel(module: nn.Module, tp: TensorParallel) -> nn.Module:
     return module
 
 
-@dataclass(frozen=True)
-class MediaSplit:
-    """The media of a batch split over the TP ranks (model.multimodal: each encodes its share, media_shares)."""
-    group: object
-    size: int
-    rank: int
+class _MediaShare:
+    """The media of a batch split over the TP ranks: before the tower runs, this rank keeps its share (contiguous
+    whole media of about equal patch counts, model.vision.media_shares; a rank may get none); after the projector,
+    every rank's features are gathered, in order."""
 
-    def gather(self, local, sizes: list):
-        return M.gather_var_rows(local, sizes, self.group)
+    def __init__(self, tp: TensorParallel):
+        self.tp, self.sizes = tp, None
+
+    def take(self, tower, args):
+        pixel_values, grids = args
+        shares = media_shares(grids, self.tp.size)
+        first, end = shares[self.tp.rank]
+        rows, counts = [t * h * w for t, h, w in grids], num_features(grids, tower.vcfg)
+        self.sizes = [sum(counts[a:b]) for a, b in shares]
+        return pixel_values[sum(rows[:first]):sum(rows[:end])], grids[first:end]
+
+    def gather(self, projector, args, out):
+        sizes, self.sizes = self.sizes, None
+        return out if sizes is None else M.gather_var_rows(out, sizes, self.tp.group)
+
+
+def _sequence_share_of_media(tp: TensorParallel):
+    """Under SP the embeddings hold this rank's sequence share: so do the media rows put into them (the backward
+    gathers their gradient)."""
+    def hook(core, args, kwargs):
+        media = kwargs.get("media")
+        if isinstance(media, MediaRows):
+            kwargs["media"] = MediaRows(M.split_seq(media.rows, tp.group), M.split_seq(media.mask, tp.group))
+        return args, kwargs
+    return hook
 
 
 def _vision(model, tp: TensorParallel) -> None:
-    """The vision tower is replicated over TP, its work is not: each rank encodes a share of the media (contiguous
-    whole media of about equal patch counts, model.vision.media_shares; a rank may get none) and the features are
-    gathered; the tower reads its parameters through the region copy (identity forward, all-reduce backward), so
-    the gradient each rank computes from its share is summed over the group, once per micro-batch. Under SP each
-    rank then puts in the features of its own sequence share (the backward gathers their gradient first).
+    """The vision tower is replicated over TP, its work is not: each rank encodes a share of the media and the
+    features are gathered (_MediaShare, hooks around the tower and the projector); each rank's gradient of the
+    tower's parameters, computed from its share, is summed over the group by a hook, once per micro-batch. Under SP
+    each rank then puts in the features of its own sequence share.
 
     Why not shard it like the text layers: ~0.45B parameters at K3 size against 2.8T, and splitting 12 heads and a
     1024 width would add two collectives per block. Why not replicate the work: every rank would run the whole
     tower. The split is by whole media, so it pays when a micro-batch holds at least tp media; with one image one
     rank encodes it and the others wait (docs/vision.md, docs/planning.md give the planner's figures)."""
-    model.media_split = MediaSplit(tp.group, tp.size, tp.rank)
-    model.vision_view.fn = lambda w: M.copy_to_region(w, tp.group)
+    share = _MediaShare(tp)
+    model.vision_tower.register_forward_pre_hook(share.take)
+    model.mm_projector.register_forward_hook(share.gather)
+    for p in model.vision_parameters():
+        if p.requires_grad:  # model.freeze_vision: nothing to sum
+            mark_partial_grad(p, tp)
     if tp.sequence_parallel:
-        model.sequence_view = lambda t: M.split_seq(t, tp.group)
+        model.model.register_forward_pre_hook(_sequence_share_of_media(tp), with_kwargs=True)
 
 
 def _model_ends(model: K3ForCausalLM, tp: TensorParallel) -> None:
