@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_fault_drills import FAST, _run, losses  # noqa: E402
+from helpers import DRILL, logged_losses, run_drill  # noqa: E402
 
 STEPS = 8
-ARGS = [a for a in FAST if not a.startswith(("train.steps=", "train.save_interval="))] + [
+ARGS = [a for a in DRILL if not a.startswith(("train.steps=", "train.save_interval="))] + [
     f"train.steps={STEPS}", "train.save_interval=2"]
 
 
@@ -49,8 +49,8 @@ def main():
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="k3-fault-drill-"))
     ref2, ref1 = tmp / "ref_dp2", tmp / "ref_one"
-    assert _run(ARGS, ref2, nproc=2).returncode == 0 and _run(ARGS, ref1).returncode == 0
-    want2, want1 = losses(ref2), losses(ref1)
+    assert run_drill(ARGS, ref2, nproc=2).returncode == 0 and run_drill(ARGS, ref1).returncode == 0
+    want2, want1 = logged_losses(ref2), logged_losses(ref1)
     results = []
 
     def record(kind, detail, ok, why=""):
@@ -60,29 +60,29 @@ def main():
     for i in range(a.kills):
         step, rank = rng.randint(1, STEPS - 1), rng.randint(0, 1)
         d = tmp / f"kill{i}"
-        p = _run(ARGS, d, fault=f"kill:{step}:{rank}", nproc=2, restarts=1)
-        got = losses(d) if (d / "metrics.jsonl").is_file() else {}
+        p = run_drill(ARGS, d, fault=f"kill:{step}:{rank}", nproc=2, restarts=1)
+        got = logged_losses(d) if (d / "metrics.jsonl").is_file() else {}
         record("kill", f"rank {rank} after step {step}", p.returncode == 0 and "exitcode: -9" in p.stderr
                and got == want2, f"(max |loss diff| {max((abs(got.get(s, math.inf) - v) for s, v in want2.items()))})")
     for i in range(a.terms):
         step, rank = rng.randint(1, STEPS - 1), rng.randint(0, 1)
         d = tmp / f"term{i}"
-        p1 = _run(ARGS, d, fault=f"sigterm:{step}:{rank}", nproc=2)
+        p1 = run_drill(ARGS, d, fault=f"sigterm:{step}:{rank}", nproc=2)
         saved = (d / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()
-        p2 = _run(ARGS, d, nproc=2)
+        p2 = run_drill(ARGS, d, nproc=2)
         record("term", f"rank {rank} after step {step}", p1.returncode == 0 and saved and p2.returncode == 0
-               and losses(d) == want2)
+               and logged_losses(d) == want2)
     for i in range(a.save_kills):
         step, files = rng.choice(range(2, STEPS, 2)), rng.randint(1, 3)
         d = tmp / f"save{i}"
-        p1 = _run(ARGS, d, fault=f"kill_in_save:{step}:{files}")
-        p2 = _run(ARGS, d)
+        p1 = run_drill(ARGS, d, fault=f"kill_in_save:{step}:{files}")
+        p2 = run_drill(ARGS, d)
         record("save-kill", f"checkpoint {step} after {files} files", p1.returncode == -9 and p2.returncode == 0
-               and "ignoring incomplete checkpoint" in p2.stdout and losses(d) == want1)
+               and "ignoring incomplete checkpoint" in p2.stdout and logged_losses(d) == want1)
     for i in range(a.nans):
         step, rank = rng.randint(2, STEPS - 1), rng.randint(0, 1)
         d = tmp / f"nan{i}"
-        p = _run(ARGS, d, fault=f"nan:{step}:{rank}", nproc=2)
+        p = run_drill(ARGS, d, fault=f"nan:{step}:{rank}", nproc=2)
         r = rows(d) if (d / "metrics.jsonl").is_file() else []
         ok = (p.returncode == 0 and len(r) == STEPS and [x["skipped"] for x in r].count(1) == 1
               and r[step - 1]["skipped"] == 1 and all(r[s - 1]["loss"] == want2[s] for s in range(1, step))

@@ -17,9 +17,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT)]
 
 import torch  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from test_engine import _rel  # noqa: E402
+from helpers import FAST, STATIC, norm_rel, train_layout  # noqa: E402
 
-STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]  # capacity for every token: comparable with ep
+# STATIC: capacity for every token, comparable with ep
 LAYOUTS = [(2, ["parallel.zero_stage=1"]), (2, ["parallel.zero_stage=2"]),
            (4, ["parallel.tp=2", "parallel.zero_stage=1"]), (4, ["parallel.tp=2", "parallel.zero_stage=2"]),
            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -29,10 +29,8 @@ LAYOUTS = [(2, ["parallel.zero_stage=1"]), (2, ["parallel.zero_stage=2"]),
 
 
 def train(rank, world, optimizer, overrides, run_dir):
-    import test_engine
-
-    test_engine.FAST = [a for a in test_engine.FAST if not a.startswith("optim=")] + [f"optim={optimizer}"]
-    return test_engine._train(rank, world, STATIC + overrides, run_dir)
+    base = [a for a in FAST if not a.startswith("optim=")] + [f"optim={optimizer}"]
+    return train_layout(rank, world, STATIC + overrides, run_dir, base=base)
 
 
 def _option(args, flag):
@@ -76,7 +74,7 @@ def main():
     for world, overrides in layouts:
         res = run_distributed(train, world, optimizer, overrides, str(tmp / "run"), timeout=900)
         loss = max(abs(a - b) / abs(b) for r in res for a, b in zip(r[0], ref_losses))
-        worst = max((_rel(r[1][n], p), n) for r in res for n, p in ref_params.items() if n in r[1])
+        worst = max((norm_rel(r[1][n], p), n) for r in res for n, p in ref_params.items() if n in r[1])
         sizes = dict(o.replace("parallel.", "").split("=") for o in overrides)
         dp = world // (int(sizes.get("tp", 1)) * int(sizes.get("cp", 1)) * int(sizes.get("pp", 1)))
         name = " ".join(f"{k}={v}" for k, v in sizes.items()) + f" (dp={dp})"

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import OBS_FAST, STATIC, one_process, train_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,25 +26,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: a module's tests keep their order
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b|: the relative error measure used across the suite."""
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-@pytest.fixture
-def rel():
-    return rel_err
-
-
-# The 4-layer K3 of tests/test_train.py (KDA x3 + MLA, MoE, AttnRes in blocks of 2, 64-token sequences), logging
-# every W&B media step: the short real run whose metrics.jsonl the observability and plot tests read.
-OBS_FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-            "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=2",
-            "train.global_batch_size=4", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=3",
-            "logging.wandb.mode=disabled", "logging.wandb.media_interval=2", "train.save_interval=0"]
-
-
 @pytest.fixture(scope="session")
 def short_run_dir(tmp_path_factory):
     """A 3-step training run shared by every test that reads what a run writes (run once per session)."""
@@ -52,3 +34,10 @@ def short_run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("short_run")
     assert main(OBS_FAST + ["train.steps=3", f"hydra.run.dir={d}"]) == 0
     return d
+
+
+@pytest.fixture(scope="session")
+def reference_static(tmp_path_factory):
+    """One process, FAST + STATIC (helpers.train_layout): the run that the layouts of test_expert_parallel and
+    test_context_parallel compare with (once per pytest worker)."""
+    return one_process(train_layout, tmp_path_factory, STATIC)

@@ -151,13 +151,28 @@ def test_yaml_files_only_override_defaults(group):
 
 # ---------------------------------------------------------------------------------------------- test marks
 
-HEAVY_NAMES = {"run_distributed", "Trainer", "short_run_dir", "run_reference"}
+HEAVY_NAMES = {"run_distributed", "Trainer", "short_run_dir", "run_hf_reference"}
 HEAVY_STRINGS = ("megatron_k3.train", "megatron_k3/train.py", "torch.distributed.run")
 
 
-def _heavy_tests(tree: ast.Module) -> dict:
+def _shared_heavy_names() -> set:
+    """HEAVY_NAMES and the functions and fixtures of tests/helpers.py and tests/conftest.py that use one of them."""
+    names = set(HEAVY_NAMES)
+    for shared in ("helpers.py", "conftest.py"):
+        names |= {n for n, heavy in _heavy_functions(ast.parse((ROOT / "tests" / shared).read_text()), names).items()
+                  if heavy}
+    return names
+
+
+def _heavy_tests(tree: ast.Module, heavy_names: set) -> dict:
     """{test name: whether it starts a multi-process world, a training run or a reference subprocess}, following
     the module's own helper functions."""
+    return {n: heavy for n, heavy in _heavy_functions(tree, heavy_names).items() if n.startswith("test_")}
+
+
+def _heavy_functions(tree: ast.Module, heavy_names: set) -> dict:
+    """{function name: whether it starts a multi-process world, a training run or a reference subprocess}, following
+    the module's own functions."""
     imports_train = any(isinstance(n, ast.ImportFrom) and n.module == "megatron_k3.train" for n in ast.walk(tree))
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     refs, direct = {}, {}
@@ -175,7 +190,7 @@ def _heavy_tests(tree: ast.Module) -> dict:
             elif isinstance(n, ast.ImportFrom) and n.module == "megatron_k3.train":
                 hit = True
         refs[name] = names
-        direct[name] = hit or bool(names & HEAVY_NAMES) or (imports_train and "main" in names)
+        direct[name] = hit or bool(names & heavy_names) or (imports_train and "main" in names)
     memo: dict = {}
 
     def heavy(name, seen=()):
@@ -184,7 +199,7 @@ def _heavy_tests(tree: ast.Module) -> dict:
                                              if o in funcs and o not in seen and o != name)
         return memo[name]
 
-    return {n: heavy(n) for n in funcs if n.startswith("test_")}
+    return {n: heavy(n) for n in funcs}
 
 
 def _marked_slow(node) -> bool:
@@ -193,7 +208,7 @@ def _marked_slow(node) -> bool:
 
 def test_every_slow_test_is_marked():
     """make test-fast skips the tests marked slow: every test that starts processes or trains must be one."""
-    unmarked = []
+    unmarked, heavy_names = [], _shared_heavy_names()
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         if path.name == Path(__file__).name:  # this file names the heavy things it looks for
             continue
@@ -201,6 +216,6 @@ def test_every_slow_test_is_marked():
         module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
                           and "slow" in ast.unparse(n.value) for n in tree.body)
         funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-        unmarked += [f"{path.name}::{name}" for name, heavy in _heavy_tests(tree).items()
+        unmarked += [f"{path.name}::{name}" for name, heavy in _heavy_tests(tree, heavy_names).items()
                      if heavy and not module_slow and not _marked_slow(funcs[name])]
     assert not unmarked, "\n".join(unmarked)

@@ -7,6 +7,7 @@ combine and of the replica gradients summed into their owner's."""
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import max_abs_rel
 
 from megatron_k3.model.dispatcher import Dispatcher
 from megatron_k3.model.experts import GroupedExperts
@@ -133,13 +134,9 @@ def _worker(rank, world, kind, S, seed, micro=1):
     out = torch.cat(outs)
     El = E // world
     block = slice(rank * El, (rank + 1) * El)
-
-    def rel(a, b):
-        a, b = a.detach(), b.detach()
-        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-    errs = {"out": rel(out, ref[rows]), "dz": rel(zl.grad, zr.grad[rows]), "dw": rel(wl.grad, wr.grad[rows])}
-    for n in ("w1", "w3", "w2"):
-        errs[n] = rel(getattr(local, n).grad, getattr(full, n).grad[block])
+    pairs = {"out": (out, ref[rows]), "dz": (zl.grad, zr.grad[rows]), "dw": (wl.grad, wr.grad[rows]),
+             **{n: (getattr(local, n).grad, getattr(full, n).grad[block]) for n in ("w1", "w3", "w2")}}
+    errs = {k: max_abs_rel(a, b, float64=False) for k, (a, b) in pairs.items()}
     load_R, replicas = disp.balanced.stats
     return errs, load_R.tolist(), int(replicas)
 

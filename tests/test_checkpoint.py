@@ -20,20 +20,9 @@ import pickle
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import FAST, _full_params
+from helpers import STATIC, M, N, full_params, gather_states, make_trainer, resume_with, same
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
-
-N, M = 2, 2
-STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
-
-
-def _trainer(world, overrides):
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.training.loop import Trainer
-
-    run, _, _ = compose_run_config(FAST + [f"train.steps={N + M}"] + overrides, world_size=world)
-    return Trainer(run, run.checkpoint.dir)
 
 
 def _resume(rank, world, overrides, ckpt_dir):
@@ -41,24 +30,24 @@ def _resume(rank, world, overrides, ckpt_dir):
 
     common = overrides + [f"checkpoint.dir={ckpt_dir}"]
     try:
-        t = _trainer(world, common)
+        t = make_trainer(world, common)
         straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
-        straight_params = _full_params(t)
+        straight_params = full_params(t)
         bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
     finally:
         shutdown()
     try:
-        t = _trainer(world, common)
+        t = make_trainer(world, common)
         first = [t.train_step()[0]["loss"] for _ in range(N)]
         t.save()
     finally:
         shutdown()
     try:
-        t = _trainer(world, common + ["checkpoint.load=auto"])
+        t = make_trainer(world, common + ["checkpoint.load=auto"])
         t.maybe_resume()
         assert t.step == N
         second = [t.train_step()[0]["loss"] for _ in range(M)]
-        resumed_params = _full_params(t)
+        resumed_params = full_params(t)
         resumed_bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
     finally:
         shutdown()
@@ -96,12 +85,12 @@ def _save_then_report(rank, world, overrides, ckpt_dir):
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(world, overrides + [f"checkpoint.dir={ckpt_dir}"])
+        t = make_trainer(world, overrides + [f"checkpoint.dir={ckpt_dir}"])
         for _ in range(N):
             t.train_step()
         t.save()
         _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
-        return _logits(t), _full_params(t), _gather_states(t, states)
+        return _logits(t), full_params(t), gather_states(t, states)
     finally:
         shutdown()
 
@@ -111,38 +100,13 @@ def _load_then_report(rank, world, overrides, ckpt_dir):
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(world, overrides + [f"checkpoint.load={ckpt_dir}"])
+        t = make_trainer(world, overrides + [f"checkpoint.load={ckpt_dir}"])
         t.maybe_resume()
         assert t.step == N
         _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
-        return _logits(t), _full_params(t), _gather_states(t, states)
+        return _logits(t), full_params(t), gather_states(t, states)
     finally:
         shutdown()
-
-
-def _gather_states(t, states):
-    """Optimizer states at full size (TP shards gathered; experts are already global in full_states)."""
-    from megatron_k3.annotations import meta
-    from megatron_k3.parallel import state
-
-    size, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
-    params = dict(t.model.named_parameters())
-    out = {}
-    for n, st in states.items():
-        d = meta(params[n]).tp_dim
-        for k, v in st.items():
-            if d is not None and size > 1:
-                parts = [torch.empty_like(v) for _ in range(size)]
-                torch.distributed.all_gather(parts, v.contiguous(), group=group)
-                v = torch.cat(parts, d)
-            out[f"{n}::{k}"] = v
-    return out
-
-
-def _same(a, b, what):
-    assert sorted(a) == sorted(b), what
-    bad = [n for n in a if not torch.equal(a[n], b[n])]
-    assert not bad, (what, bad[:5])
 
 
 @pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [
@@ -153,8 +117,8 @@ def test_checkpoint_loads_under_another_layout(tmp_path, save_world, save_layout
     saved = run_distributed(_save_then_report, save_world, STATIC + save_layout, str(tmp_path), timeout=300)[0]
     loaded = run_distributed(_load_then_report, load_world, STATIC + load_layout, str(tmp_path), timeout=300)
     for logits, params, states in loaded:
-        _same(saved[1], params, "parameters")
-        _same(saved[2], states, "optimizer states")
+        same(saved[1], params, "parameters")
+        same(saved[2], states, "optimizer states")
         err = ((logits - saved[0]).norm() / saved[0].norm()).item()
         assert err <= 1e-5, err
 
@@ -163,7 +127,7 @@ def _checkpoint_one_process(ckpt_dir, overrides=(), world=1):
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(world, list(overrides) + [f"checkpoint.dir={ckpt_dir}"])
+        t = make_trainer(world, list(overrides) + [f"checkpoint.dir={ckpt_dir}"])
         t.train_step()
         t.save()
         return t.step
@@ -222,9 +186,9 @@ def test_format2_checkpoints_are_refused_with_the_conversion_and_convert_bit_for
     assert err is not None and "format 2" in err and "tools/convert_checkpoint.py" in err and "\n" not in err, err
     new = tool.convert(old, tmp_path / "new")
     m2, o2, meta = ckpt.read_full(new)
-    _same(model, m2, "weights")
-    _same({f"{n}::{k}": v for n, st in optim.items() for k, v in st.items()},
-          {f"{n}::{k}": v for n, st in o2.items() for k, v in st.items()}, "optimizer states")
+    same(model, m2, "weights")
+    same({f"{n}::{k}": v for n, st in optim.items() for k, v in st.items()},
+         {f"{n}::{k}": v for n, st in o2.items() for k, v in st.items()}, "optimizer states")
     assert meta["format_version"] == ckpt.FORMAT_VERSION and meta["step"] == 1
     assert run_distributed(_resume_from, 1, str(new), timeout=300)[0] is None
     assert tool.main([str(new), str(tmp_path / "again")]) == 2  # already current: nothing to convert
@@ -271,7 +235,7 @@ def test_a_crafted_pickle_is_refused(one_checkpoint, tmp_path, victim):
 
 
 def _resume_from(rank, world, path):
-    return _resume_with(rank, world, path, [])
+    return resume_with(rank, world, path, [])
 
 
 def test_truncated_file_names_the_file(one_checkpoint, tmp_path):
@@ -288,30 +252,15 @@ def test_truncated_file_names_the_file(one_checkpoint, tmp_path):
     assert err is not None and "rank_00000.safetensors" in str(err) and "truncated or corrupted" in str(err), err
 
 
-def _resume_with(rank, world, path, overrides):
-    from megatron_k3.config import ConfigError
-    from megatron_k3.training.engine import shutdown
-
-    try:
-        t = _trainer(world, overrides + [f"checkpoint.load={path}"])
-        try:
-            t.maybe_resume()
-        except ConfigError as e:
-            return str(e)
-        return None
-    finally:
-        shutdown()
-
-
 def test_mismatched_model_config_names_the_keys(one_checkpoint):
     from megatron_k3.training import checkpoint as ckpt
 
     path = str(ckpt.list_checkpoints(one_checkpoint)[-1])
-    msg = run_distributed(_resume_with, 1, path, ["model.num_experts=32", "model.top_k=2"], timeout=300)[0]
+    msg = run_distributed(resume_with, 1, path, ["model.num_experts=32", "model.top_k=2"], timeout=300)[0]
     assert msg is not None and "model.num_experts: checkpoint 16, this run 32" in msg, msg
     assert "model.top_k: checkpoint 4, this run 2" in msg and "model.hidden_size" not in msg
     # a runtime-only key (capacity, dispatch mode) may change between save and resume
-    assert run_distributed(_resume_with, 1, path, ["model.moe_overflow=drop"], timeout=300)[0] is None
+    assert run_distributed(resume_with, 1, path, ["model.moe_overflow=drop"], timeout=300)[0] is None
 
 
 def test_incomplete_checkpoints_are_ignored_with_a_warning(one_checkpoint, tmp_path, caplog):
@@ -339,7 +288,7 @@ def _resume_steps(rank, world, path):
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(world, [f"checkpoint.load={path}"])
+        t = make_trainer(world, [f"checkpoint.load={path}"])
         t.maybe_resume()
         start = dict((n, p.detach().clone()) for n, p in t.model.named_parameters())
         loss = t.train_step()[0]["loss"]

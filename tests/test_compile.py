@@ -29,15 +29,12 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params
-from test_vision_train import ZERO_INIT, ZERO_INIT_RTOL
-from trajectory import _rel, compare, record
+from helpers import FAST, PARAM_RTOL, RTOL, STEPS, TINY_MODEL, ZERO_INIT, ZERO_INIT_RTOL, full_params, norm_rel
+from trajectory import compare, record
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-         "model.attn_res_block_size=2"]
 
 
 # ------------------------------------------------------------------ graph breaks
@@ -50,7 +47,7 @@ def _explain_layers(overrides, packed, world):
     from megatron_k3.parallel import ParallelGroups, build_model, state
     from megatron_k3.training.engine import shutdown
 
-    run, _, _ = compose_run_config(SMALL + overrides, world_size=world)
+    run, _, _ = compose_run_config(TINY_MODEL + overrides, world_size=world)
     try:
         ps = state.initialize_from_config(run)
         model = build_model(run.model, ParallelGroups.from_state(ps, run.parallel.sequence_parallel),
@@ -117,7 +114,7 @@ def _train(rank, world, overrides, run_dir, compiled):
         trainer = Trainer(run, f"{run_dir}/{rank}")
         # a compiled run's routers are not hooked (the hook reads values on the host); compare() takes the
         # near-ties from the eager reference
-        return record(trainer, STEPS, _full_params, near_ties=not compiled)
+        return record(trainer, STEPS, full_params, near_ties=not compiled)
     finally:
         shutdown()
 
@@ -132,7 +129,7 @@ def _train_and_compare(tmp_path, world, overrides, backend):
                                str(tmp_path / "compiled"), True, timeout=1500)
     for rank, (reference, steps) in enumerate(zip(eager, compiled)):
         assert compare(reference, steps, RTOL, ZERO_INIT_RTOL, f"rank {rank}") == len(steps)
-        errs = {n: _rel(p, reference[-1].params[n]) for n, p in steps[-1].params.items()}
+        errs = {n: norm_rel(p, reference[-1].params[n]) for n, p in steps[-1].params.items()}
         rest = {n: e for n, e in errs.items() if not n.endswith(ZERO_INIT)}
         loss = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(steps, reference))
         print(f"{backend} {overrides} rank {rank}: losses within {loss:.2g}; parameters: worst "
@@ -167,7 +164,7 @@ def _one_step_gradients(backend):
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.training.compile import compile_layers
 
-    cfg = load_model_config("k3_tiny", [o.removeprefix("model.") for o in SMALL])
+    cfg = load_model_config("k3_tiny", [o.removeprefix("model.") for o in TINY_MODEL])
     torch.manual_seed(0)
     eager = K3ForCausalLM(cfg).train()
     exact, compiled = K3ForCausalLM(cfg).train(), K3ForCausalLM(cfg).train()
@@ -200,9 +197,9 @@ def test_one_step_gradients_equal_eager(backend):
     (l_x, g_x), (l_e, g_e), (l_c, g_c) = _one_step_gradients(backend)
     assert abs(l_c - l_e) <= 1e-7 * abs(l_e), (l_c, l_e)
     assert g_c.keys() == g_e.keys() == g_x.keys() and len(g_e) > 100
-    eager_err = {n: _rel(g, g_x[n]) for n, g in g_e.items()}
-    comp_err = {n: _rel(g, g_x[n]) for n, g in g_c.items()}
-    apart = {n: _rel(g_c[n], g) for n, g in g_e.items()}
+    eager_err = {n: norm_rel(g, g_x[n]) for n, g in g_e.items()}
+    comp_err = {n: norm_rel(g, g_x[n]) for n, g in g_c.items()}
+    apart = {n: norm_rel(g_c[n], g) for n, g in g_e.items()}
     far, worst = max(apart, key=apart.get), max(comp_err, key=comp_err.get)
     print(f"{backend}: loss {abs(l_c - l_e) / abs(l_e):.2g} apart; gradients: {sum(a == 0 for a in apart.values())} "
           f"of {len(apart)} equal to the bit, furthest from eager {apart[far]:.2g} ({far}); from the fp64 gradient: "
@@ -271,8 +268,7 @@ def test_no_cpp_compiler_stops_at_start_up_with_one_line(tmp_path):
 
 
 def _resume_is_bitwise(tmp_path, backend):
-    from test_train import FAST as CLI_FAST
-    from test_train import _losses
+    from helpers import CLI_FAST, logged_losses
 
     from megatron_k3.train import main
 
@@ -282,7 +278,7 @@ def _resume_is_bitwise(tmp_path, backend):
     assert main(common + [f"hydra.run.dir={a}"]) == 0
     assert main(common + [f"hydra.run.dir={b}", "train.exit_interval=4"]) == 0
     assert main(common + [f"hydra.run.dir={b}", "checkpoint.load=auto"]) == 0
-    la, lb = _losses(a), _losses(b)
+    la, lb = logged_losses(a), logged_losses(b)
     assert sorted(la) == sorted(lb) == list(range(1, 9))
     assert all(la[s] == lb[s] for s in la), [(s, la[s], lb[s]) for s in la if la[s] != lb[s]]
 

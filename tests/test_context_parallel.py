@@ -12,7 +12,8 @@ Tolerances. Losses 1e-5 relative (fp32; measured ~1e-7). Gradients: per tensor |
 composed transitions A S + B instead of the step-by-step hand-off, the latent's gradient is reduce-scattered,
 attention runs per query block), and the largest differences sit in gradients summed over every token with
 cancellation (A_log, b_proj); a missing halo, a wrong carry or a leaked document is off by 1e-2 or more.
-Parameters after 5 steps: test_engine.PARAM_RTOL (AdamW amplifies rounding differences; see there).
+Parameters after 5 steps: PARAM_RTOL of tests/helpers.py (AdamW amplifies rounding differences; test_engine's
+docstring says how).
 """
 
 import importlib.util
@@ -24,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
-from trajectory import compare, record
+from helpers import PARAM_RTOL, RTOL, STATIC, norm_rel, train_layout
+from trajectory import compare
 
 GRAD_RTOL = 1e-4
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +174,7 @@ def _compare(results, ref):
     ref_loss, ref_grads = ref
     for rank, (loss, grads) in enumerate(results):
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (rank, loss, ref_loss)
-        worst = max((_rel(grads[n], g), n) for n, g in ref_grads.items() if g.norm() > 0)
+        worst = max((norm_rel(grads[n], g), n) for n, g in ref_grads.items() if g.norm() > 0)
         assert worst[0] < GRAD_RTOL, (rank, worst)
 
 
@@ -204,29 +205,12 @@ def test_long_sequence_32k_equals_single_process():
 
 # ---------------------------------------------------------------------------------------------- the Trainer
 
-STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]  # as test_expert_parallel: no drops
+# helpers.train_layout with STATIC (no token dropped, as in test_expert_parallel), against conftest's reference_static:
+# the one-process run test_expert_parallel compares with too
 
 
-def _train(rank, world, overrides, run_dir):
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.parallel import state
-    from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.loop import Trainer
-
-    run, _, _ = compose_run_config(FAST + STATIC + overrides, world_size=world)
-    try:
-        trainer = Trainer(run, f"{run_dir}/{rank}")
-        steps = record(trainer, STEPS, _full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
-        groups = {name: state.get_group_ranks(name) for name in ("cp", "dp", "dp-cp", "ep", "edp")}
-        return (steps, [s.record["grad_norm"] for s in steps], groups, trainer.engine.seq_dp_world_size,
-                [float(m.dropped_assignments) for m in trainer.moe])
-    finally:
-        shutdown()
-
-
-@pytest.fixture(scope="module")
-def train_reference(tmp_path_factory):
-    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+def _grad_norms(steps):
+    return [s.record["grad_norm"] for s in steps]
 
 
 @pytest.mark.parametrize("world,overrides,groups", [
@@ -236,13 +220,15 @@ def train_reference(tmp_path_factory):
                                               "edp": [0, 2]}),
 ], ids=["cp2", "cp2xep2"])
 @pytest.mark.slow
-def test_trainer_equals_single_process(train_reference, tmp_path, world, overrides, groups):
-    ref_steps, ref_norms, _, _, _ = train_reference
-    results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
-    for rank, (steps, norms, got_groups, seq_dp, dropped) in enumerate(results):
+def test_trainer_equals_single_process(reference_static, tmp_path, world, overrides, groups):
+    ref_steps = reference_static[3]["steps"]
+    ref_norms = _grad_norms(ref_steps)
+    results = run_distributed(train_layout, world, STATIC + overrides, str(tmp_path), timeout=300)
+    for rank, (_, _, _, extra) in enumerate(results):
+        steps, norms, dropped = extra["steps"], _grad_norms(extra["steps"]), extra["dropped"]
         if rank == 0:
-            assert got_groups == groups
-            assert seq_dp == len(groups["dp-cp"])  # DeepSpeed reduces dense gradients over dp x cp
+            assert extra["groups"] == groups
+            assert extra["seq_dp"] == len(groups["dp-cp"])  # DeepSpeed reduces dense gradients over dp x cp
         # losses and parameters step by step, up to a routing decision a near-tie let go the other way
         compared = compare(ref_steps, steps, RTOL, PARAM_RTOL, f"rank {rank}")
         for a, b in zip(norms[:compared], ref_norms):  # a gradient averaged over the wrong group shows here

@@ -18,69 +18,17 @@ by O(1).
 """
 
 import pytest
-import torch
 from dist_utils import run_distributed
-from trajectory import compare, record
+from helpers import FAST, PARAM_RTOL, RTOL, norm_rel, one_process, train_layout, train_layout_default_optimizer
+from trajectory import compare
 
-FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=1",
-        "train.global_batch_size=4", "train.eval_interval=0", "optim=adamw", "optim.warmup_steps=2",
-        "optim.eps=1e-6", "logging.wandb.mode=disabled"]  # AdamW: the measurements below are its (optim=muon:
-# tests/test_muon_train.py). eps=1e-6, not the default 1e-8: an element whose gradient cancels to ~1e-8 has an update
-# g / (|g| + eps) that rounding decides (measured with 1e-8: one embedding element's step-1 update 16% apart between
-# dp=2 and one process, 1e-3 apart after 5 steps), which no summation order avoids; with 1e-6 such an element moves
-# by lr * g / eps, a hundredth of it, and nothing else about what these tests check changes.
-STEPS = 5
-RTOL = 1e-5
-PARAM_RTOL = 2e-4
-
-
-def _full_params(trainer):
-    """Every parameter at full (unsharded) size: tensor-parallel shards gathered over the TP group."""
-    from megatron_k3.annotations import meta
-    from megatron_k3.parallel import state
-
-    def gather(t, dim, group, size):
-        parts = [torch.empty_like(t) for _ in range(size)]
-        torch.distributed.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim)
-
-    out = {}
-    g, size = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_world_size()
-    for n, p in trainer.model.named_parameters():
-        t = p.detach().float()
-        m = meta(p)
-        if m.tp_dim is not None and size > 1:
-            t = gather(t, m.tp_dim, g, size)
-        if m.ep_size > 1:  # this rank's experts -> all experts in global order
-            t = gather(t, 0, state.get_expert_model_parallel_group(), m.ep_size)
-        out[n] = t.clone()
-    return out
-
-
-def _train(rank, world, overrides, run_dir):
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.loop import Trainer
-
-    run, _, _ = compose_run_config(FAST + overrides, world_size=world)
-    try:
-        trainer = Trainer(run, f"{run_dir}/{rank}")
-        steps = record(trainer, STEPS, _full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
-        extra = {"dropped": [float(m.dropped_assignments) for m in trainer.moe],
-                 "bias": [m.gate.e_score_correction_bias.clone() for m in trainer.moe], "steps": steps}
-        return [s.loss for s in steps], steps[-1].params, type(trainer.engine.optimizer).__name__, extra
-    finally:
-        shutdown()
+# The run (helpers.train_layout: FAST, STEPS steps through the real Trainer) and the tolerances are in tests/helpers.py,
+# which the other layout tests share.
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+    return one_process(train_layout, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world,overrides,optimizer", [
@@ -97,23 +45,15 @@ def test_layout_equals_single_process(reference, tmp_path, world, overrides, opt
     """Losses and parameters step by step up to the first routing decision that a near-tie let go the other way
     (tests/trajectory.py); the routing itself equal everywhere else."""
     ref_steps = reference[3]["steps"]
-    results = run_distributed(_train, world, overrides, str(tmp_path), timeout=300)
+    results = run_distributed(train_layout, world, overrides, str(tmp_path), timeout=300)
     for rank, (_, _, opt_name, extra) in enumerate(results):
         assert opt_name == optimizer
         compare(ref_steps, extra["steps"], RTOL, PARAM_RTOL, f"rank {rank}")
 
 
-def _train_default_optimizer(rank, world, overrides, run_dir):
-    """`_train` with the default optimizer (Per-Head Muon for matrices, AdamW for the rest)."""
-    global FAST
-    FAST = [a for a in FAST if not a.startswith("optim=")]
-    return _train(rank, world, overrides, run_dir)
-
-
 @pytest.fixture(scope="module")
 def reference_default(tmp_path_factory):
-    return run_distributed(_train_default_optimizer, 1, [], str(tmp_path_factory.mktemp("ref_default")),
-                           timeout=300)[0]
+    return one_process(train_layout_default_optimizer, tmp_path_factory, name="ref_default")
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -132,10 +72,10 @@ def test_layout_equals_single_process_with_the_default_optimizer(reference_defau
     noise that way."""
     ref_losses, ref_params, _, _ = reference_default
     for rank, (losses, params, _, _) in enumerate(
-            run_distributed(_train_default_optimizer, world, overrides, str(tmp_path), timeout=300)):
+            run_distributed(train_layout_default_optimizer, world, overrides, str(tmp_path), timeout=300)):
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
-        worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
+        worst = max((norm_rel(params[n], p), n) for n, p in ref_params.items())
         assert worst[0] < 2e-5, (rank, worst)
 
 

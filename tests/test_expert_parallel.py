@@ -5,18 +5,13 @@ bias that Quantile Balancing sets after each step is the same too. Tolerances as
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import PARAM_RTOL, RTOL, _train
+from helpers import PARAM_RTOL, RTOL, STATIC, one_process, train_layout, train_layout_default_optimizer
 from trajectory import compare
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
-# 16 experts, top-4: capacity factor 4 gives every expert room for every token (C = N)
-STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_distributed(_train, 1, STATIC, str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+# STATIC (tests/helpers.py): every expert has room for every token. The one-process run with it is conftest's
+# reference_static, which test_context_parallel compares with too.
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -27,10 +22,10 @@ def reference(tmp_path_factory):
     (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
     (2, ["parallel.ep=2", "model.moe_overflow=dropless"]),
 ], ids=["ep2", "ep2-zero2", "ep2xdp2", "tp2xep2", "tp2xep2-sp", "ep2-dropless"])
-def test_expert_parallel_equals_single_process(reference, tmp_path, world, overrides):
-    _, _, _, ref_extra = reference
+def test_expert_parallel_equals_single_process(reference_static, tmp_path, world, overrides):
+    _, _, _, ref_extra = reference_static
     assert all(b.abs().max() > 1e-3 for b in ref_extra["bias"])  # Quantile Balancing did move the bias
-    results = run_distributed(_train, world, STATIC + overrides, str(tmp_path), timeout=300)
+    results = run_distributed(train_layout, world, STATIC + overrides, str(tmp_path), timeout=300)
     for rank, (_, _, _, extra) in enumerate(results):
         # losses and parameters step by step, up to a routing decision a near-tie let go the other way
         compared = compare(ref_extra["steps"], extra["steps"], RTOL, PARAM_RTOL, f"rank {rank}")
@@ -43,9 +38,8 @@ def test_expert_parallel_equals_single_process(reference, tmp_path, world, overr
 @pytest.fixture(scope="module")
 def reference_dropless(tmp_path_factory):
     """One process, dropless routing, the default optimizer (Per-Head Muon + AdamW)."""
-    from test_engine import _train_default_optimizer
-    return run_distributed(_train_default_optimizer, 1, ["model.moe_overflow=dropless"],
-                           str(tmp_path_factory.mktemp("ref_dropless")), timeout=300)[0]
+    return one_process(train_layout_default_optimizer, tmp_path_factory, ["model.moe_overflow=dropless"],
+                       name="ref_dropless")
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -60,9 +54,8 @@ def test_balanced_expert_parallel_equals_single_process_dropless(reference_dropl
     layers' router, latent projections, shared and routed experts <= 6.5e-7; the worst tensor is always an AttnRes
     query (`*_res.proj`, a vector AdamW updates), the noisiest for the reason test_engine's docstring gives: the
     dense tp2 layout alone measures 1.05e-5 there, so these layouts sit near that floor, not below it by design."""
-    from test_engine import _train_default_optimizer
     ref_steps = reference_dropless[3]["steps"]
-    results = run_distributed(_train_default_optimizer, world, ["model.moe_overflow=balanced"] + overrides,
+    results = run_distributed(train_layout_default_optimizer, world, ["model.moe_overflow=balanced"] + overrides,
                               str(tmp_path), timeout=300)
     for rank, (_, _, _, extra) in enumerate(results):
         assert compare(ref_steps, extra["steps"], RTOL, 1e-5, f"rank {rank}") == len(ref_steps)

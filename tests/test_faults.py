@@ -9,17 +9,11 @@ import time
 import pytest
 import torch
 from dist_utils import DistributedError, run_distributed
-from test_engine import FAST, _full_params
-
-STATIC = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
+from helpers import FAST, STATIC, full_params, make_trainer
 
 
 def _trainer(world, overrides, run_dir="/tmp/k3-test-faults-unused"):
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.training.loop import Trainer
-
-    run, _, _ = compose_run_config(FAST + ["train.steps=6"] + overrides, world_size=world)
-    return Trainer(run, run_dir)
+    return make_trainer(world, overrides, steps=6, run_dir=run_dir)
 
 
 def _nan_once(rank, world, overrides, bad_step):
@@ -40,7 +34,7 @@ def _nan_once(rank, world, overrides, bad_step):
         recs, params, biases = [], [], []
         for _ in range(4):
             recs.append(t.train_step()[0])
-            params.append(_full_params(t))
+            params.append(full_params(t))
             biases.append([m.gate.e_score_correction_bias.clone() for m in t.moe])
         return recs, params, biases
     finally:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import k3_reference as ref
 import pytest
 import torch
+from helpers import max_abs_rel, run_hf_reference
 
 from megatron_k3.config import ConfigError, load_model_config
 from megatron_k3.interop import load_hf, save_hf
@@ -43,26 +44,25 @@ def kl(tmp_path_factory):
     our export, and transformers' run on our export."""
     if not HAVE_KIMI_LINEAR:  # pragma: no cover
         pytest.skip("transformers lacks transformers.models.kimi_linear")
-    from test_hf_kimi_linear import run_reference
 
     d = tmp_path_factory.mktemp("kimi_linear")
     cfg = load_model_config("kimi_linear_tiny", ["q_lora_rank=24", "mla_layers=[2,4]"])
     ids = torch.randint(0, cfg.vocab_size, (2, 77), generator=torch.Generator().manual_seed(11))
     (d / "run1").mkdir()
-    state, logits, info = run_reference(d / "run1", hf_config_from(cfg), 3, ids, save_pretrained=str(d / "hf"))
+    state, logits, info = run_hf_reference(d / "run1", hf_config_from(cfg), 3, ids, save_pretrained=str(d / "hf"))
     model = load_hf(d / "hf").eval()
     save_hf(model, d / "ours", layout="kimi_linear")
     (d / "run2").mkdir()
-    state2, logits2, info2 = run_reference(d / "run2", {}, 0, ids, load_from=str(d / "ours"))
+    state2, logits2, info2 = run_hf_reference(d / "run2", {}, 0, ids, load_from=str(d / "ours"))
     return SimpleNamespace(d=d, cfg=cfg, ids=ids, state=state, logits=logits, info=info, model=model,
                            state2=state2, logits2=logits2, info2=info2)
 
 
 @pytest.mark.slow
-def test_kimi_linear_import_matches_transformers(kl, rel):
+def test_kimi_linear_import_matches_transformers(kl):
     assert config_differences(kl.cfg, kl.model.cfg) == {}
     with torch.no_grad():
-        err = rel(kl.model(kl.ids).logits, kl.logits)
+        err = max_abs_rel(kl.model(kl.ids).logits, kl.logits)
     print(f"Kimi Linear from_hf logits vs transformers: {err:.2e}")
     assert err < RTOL_FP32
 
@@ -89,13 +89,13 @@ def test_kimi_linear_export_is_bit_identical(kl):
 
 
 @pytest.mark.slow
-def test_transformers_loads_our_export(kl, rel):
+def test_transformers_loads_our_export(kl):
     """transformers' from_pretrained on our directory: no missing/unexpected keys (checked in the subprocess), the
     same in-memory tensors as the model it started from, and the same logits."""
     assert sorted(kl.state2) == sorted(kl.state)
     for k, v in kl.state.items():
         assert torch.equal(kl.state2[k], v), k
-    assert rel(kl.logits2, kl.logits) < 1e-6
+    assert max_abs_rel(kl.logits2, kl.logits) < 1e-6
 
 
 def test_kimi_linear_config_refusals():
@@ -150,16 +150,16 @@ def test_k3_export_keeps_the_imported_encoding_only_where_values_did_not_change(
     assert torch.equal(got[keep], theirs[key + ".weight_scale"][keep])
 
 
-def test_k3_import_reproduces_independent_logits(k3, rel):
+def test_k3_import_reproduces_independent_logits(k3):
     assert dataclasses.asdict(k3.model.cfg) == dataclasses.asdict(load_hf(k3.d / "ref", "k3").cfg)
     with torch.no_grad():
-        err32 = rel(k3.model(k3.ids).logits, k3.logits)
+        err32 = max_abs_rel(k3.model(k3.ids).logits, k3.logits)
         model64 = load_hf(k3.d / "ref").double().eval()
-        err64 = rel(model64(k3.ids).logits, k3.logits)
+        err64 = max_abs_rel(model64(k3.ids).logits, k3.logits)
         # negative control: two routed experts of one layer swapped
         w1 = model64.model.layers[2].mlp.experts.w1
         w1[[0, 1]] = w1[[1, 0]]
-        err_control = rel(model64(k3.ids).logits, k3.logits)
+        err_control = max_abs_rel(model64(k3.ids).logits, k3.logits)
     print(f"K3 from_hf vs independent reference: fp32 {err32:.2e}, fp64 {err64:.2e} (control {err_control:.2e})")
     assert err32 < RTOL_FP32
     assert err64 < RTOL_FP64

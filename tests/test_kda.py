@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import max_abs_rel
 
 from megatron_k3.ops import kda as kda_ops
 from megatron_k3.ops.kda import chunk_kda, recurrent_kda, seq_idx_from_cu_seqlens
@@ -34,11 +35,6 @@ def _load_fla_naive():
 @functools.lru_cache(maxsize=None)
 def fla_naive():
     return _load_fla_naive()
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, HV=None, seed=0, gate="sigmoid", init=True, N=None):
@@ -86,7 +82,7 @@ def assert_close(ours, ref, rtol=RTOL, label=""):
     assert ours.keys() == ref.keys()
     for name in ref:
         assert torch.isfinite(ours[name]).all(), f"{label} {name} is not finite"
-        err = rel_err(ours[name], ref[name])
+        err = max_abs_rel(ours[name], ref[name])
         assert err < rtol, f"{label} {name}: relative error {err:.2e} >= {rtol:.0e}"
 
 
@@ -207,7 +203,7 @@ def test_cu_seqlens_with_an_empty_document_keeps_its_state():
     _, s = chunk_kda(**args, output_final_state=True, chunk_size=16, cu_seqlens=torch.tensor(cu))
     torch.testing.assert_close(s[1], args["initial_state"][1], rtol=0, atol=0)
     ref = _per_document_reference(inputs, [0, 5, 30], recurrent_kda, torch.float64)
-    assert rel_err(s[[0, 2]], ref["final_state"]) < RTOL
+    assert max_abs_rel(s[[0, 2]], ref["final_state"]) < RTOL
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -320,7 +316,7 @@ def test_seq_idx_single_document_is_the_plain_path():
     x = {n: inputs[n].float() for n in ("q", "k", "v", "g", "beta")}
     o_plain, _ = chunk_kda(**x, chunk_size=16, backend="torch")
     o_seq, _ = chunk_kda(**x, chunk_size=16, seq_idx=torch.zeros(2, 70, dtype=torch.long), backend="torch")
-    assert rel_err(o_seq, o_plain) < 1e-6
+    assert max_abs_rel(o_seq, o_plain) < 1e-6
 
 
 def test_seq_idx_on_the_fla_path_packs_the_rows():
@@ -336,7 +332,7 @@ def test_seq_idx_on_the_fla_path_packs_the_rows():
     assert kda_ops._seq_idx_to_cu_seqlens(seq_idx).tolist() == (
         _cu(layout[0]).tolist() + (SEQ_T + _cu(layout[1])[1:]).tolist())
     ref = _per_row_and_document(layout, recurrent_kda)(**x)
-    assert rel_err(o, ref) < 1e-12
+    assert max_abs_rel(o, ref) < 1e-12
 
 
 def test_seq_idx_from_cu_seqlens_skips_empty_documents():
@@ -396,7 +392,7 @@ def test_seq_idx_chunk_kda_does_not_recompile_for_a_new_document_layout():
         seq_idx = seq_idx_from_cu_seqlens(torch.tensor(cu), 40)
         o = fn(q, k, v, g, beta, seq_idx)
         ref, _ = chunk_kda(q, k, v, g, beta, chunk_size=16, cu_seqlens=torch.tensor(cu), backend="torch")
-        assert rel_err(o, ref) < RTOL
+        assert max_abs_rel(o, ref) < RTOL
     assert len(graphs) == 1
     torch._dynamo.reset()
 
@@ -424,7 +420,7 @@ def test_short_conv_seq_idx_equals_cu_seqlens():
         results.append((y, dx, dw))
     for other in results[1:]:
         for a, b in zip(results[0], other):
-            assert rel_err(a, b) < 1e-12
+            assert max_abs_rel(a, b) < 1e-12
     with pytest.raises(ValueError, match="seq_idx"):
         causal_conv1d(x, w, seq_idx=torch.zeros(1, SEQ_T, dtype=torch.long))
 
@@ -449,8 +445,8 @@ def test_decode_steps_continue_the_prefill():
     for t in range(67, 70):
         step = {name: args[name][:, t : t + 1] for name in ("q", "k", "v", "g", "beta")}
         o_t, s = recurrent_kda(**step, initial_state=s, output_final_state=True)
-        assert rel_err(o_t[:, 0], o_full[:, t]) < RTOL
-    assert rel_err(s, s_full) < RTOL
+        assert max_abs_rel(o_t[:, 0], o_full[:, t]) < RTOL
+    assert max_abs_rel(s, s_full) < RTOL
 
 
 def test_dtypes_and_optional_state():

@@ -15,6 +15,7 @@ Tolerance: 1e-5 relative per tensor, max|a - b| / max|b|, as tests/test_tensor_p
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import max_abs_rel
 
 from megatron_k3.annotations import meta
 from megatron_k3.config import OptimConfig, load_model_config
@@ -80,17 +81,14 @@ def _reference_run(rows, **optim):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 def _assert_close(params, ref):
     assert params.keys() == ref.keys()
-    worst = max((_rel(params[n], p), n) for n, p in ref.items())
+    worst = max((max_abs_rel(params[n], p, floor=1e-12, float64=False), n) for n, p in ref.items())
     assert worst[0] < RTOL, worst
     model = _model()
     init = model.state_dict()
-    moved = min((_rel(ref[n], init[n]), n) for n, p in model.named_parameters() if muon_rule(p).startswith("muon"))
+    moved = min((max_abs_rel(ref[n], init[n], floor=1e-12, float64=False), n) for n, p in model.named_parameters()
+                if muon_rule(p).startswith("muon"))
     assert moved[0] > 1e-3, moved  # every Muon matrix really was updated
 
 

@@ -32,14 +32,11 @@ sizes in tests/test_train.py).
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import _full_params
+from helpers import STATIC, TINY, full_params, max_abs_rel, norm_rel, one_process
 
-FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=1",
-        "train.global_batch_size=2", "train.eval_interval=0", "optim.warmup_steps=2",
-        "logging.wandb.mode=disabled", "optim=muon", "train.grad_clip=1.0",
-        # every token finds room in its experts under every layout (as tests/test_expert_parallel.py)
-        "model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
+# STATIC: every token finds room in its experts under every layout (as in tests/test_expert_parallel.py)
+MUON = TINY + ["train.micro_batch_size=1", "train.global_batch_size=2", "train.eval_interval=0",
+               "optim.warmup_steps=2", "logging.wandb.mode=disabled", "optim=muon", "train.grad_clip=1.0"] + STATIC
 STEPS = 3
 RTOL = 1e-5
 
@@ -50,15 +47,16 @@ def _train(rank, world, overrides, run_dir):
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
-    run, _, _ = compose_run_config(FAST + overrides, world_size=world)
+    run, _, _ = compose_run_config(MUON + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
-        init = _full_params(trainer)
+        init = full_params(trainer)
         recs = [trainer.train_step()[0] for _ in range(STEPS)]
         rules = {n: muon_rule(p) for n, p in trainer.model.named_parameters()}
-        params = _full_params(trainer)
+        params = full_params(trainer)
         # the smallest move of a Muon-updated tensor: every one of them (experts included) was really stepped
-        moved = min(_max_rel(params[n], init[n]) for n in params if rules[n].startswith("muon"))
+        moved = min(max_abs_rel(params[n], init[n], floor=1e-12, float64=False) for n in params
+                    if rules[n].startswith("muon"))
         base = trainer.engine.optimizer
         return ([r["loss"] for r in recs], [r["grad_norm"] for r in recs], params, rules,
                 type(getattr(base, "optimizer", base)).__name__, moved)
@@ -68,15 +66,7 @@ def _train(rank, world, overrides, run_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
-
-
-def _norm_rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def _max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    return one_process(_train, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world,overrides,optimizer,bitwise", [
@@ -100,13 +90,15 @@ def test_muon_layout_equals_single_process(reference, tmp_path, world, overrides
         if bitwise:
             assert losses == ref_losses, (rank, losses, ref_losses)
             diff = [n for n, p in ref_params.items() if not torch.equal(params[n], p)]
-            assert not diff, (rank, diff[:5], max(_max_rel(params[n], ref_params[n]) for n in diff))
+            assert not diff, (rank, diff[:5],
+                              max(max_abs_rel(params[n], ref_params[n], floor=1e-12, float64=False) for n in diff))
             continue
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= RTOL * abs(b), (rank, step, losses, ref_losses)
-        worst = max((_norm_rel(params[n], p), n) for n, p in ref_params.items())
+        worst = max((norm_rel(params[n], p), n) for n, p in ref_params.items())
         assert worst[0] < RTOL, (rank, worst)
-        worst_muon = max((_max_rel(params[n], p), n) for n, p in ref_params.items() if rules[n].startswith("muon"))
+        worst_muon = max((max_abs_rel(params[n], p, floor=1e-12, float64=False), n) for n, p in ref_params.items()
+                         if rules[n].startswith("muon"))
         assert worst_muon[0] < RTOL, (rank, worst_muon)
 
 
@@ -120,7 +112,7 @@ def _resume(rank, world, overrides, run_dir):
 
     out = []
     for load in ("", "auto"):
-        run, _, _ = compose_run_config(FAST + overrides + [f"checkpoint.load={load}", f"checkpoint.dir={run_dir}/ckpt"],
+        run, _, _ = compose_run_config(MUON + overrides + [f"checkpoint.load={load}", f"checkpoint.dir={run_dir}/ckpt"],
                                        world_size=world)
         try:
             trainer = Trainer(run, f"{run_dir}/{rank}")
@@ -133,7 +125,7 @@ def _resume(rank, world, overrides, run_dir):
                 losses.append(trainer.train_step()[0]["loss"])
                 if trainer.step == 2 and not load:
                     trainer.save()
-            out.append((losses, _full_params(trainer), trainer.step, split))
+            out.append((losses, full_params(trainer), trainer.step, split))
         finally:
             shutdown()
     _, optim, _ = read_full(resolve_load_path("auto", f"{run_dir}/ckpt"))
@@ -167,7 +159,7 @@ def _bf16_steps(rank, world, overrides, run_dir):
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
-    run, _, _ = compose_run_config(FAST + ["optim.weight_decay=0"] + overrides, world_size=world)
+    run, _, _ = compose_run_config(MUON + ["optim.weight_decay=0"] + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
         named = list(trainer.model.named_parameters())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import OBS_FAST as FAST
+from helpers import TINY_MODEL
 
 from megatron_k3.config import load_model_config
 from megatron_k3.model import K3ForCausalLM
@@ -26,7 +26,7 @@ def rows(run_dir):
 
 
 def _cfg():
-    return load_model_config("k3_tiny", [o for o in FAST if o.startswith("model.")])
+    return load_model_config("k3_tiny", TINY_MODEL)  # the model of conftest.short_run_dir
 
 
 @pytest.mark.slow

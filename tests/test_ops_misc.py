@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import max_abs_rel
 
 from megatron_k3.ops.attn_res import attn_res, attn_res_block_stats, attn_res_merge
 from megatron_k3.ops.glu import glu_act, situ
@@ -24,21 +25,21 @@ def _load_fla_naive_attnres():
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_short_conv_matches_conv1d(T, rel):
+def test_short_conv_matches_conv1d(T):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(2, T, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
     y, _ = causal_conv1d(x, w)
     ref = causal_conv1d_reference(x, w)
-    assert rel(y, ref) < 1e-12
+    assert max_abs_rel(y, ref) < 1e-12
     gy = torch.randn_like(y)
     ga = torch.autograd.grad(y, (x, w), gy)
     gb = torch.autograd.grad(ref, (x, w), gy)
     for a, b in zip(ga, gb):
-        assert rel(a, b) < 1e-12
+        assert max_abs_rel(a, b) < 1e-12
 
 
-def test_short_conv_cache_continues_sequence(rel):
+def test_short_conv_cache_continues_sequence():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 23, 5, generator=g, dtype=torch.float64)
     w = torch.randn(5, 4, generator=g, dtype=torch.float64)
@@ -47,10 +48,10 @@ def test_short_conv_cache_continues_sequence(rel):
     for a, b in [(0, 10), (10, 11), (11, 12), (12, 23)]:  # a prefill, two single steps, a chunk
         y, cache = causal_conv1d(x[:, a:b], w, cache, output_cache=True)
         outs.append(y)
-    assert rel(torch.cat(outs, 1), full) < 1e-12
+    assert max_abs_rel(torch.cat(outs, 1), full) < 1e-12
 
 
-def test_short_conv_respects_document_boundaries(rel):
+def test_short_conv_respects_document_boundaries():
     g = torch.Generator().manual_seed(2)
     lengths = [1, 5, 2, 9]
     x = torch.randn(1, sum(lengths), 4, generator=g, dtype=torch.float64)
@@ -58,10 +59,10 @@ def test_short_conv_respects_document_boundaries(rel):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     y, _ = causal_conv1d(x, w, cu_seqlens=cu)
     ref = torch.cat([causal_conv1d_reference(x[:, a:b], w) for a, b in zip(cu[:-1], cu[1:])], dim=1)
-    assert rel(y, ref) < 1e-12
+    assert max_abs_rel(y, ref) < 1e-12
 
 
-def test_attn_res_matches_fla_naive(rel):
+def test_attn_res_matches_fla_naive():
     naive = _load_fla_naive_attnres()
     g = torch.Generator().manual_seed(3)
     D = 16
@@ -70,16 +71,16 @@ def test_attn_res_matches_fla_naive(rel):
     w = 1 + 0.1 * torch.randn(D, generator=g, dtype=torch.float64)
     ours = attn_res([s.float() for s in srcs], q.float(), w.float(), eps=1e-6)
     ref = naive(q, srcs, w, rms_eps=1e-6)
-    assert rel(ours, ref) < 1e-5  # fp32 ours vs fp64 reference
+    assert max_abs_rel(ours, ref) < 1e-5  # fp32 ours vs fp64 reference
 
 
-def test_attn_res_zero_query_is_uniform_mean(rel):
+def test_attn_res_zero_query_is_uniform_mean():
     srcs = [torch.randn(3, 8) for _ in range(5)]
     out = attn_res(srcs, torch.zeros(8), torch.ones(8))
-    assert rel(out, torch.stack(srcs).mean(0)) < 1e-6
+    assert max_abs_rel(out, torch.stack(srcs).mean(0)) < 1e-6
 
 
-def test_attn_res_two_phase_equals_one_shot(rel):
+def test_attn_res_two_phase_equals_one_shot():
     g = torch.Generator().manual_seed(4)
     D, Q = 12, 3
     blocks = [torch.randn(2, 5, D, generator=g) for _ in range(3)]
@@ -89,22 +90,22 @@ def test_attn_res_two_phase_equals_one_shot(rel):
     for i in range(Q):
         two = attn_res_merge(stats, i, partials[i], qs[i], ws[i])
         one = attn_res(blocks + [partials[i]], qs[i], ws[i])
-        assert rel(two, one) < 1e-5
+        assert max_abs_rel(two, one) < 1e-5
 
 
-def test_situ_glu_formula_and_gradient(rel):
+def test_situ_glu_formula_and_gradient():
     g = torch.Generator().manual_seed(5)
     a = (torch.randn(64, generator=g, dtype=torch.float64) * 6).requires_grad_()
     u = (torch.randn(64, generator=g, dtype=torch.float64) * 40).requires_grad_()
     h = glu_act(a, u, "situ", 4.0, 25.0)
     ref = 4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * 25.0 * torch.tanh(u / 25.0)
-    assert rel(h, ref) < 1e-12
+    assert max_abs_rel(h, ref) < 1e-12
     assert h.abs().max() <= 100.0  # bounded by beta_gate * beta_up
     ga, gu = torch.autograd.grad(h.sum(), (a, u))
     sig = torch.sigmoid(a)
     d_situ = (1 - torch.tanh(a / 4) ** 2) * sig + 4 * torch.tanh(a / 4) * sig * (1 - sig)
-    assert rel(ga, d_situ * 25 * torch.tanh(u / 25)) < 1e-10
-    assert rel(gu, situ(a, 4.0) * (1 - torch.tanh(u / 25) ** 2)) < 1e-10
+    assert max_abs_rel(ga, d_situ * 25 * torch.tanh(u / 25)) < 1e-10
+    assert max_abs_rel(gu, situ(a, 4.0) * (1 - torch.tanh(u / 25) ** 2)) < 1e-10
     # near zero SiTU-GLU is SwiGLU
     small = torch.linspace(-1e-3, 1e-3, 11, dtype=torch.float64)
-    assert rel(glu_act(small, small, "situ"), F.silu(small) * small) < 1e-5
+    assert max_abs_rel(glu_act(small, small, "situ"), F.silu(small) * small) < 1e-5

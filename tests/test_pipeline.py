@@ -10,7 +10,7 @@ Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import FAST, PARAM_RTOL, RTOL, STEPS, _full_params, _rel
+from helpers import FAST, PARAM_RTOL, RTOL, STEPS, M, N, full_params, make_trainer, norm_rel, one_process
 from trajectory import compare, record
 
 
@@ -77,7 +77,7 @@ def _train(rank, world, overrides, run_dir):
     run, _, _ = compose_run_config(FAST + ["train.eval_iters=2"] + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
-        steps = record(trainer, STEPS, _full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
+        steps = record(trainer, STEPS, full_params)  # per step: loss, routing, parameters (tests/trajectory.py)
         recs = [s.record for s in steps]
         logged = {"grad_norm": [r["grad_norm"] for r in recs], "eval_loss": trainer.evaluate(),
                   **{f"expert_load.{k}": v for k, v in recs[-1]["expert_load"].items()}}
@@ -88,7 +88,7 @@ def _train(rank, world, overrides, run_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+    return one_process(_train, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -124,29 +124,26 @@ def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
 def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):
     """Train 4 steps straight under the loading layout; then train 2 under the saving layout, save, resume under the
     loading layout and train 2 more. Returns both runs' losses and this rank's parameters."""
-    from test_checkpoint import M, N, _trainer
-    from test_engine import _full_params
-
     from megatron_k3.training.engine import shutdown
 
     try:
-        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/straight"])
+        t = make_trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/straight"])
         straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
-        p_straight = _full_params(t)
+        p_straight = full_params(t)
     finally:
         shutdown()
     try:
-        t = _trainer(world, save_overrides + [f"checkpoint.dir={ckpt_dir}/run"])
+        t = make_trainer(world, save_overrides + [f"checkpoint.dir={ckpt_dir}/run"])
         first = [t.train_step()[0]["loss"] for _ in range(N)]
         t.save()
     finally:
         shutdown()
     try:
-        t = _trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/run", "checkpoint.load=auto"])
+        t = make_trainer(world, load_overrides + [f"checkpoint.dir={ckpt_dir}/run", "checkpoint.load=auto"])
         t.maybe_resume()
         assert t.step == N
         second = [t.train_step()[0]["loss"] for _ in range(M)]
-        p_resumed = _full_params(t)
+        p_resumed = full_params(t)
     finally:
         shutdown()
     return straight, first + second, p_straight, p_resumed
@@ -168,5 +165,5 @@ def test_checkpoint_across_pipeline_layouts(tmp_path, save, load):
             assert all(torch.equal(p_straight[n], p_resumed[n]) for n in p_straight)
         for a, b in zip(resumed, straight):
             assert abs(a - b) <= RTOL * abs(b), (rank, straight, resumed)
-        worst = max((_rel(p_resumed[n], p), n) for n, p in p_straight.items())
+        worst = max((norm_rel(p_resumed[n], p), n) for n, p in p_straight.items())
         assert worst[0] < PARAM_RTOL, (rank, worst)

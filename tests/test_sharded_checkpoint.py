@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import FAST, full_params, gather_states, make_trainer, resume_with, same
 
 from megatron_k3.training import checkpoint as ckpt
 from megatron_k3.training.checkpoint import shards
@@ -180,13 +181,7 @@ def test_bad_files_are_named_with_their_tensor(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ trainer level
 def _trainer(world, overrides, steps=3):
-    from test_engine import FAST
-
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.training.loop import Trainer
-
-    run, _, _ = compose_run_config(FAST + [f"train.steps={steps}"] + overrides, world_size=world)
-    return Trainer(run, run.checkpoint.dir)
+    return make_trainer(world, overrides, steps)
 
 
 def _track_state(mem, t):
@@ -271,13 +266,10 @@ ADAMW = ["model.moe_overflow=drop", "model.moe_capacity_factor=4.0"]
 
 def _report(t):
     """Every parameter and optimizer state this rank's stage holds, at full size (the gathered view)."""
-    from test_checkpoint import _gather_states
-    from test_engine import _full_params
-
     from megatron_k3.training.checkpoint.deepspeed_state import full_states
 
     _, states, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
-    params, states = _full_params(t), _gather_states(t, states)
+    params, states = full_params(t), gather_states(t, states)
     # copies: on CPU these may be the live tensors, which a later step updates in place
     return {k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in states.items()}
 
@@ -318,8 +310,6 @@ def _load_report_and_step(rank, world, overrides, ckpt_dir):
 def test_a_checkpoint_loads_under_another_tp_pp_ep_dp_and_zero_stage(tmp_path, save, load):
     """Saved by 4 ranks, loaded by 2 in another layout: every weight and optimizer state bit for bit (Muon's
     momentum, per whole matrix and kept by the partition that starts it, included), and training goes on."""
-    from test_checkpoint import _same
-
     saved = {}, {}
     for params, states in run_distributed(_save_and_report, 4, save, str(tmp_path), timeout=300):
         saved[0].update(params)  # the stages' parameters together
@@ -327,8 +317,8 @@ def test_a_checkpoint_loads_under_another_tp_pp_ep_dp_and_zero_stage(tmp_path, s
     if "optim=muon" in save:
         assert any(k.endswith("::momentum_buffer") and v.abs().max() > 0 for k, v in saved[1].items())
     for params, states, loss in run_distributed(_load_report_and_step, 2, load, str(tmp_path), timeout=300):
-        _same(saved[0], params, "parameters")
-        _same(saved[1], states, "optimizer states")
+        same(saved[0], params, "parameters")
+        same(saved[1], states, "optimizer states")
         assert math.isfinite(loss)
 
 
@@ -338,8 +328,6 @@ def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     rank_00001. With rank_00001 truncated, both ranks stop with one line naming it (rank 0 would otherwise go on
     and hang in the first collective), and nothing is written. A tensor whose shape in the index disagrees with the
     model: one line naming the tensor and index.json, on both ranks."""
-    from test_checkpoint import _resume_with
-
     run_distributed(_save_one, 2, str(tmp_path), timeout=300)
     path = ckpt.list_checkpoints(tmp_path)[-1]
     intact = tmp_path / "intact" / path.name
@@ -347,7 +335,7 @@ def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     f = path / "rank_00001.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size - 64])
     size = os.path.getsize(f)
-    errs = run_distributed(_resume_with, 2, str(path), ["parallel.tp=2"], timeout=300)
+    errs = run_distributed(resume_with, 2, str(path), ["parallel.tp=2"], timeout=300)
     for e in errs:
         assert e is not None and "rank_00001.safetensors" in e and "truncated or corrupted" in e and "\n" not in e, e
     assert "on rank 1" in errs[0], errs[0]  # rank 0 read nothing bad: it reports rank 1's error
@@ -357,7 +345,7 @@ def test_a_shard_only_one_rank_reads_stops_every_rank(tmp_path):
     index["tensors"]["model.norm.weight"]["shape"][0] += 1
     (intact / shards.INDEX).write_text(json.dumps(index))
     before = {p.name: p.stat().st_mtime_ns for p in intact.iterdir()}
-    for e in run_distributed(_resume_with, 2, str(intact), ["parallel.tp=2"], timeout=300):
+    for e in run_distributed(resume_with, 2, str(intact), ["parallel.tp=2"], timeout=300):
         assert e is not None and "index.json" in e and "model.norm.weight: saved shape" in e and "\n" not in e, e
     assert {p.name: p.stat().st_mtime_ns for p in intact.iterdir()} == before
 
@@ -374,15 +362,13 @@ def _save_one(rank, world, d):
 
 
 def _start_from_pretrained(rank, world, overrides, hf_dir):
-    from test_engine import _full_params
-
     from megatron_k3.training.checkpoint.deepspeed_state import full_states
     from megatron_k3.training.engine import shutdown
 
     try:
         t = _trainer(world, overrides + [f"checkpoint.load={hf_dir}", f"checkpoint.dir={hf_dir}_run"])
         t.maybe_resume()
-        params = {k: v.clone() for k, v in _full_params(t).items()}
+        params = {k: v.clone() for k, v in full_params(t).items()}
         masters, _, _ = full_states(t.engine, list(t.model.named_parameters()), t.ps, t.experts)
         masters = {k: v.clone() for k, v in masters.items()}
         loss = t.train_step()[0]["loss"]
@@ -403,8 +389,6 @@ def test_a_run_starts_from_a_k3_layout_directory(tmp_path):
     the fp32 masters follow, the run starts at step 0 and trains; each weight equals the whole-file reading of the
     directory (read_checkpoint + from_k3_state_dict, an independent path) bit for bit. Started again with the same
     command once it has saved, it resumes from its own checkpoint (a restart must not go back to step 0)."""
-    from test_engine import FAST
-
     from megatron_k3.config import compose_run_config
     from megatron_k3.interop import save_hf
     from megatron_k3.interop.hf import read_checkpoint
@@ -433,8 +417,6 @@ def test_a_run_starts_from_a_k3_layout_directory(tmp_path):
 
 
 def _train_and_export(rank, world, overrides, out):
-    from test_engine import _full_params
-
     from megatron_k3.training.engine import shutdown
 
     os.makedirs(f"{out}_ckpt", exist_ok=True)  # the run directory
@@ -442,7 +424,7 @@ def _train_and_export(rank, world, overrides, out):
         t = _trainer(world, overrides + [f"checkpoint.export_hf={out}", "checkpoint.export_dtype=float32",
                                          f"checkpoint.dir={out}_ckpt"], steps=1)
         t.fit({})
-        return {k: v.clone() for k, v in _full_params(t).items()}
+        return {k: v.clone() for k, v in full_params(t).items()}
     finally:
         shutdown()
 
@@ -452,8 +434,6 @@ def test_the_finished_run_exports_the_k3_layout_from_every_rank(tmp_path):
     """checkpoint.export_hf: at the end of fit, each rank writes its part of a K3-layout directory (tp2 x ep2 on 4
     ranks); read whole (an independent path) it holds the trained weights: bit for bit in float32, the routed
     experts as their MXFP4 values."""
-    from test_engine import FAST
-
     from megatron_k3.config import compose_run_config
     from megatron_k3.interop.hf import read_checkpoint
     from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
@@ -533,8 +513,6 @@ def test_the_planner_predicts_what_each_rank_writes(tmp_path):
     total is exact (fp32 masters + AdamW states + buffers), the largest share exact to 0.1%, every rank within 5%
     (measured: the planner spreads a TP rank's tensors evenly over its ZeRO partitions; DeepSpeed's partitions
     cut the flat buffer where they fall, 3% apart on TP rank 1 here)."""
-    from test_engine import FAST
-
     from megatron_k3.config import compose_run_config
     from megatron_k3.planning.checkpoint import checkpoint_bytes, rank_shares
     from megatron_k3.planning.layout import Layout

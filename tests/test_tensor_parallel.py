@@ -4,6 +4,7 @@ parameter, and losses and parameters after SGD steps (gloo workers)."""
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import max_abs_rel
 
 from megatron_k3.annotations import meta
 from megatron_k3.config import load_model_config
@@ -104,10 +105,6 @@ def _reference(steps, dp, seed=0):
     return losses, first, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 @pytest.mark.parametrize("world,tp,sp", [(2, 2, False), (2, 2, True), (4, 2, True)])
 def test_tensor_parallel_equals_single_process(world, tp, sp):
     steps = 3
@@ -117,7 +114,8 @@ def test_tensor_parallel_equals_single_process(world, tp, sp):
     for losses, grads, params in results[:1] + results[-1:]:
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= RTOL * abs(b), (losses, ref_losses)
-        worst = max((_rel(grads[n], g), n) for n, g in ref_grads.items() if g.abs().max() > 0)
+        worst = max((max_abs_rel(grads[n], g, floor=1e-12, float64=False), n) for n, g in ref_grads.items()
+                    if g.abs().max() > 0)
         assert worst[0] < RTOL, worst
-        worst = max((_rel(params[n], p), n) for n, p in ref_params.items())
+        worst = max((max_abs_rel(params[n], p, floor=1e-12, float64=False), n) for n, p in ref_params.items())
         assert worst[0] < PARAM_RTOL, worst

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import free_port
+from helpers import CLI_FAST, logged_losses
 
 from megatron_k3.train import main
 from megatron_k3.training.wandb_files import find_run_files, history
@@ -16,10 +18,6 @@ from megatron_k3.training.wandb_files import find_run_files, history
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
 ROOT = Path(__file__).resolve().parent.parent
-# Small and fast: a 4-layer K3 (KDA, KDA, KDA, MLA; MoE; AttnRes) on 64-token sequences.
-FAST = ["model.num_layers=4", "model.hidden_size=64", "model.dense_intermediate_size=128",
-        "model.attn_res_block_size=2", "train.seq_length=64", "train.micro_batch_size=2",
-        "train.global_batch_size=4", "train.eval_interval=5", "train.eval_iters=1", "optim.warmup_steps=3"]
 
 
 @pytest.mark.parametrize("override,key", [
@@ -69,7 +67,8 @@ def test_a_checkpoint_load_that_holds_no_checkpoint_stops_before_building(tmp_pa
         compose_run_config([f"checkpoint.load={empty}"])
     assert e.value.key == "checkpoint.load" and "meta.json" in str(e.value)
     ckpt = tmp_path / "ckpt"
-    args = FAST + ["train.steps=1", "train.eval_interval=0", "logging.wandb.mode=disabled", f"checkpoint.dir={ckpt}"]
+    args = CLI_FAST + ["train.steps=1", "train.eval_interval=0", "logging.wandb.mode=disabled",
+                       f"checkpoint.dir={ckpt}"]
     assert main(args + [f"hydra.run.dir={tmp_path / 'first'}"]) == 0
     other = tmp_path / "other"
     assert main(args + ["model.hidden_size=32", f"checkpoint.load={ckpt}", f"hydra.run.dir={other}"]) == 2
@@ -77,13 +76,8 @@ def test_a_checkpoint_load_that_holds_no_checkpoint_stops_before_building(tmp_pa
 
 
 def test_sequence_length_the_data_cannot_serve(tmp_path):
-    rc = main(FAST + ["train.seq_length=100000000", f"hydra.run.dir={tmp_path}", "logging.wandb.mode=disabled"])
+    rc = main(CLI_FAST + ["train.seq_length=100000000", f"hydra.run.dir={tmp_path}", "logging.wandb.mode=disabled"])
     assert rc == 2
-
-
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -91,19 +85,19 @@ def test_resume_is_bitwise_identical(tmp_path, precision):
     a, b = tmp_path / "straight", tmp_path / "resumed"
     # optim=muon (the default, explicit here): ZeRO-1's flat Muon momentum round-trips through the checkpoint; under
     # bf16 also the fp32 masters of the bf16 weights
-    common = FAST + ["train.steps=8", "logging.wandb.mode=disabled", "train.save_interval=0", "optim=muon",
-                     f"precision={precision}"]
+    common = CLI_FAST + ["train.steps=8", "logging.wandb.mode=disabled", "train.save_interval=0", "optim=muon",
+                         f"precision={precision}"]
     assert main(common + [f"hydra.run.dir={a}"]) == 0
     assert main(common + [f"hydra.run.dir={b}", "train.exit_interval=4"]) == 0
-    assert max(_losses(b)) == 4 and (b / "checkpoints" / "step_00000004" / "meta.json").is_file()
+    assert max(logged_losses(b)) == 4 and (b / "checkpoints" / "step_00000004" / "meta.json").is_file()
     assert main(common + [f"hydra.run.dir={b}", "checkpoint.load=auto"]) == 0
-    la, lb = _losses(a), _losses(b)
+    la, lb = logged_losses(a), logged_losses(b)
     assert sorted(la) == sorted(lb) == list(range(1, 9))
     assert all(la[s] == lb[s] for s in la), [(s, la[s], lb[s]) for s in la if la[s] != lb[s]]
 
 
 def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
-    assert main(FAST + ["train.steps=6", f"hydra.run.dir={tmp_path}", "logging.wandb.media_interval=3"]) == 0
+    assert main(CLI_FAST + ["train.steps=6", f"hydra.run.dir={tmp_path}", "logging.wandb.media_interval=3"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     for r in rows:
@@ -133,17 +127,9 @@ def test_metrics_and_offline_wandb_hold_loss_and_expert_load(tmp_path):
 WORKER_ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args, run_dir):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", str(_free_port()), "-m", "megatron_k3.train", *args,
+                        "--master_port", str(free_port()), "-m", "megatron_k3.train", *args,
                         f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=WORKER_ENV)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -153,19 +139,19 @@ def test_data_parallel_and_resume_across_data_parallel_sizes(tmp_path):
     """torchrun with 2 gloo ranks (each reads half of every global batch; gradients all-reduced) gives the
     single-process losses, and a run stopped under DP=2 resumes under DP=1 (and the reverse) on exactly the
     global sample sequence of the uninterrupted run."""
-    args = FAST + ["train.steps=4", "train.global_batch_size=8", "train.eval_interval=0",
-                   "logging.wandb.mode=disabled"]
+    args = CLI_FAST + ["train.steps=4", "train.global_batch_size=8", "train.eval_interval=0",
+                       "logging.wandb.mode=disabled"]
     straight = tmp_path / "dp1"
     assert main(args + [f"hydra.run.dir={straight}"]) == 0
     a, b = tmp_path / "dp2_then_dp1", tmp_path / "dp1_then_dp2"
     _torchrun(args + ["train.exit_interval=2"], a)
-    assert max(_losses(a)) == 2
+    assert max(logged_losses(a)) == 2
     assert main(args + [f"hydra.run.dir={a}", "checkpoint.load=auto"]) == 0
     assert main(args + [f"hydra.run.dir={b}", "train.exit_interval=2"]) == 0
     _torchrun(args + ["checkpoint.load=auto"], b)
-    ref = _losses(straight)
+    ref = logged_losses(straight)
     for run in (a, b):
-        got = _losses(run)
+        got = logged_losses(run)
         assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
         for s in ref:  # fp32; gradient sums in a different order across ranks
             assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (run.name, s, ref[s], got[s])
@@ -174,14 +160,14 @@ def test_data_parallel_and_resume_across_data_parallel_sizes(tmp_path):
 def test_tensor_and_sequence_parallel_training_matches_one_process_and_resumes(tmp_path):
     """torchrun tp=2 with sequence parallelism: the same losses as one process; stopped at step 2 and
     resumed from its sharded checkpoint (one file per rank), the same losses again."""
-    args = FAST + ["train.steps=4", "train.eval_interval=0", "logging.wandb.mode=disabled"]
+    args = CLI_FAST + ["train.steps=4", "train.eval_interval=0", "logging.wandb.mode=disabled"]
     assert main(args + [f"hydra.run.dir={tmp_path / 'one'}"]) == 0
     tp = args + ["parallel.tp=2", "parallel.sequence_parallel=true"]
     _torchrun(tp + ["train.exit_interval=2"], tmp_path / "tp2")
     assert sorted(p.name for p in (tmp_path / "tp2" / "checkpoints" / "step_00000002").glob("*.safetensors")) == [
         "rank_00000.safetensors", "rank_00001.safetensors"]
     _torchrun(tp + ["checkpoint.load=auto"], tmp_path / "tp2")
-    ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "tp2")
+    ref, got = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "tp2")
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     for s in ref:
         assert abs(ref[s] - got[s]) <= 1e-5 * abs(ref[s]), (s, ref[s], got[s])
@@ -194,12 +180,12 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
 
     exe = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
     assert exe, "the deepspeed launcher is installed with the package"
-    args = FAST + ["train.steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "precision=bf16",
-                   "parallel.zero_stage=2", f"hydra.run.dir={tmp_path}"]
-    p = subprocess.run([exe, "--num_gpus", "2", "--master_port", str(_free_port()), "megatron_k3/train.py"] + args,
+    args = CLI_FAST + ["train.steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "precision=bf16",
+                       "parallel.zero_stage=2", f"hydra.run.dir={tmp_path}"]
+    p = subprocess.run([exe, "--num_gpus", "2", "--master_port", str(free_port()), "megatron_k3/train.py"] + args,
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=WORKER_ENV)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    losses = _losses(tmp_path)
+    losses = logged_losses(tmp_path)
     assert sorted(losses) == [1, 2, 3] and all(9.0 < v < 9.2 for v in losses.values()), losses
     step3 = tmp_path / "checkpoints" / "step_00000003"
     assert (step3 / "index.json").is_file() and len(list(step3.glob("rank_*.safetensors"))) == 2
@@ -211,7 +197,7 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
 ])
 def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragment):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_free_port()), "-m", "megatron_k3.train", "parallel.tp=2", override,
+                        str(free_port()), "-m", "megatron_k3.train", "parallel.tp=2", override,
                         f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=WORKER_ENV)
     assert p.returncode != 0

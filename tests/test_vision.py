@@ -18,6 +18,7 @@ import k3_vl_reference as vref
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import max_abs_rel
 from safetensors import safe_open
 
 from megatron_k3.interop import load_hf, save_hf
@@ -189,28 +190,28 @@ def test_load_builds_the_vision_language_model(vl):
 
 
 @pytest.mark.parametrize("case", ["image", "video", "text", "batch"])
-def test_logits_match_the_reference(vl, case, rel):
+def test_logits_match_the_reference(vl, case):
     c = vl.cases[case]
     out = _ours(vl.model, c.ids, c.px, c.grid)
     S = _expanded(c.ids, c.grids).shape[1]  # S - placeholders + feature rows, per row
     assert out.shape == c.logits.shape == (c.ids.shape[0], S, ref.TEXT_CONFIG["vocab_size"])
-    err = rel(out, c.logits)
+    err = max_abs_rel(out, c.logits)
     print(f"K3 VL {case}: logits vs independent reference {err:.2e}")
     assert err < RTOL
 
 
 @pytest.mark.parametrize("case", ["image", "video", "batch"])
-def test_expanded_placeholders_equal_compact(vl, case, rel):
+def test_expanded_placeholders_equal_compact(vl, case):
     c = vl.cases[case]
     expanded = _expanded(c.ids, c.grids)
     assert int((expanded == PH).sum()) == sum(_features_per_medium(c.grids))
     out_e, out_c = _ours(vl.model, expanded, c.px, c.grid), _ours(vl.model, c.ids, c.px, c.grid)
-    err_c, err_r = rel(out_e, out_c), rel(out_e, c.logits)
+    err_c, err_r = max_abs_rel(out_e, out_c), max_abs_rel(out_e, c.logits)
     print(f"K3 VL {case}: expanded vs compact {err_c:.2e}, vs reference {err_r:.2e}")
     assert err_c < 1e-6 and err_r < RTOL
 
 
-def test_rows_of_unequal_length(vl, rel):
+def test_rows_of_unequal_length(vl):
     """Rows whose merged lengths differ (15 and 13 here) come back right-padded to the longest; a causal model's
     real positions are those of each row alone."""
     grids = [(1, 4, 6), (2, 4, 4)]
@@ -219,24 +220,24 @@ def test_rows_of_unequal_length(vl, rel):
     assert out.shape == (2, 15, ref.TEXT_CONFIG["vocab_size"])
     row0 = vref.forward(vl.tensors, ids[:1], px[:24], torch.tensor(grids[:1]))
     row1 = vref.forward(vl.tensors, ids[1:], px[24:], torch.tensor(grids[1:]))
-    err = max(rel(out[0], row0[0]), rel(out[1, :13], row1[0]))
+    err = max(max_abs_rel(out[0], row0[0]), max_abs_rel(out[1, :13], row1[0]))
     print(f"K3 VL rows of unequal length vs the reference of each row {err:.2e}")
     assert err < RTOL
 
 
-def test_vision_features_match_the_reference(vl, rel):
+def test_vision_features_match_the_reference(vl):
     grids = CASES["batch"]["grids"] + CASES["video"]["grids"]
     px, grid = _pixels(grids, seed=11), torch.tensor(grids)
     with torch.no_grad():
         ours = vl.model.vision_features(px, grid)
     theirs = vref.vision_features(vl.tensors, px, grid)
     assert ours.shape == theirs.shape == (sum(_features_per_medium(grids)), VC["text_hidden_size"])
-    err = rel(ours, theirs)
+    err = max_abs_rel(ours, theirs)
     # negative control: the position table transposed (rows for columns) must be seen
     swapped = dict(vl.tensors)
     key = "vision_tower.patch_embed.pos_emb.weight"
     swapped[key] = swapped[key].transpose(0, 1).contiguous()
-    control = rel(ours, vref.vision_features(swapped, px, grid))
+    control = max_abs_rel(ours, vref.vision_features(swapped, px, grid))
     print(f"K3 VL vision features vs independent reference {err:.2e} (control {control:.2e})")
     assert err < RTOL and control > 100 * RTOL
 
@@ -273,7 +274,7 @@ def test_save_writes_the_released_layout_back(vl):
     print(f"K3 VL export: {len(ours)} tensors, {len(vision)} vision, byte for byte")
 
 
-def test_text_only_load(vl, caplog, rel):
+def test_text_only_load(vl, caplog):
     with caplog.at_level(logging.DEBUG, logger="megatron_k3"):
         text = load_hf(vl.d / "ref", vision=False).eval()
     assert isinstance(text, K3ForCausalLM) and not isinstance(text, K3ForConditionalGeneration)
@@ -283,9 +284,9 @@ def test_text_only_load(vl, caplog, rel):
     c = vl.cases["text"]
     with torch.no_grad():
         out = text(c.ids, return_logits=True).logits
-    err = rel(out, _ours(vl.model, c.ids))
+    err = max_abs_rel(out, _ours(vl.model, c.ids))
     assert err < 1e-6, err
-    assert rel(out, c.logits) < RTOL
+    assert max_abs_rel(out, c.logits) < RTOL
 
 
 def test_bad_media_inputs_are_refused(vl):

@@ -14,28 +14,22 @@ tp2 4.1e-5 on layer 1's A_log (one element 1.2e-7 apart, of a norm of 2.9e-3), d
 (k3_tiny, data=embedded, the same settings) measures 1.03e-5 under tp2 on an AttnRes query: the rounding floor of
 those tensors, not the tower's. With AdamW's default eps
 1e-8 instead of 1e-6, dp2 measures 1.29e-5 on an AttnRes query (AdamW takes a unit step on elements whose gradient
-cancels to rounding noise; test_engine's FAST explains it); the tower's parameters stay <= 1.44e-6 there too."""
+cancels to rounding noise; helpers.FAST explains it); the tower's parameters stay <= 1.44e-6 there too."""
 
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_engine import _full_params
+from helpers import TINY, ZERO_INIT, ZERO_INIT_RTOL, full_params, one_process
 from trajectory import compare, record
 
 pytestmark = pytest.mark.slow
 
-FAST = ["model=k3_vl_tiny", "data=multimodal", "model.num_layers=4", "model.hidden_size=64",
-        "model.dense_intermediate_size=128", "model.attn_res_block_size=2", "train.seq_length=64",
-        "train.micro_batch_size=1", "train.global_batch_size=4", "train.eval_interval=0", "optim.warmup_steps=2",
-        "optim.eps=1e-6", "logging.wandb.mode=disabled"]  # eps: AdamW's, for the vectors (test_engine's FAST says why)
+VL = ["model=k3_vl_tiny", "data=multimodal"] + TINY + [
+    "train.micro_batch_size=1", "train.global_batch_size=4", "train.eval_interval=0", "optim.warmup_steps=2",
+    "optim.eps=1e-6", "logging.wandb.mode=disabled"]  # eps: AdamW's, for the vectors (helpers.FAST says why)
 STEPS = 5
 RTOL = 1e-5
-PARAM_RTOL = 1e-5
-# Vectors that start at zero and take AdamW steps (KDA's A_log with kda_a_log_init=zero, the AttnRes pseudo-queries):
-# their norm after 5 steps is the steps themselves (A_log: ~3e-3, about one step of lr), so they are held to 1e-4 of
-# that, i.e. ~3e-7 absolute: a wrong reduction moves them by whole steps.
-ZERO_INIT = ("self_attn.A_log", "_res.proj.weight")
-ZERO_INIT_RTOL = 1e-4
+PARAM_RTOL = 1e-5  # every tensor but ZERO_INIT's (tests/helpers.py: vectors that start at zero, ZERO_INIT_RTOL)
 
 
 def _train(rank, world, overrides, run_dir):
@@ -43,11 +37,11 @@ def _train(rank, world, overrides, run_dir):
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
-    run, _, _ = compose_run_config(FAST + overrides, world_size=world)
+    run, _, _ = compose_run_config(VL + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        steps = record(trainer, STEPS, _full_params)
+        steps = record(trainer, STEPS, full_params)
         moved = {n: not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters()}
         return steps, moved
     finally:
@@ -56,7 +50,7 @@ def _train(rank, world, overrides, run_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, [], str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
+    return one_process(_train, tmp_path_factory)
 
 
 def test_one_process_trains_every_vision_parameter(reference):
@@ -116,7 +110,7 @@ def test_a_sample_unreadable_mid_run_stops_after_a_checkpoint_and_resumes(tmp_pa
         Image.fromarray(rng.integers(0, 256, (28 + 14 * (i % 3), 42, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
         lines.append(json.dumps({"text": f"Picture {i}: <image> is noise number {i}.", "images": [f"{i}.png"]}))
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    args = [a for a in FAST if not a.startswith("logging")] + [
+    args = [a for a in VL if not a.startswith("logging")] + [
         f"data.paths=[{tmp_path / 'd.jsonl'}]", "data.split='90,10,0'", "train.steps=4", "train.save_interval=0",
         "logging.wandb.mode=disabled", f"checkpoint.dir={tmp_path / 'ckpt'}"]
 

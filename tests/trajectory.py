@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from helpers import norm_rel
 
 NEAR_TIE = 1e-4
 
@@ -89,7 +90,7 @@ def compare(ref: list, got: list, loss_rtol: float, param_rtol: float, what: str
         assert abs(a - b) <= loss_rtol * abs(b), (what, s + 1, [x.loss for x in got], [x.loss for x in ref])
     if compared:
         params, ref_params = got[compared - 1].params, ref[compared - 1].params
-        worst = max((_rel(params[n], p), n) for n, p in ref_params.items() if n in params)
+        worst = max((norm_rel(params[n], p), n) for n, p in ref_params.items() if n in params)
         if worst[0] >= param_rtol:
             d = (params[worst[1]] - ref_params[worst[1]]).abs()
             raise AssertionError(f"{what}: after step {compared}, {worst[1]} differs by {worst[0]:.3g} relative "
@@ -97,7 +98,3 @@ def compare(ref: list, got: list, loss_rtol: float, param_rtol: float, what: str
                                  f"element differences {d.flatten().topk(min(5, d.numel())).values.tolist()}; "
                                  f"losses {[x.loss for x in got]} vs {[x.loss for x in ref]}")
     return compared
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()

@@ -320,103 +320,147 @@ def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
     return kept, (patches * (per(block) - per(block, True)) if cheap else 0.0)
 
 
+@dataclass
+class _Sharding:
+    """How a layout divides a rank's model states: ZeRO's partitions of the dense and the expert states, and of their
+    gradients (ZeRO-2); n tokens of a micro-batch on a CP rank, n_rank of them on a TP rank."""
+    dense: int
+    experts: int
+    grad_dense: int
+    grad_experts: int
+    n: float
+    n_rank: float
+
+    @classmethod
+    def of(cls, lay: Layout, w: Workload) -> "_Sharding":
+        dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
+        experts = lay.edp if w.zero_stage >= 1 else 1
+        n = w.micro_batch_size * w.seq_length / lay.cp
+        return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 else 1, n,
+                   n / lay.tp if lay.sp else n)
+
+
+def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
+    """(dense ParamGroup trained, frozen vision parameters, experts ParamGroup, weights, gradients, optimizer
+    bytes) of the stage holding layers [a, b)."""
+    dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
+    if first:
+        dense = dense + mp.embedding
+    if last:
+        dense = dense + mp.head
+    vis = mp.vision if first else type(mp.embedding)()
+    frozen = vis.total if cfg.freeze_vision else 0  # weights only: no gradient, master or optimizer state
+    if not frozen:
+        dense = dense + vis
+    experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
+    e_total, e_muon = experts.total, experts.muon  # this EP rank's experts
+    weights = (dense.total + frozen + e_total) * w.weight_bytes
+    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
+    opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
+    e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
+    opt_exp = e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)
+    return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp / sh.experts
+
+
+def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int) -> tuple:
+    """(activation bytes kept for the backward, by category, transient bytes) of the stage's micro-batches in
+    flight under lay.recompute (none / selective / full), the LM head's transients included on the last stage."""
+    sources, out_src = attn_res_sources(cfg)
+    transient = 0.0
+    if lay.recompute == "full":
+        ckpt = _full_recompute_checkpoints(cfg, lay, w, a, b)
+        _, _, largest = _micro_activation(cfg, lay, w, a, b, False, sources, out_src, False)
+        head, head_cat, _ = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, False)
+        acts = in_flight * (ckpt + head)
+        detail = {"layer_inputs": in_flight * ckpt, **{k: v * in_flight for k, v in head_cat.items()}}
+        transient += largest  # one layer recomputed at a time during the backward
+    else:
+        per_micro, cat, largest = _micro_activation(cfg, lay, w, a, b, last, sources, out_src,
+                                                    lay.recompute == "selective")
+        acts = in_flight * per_micro
+        detail = {k: v * in_flight for k, v in cat.items()}
+        if lay.recompute == "selective":  # the cheap parts of one layer rebuilt during its backward
+            transient += max((_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, False)[0]
+                              - _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, True)[0])
+                             for i in range(a, b))
+    if last:
+        n = w.micro_batch_size * w.seq_length / lay.cp
+        _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
+        transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
+    return acts, detail, transient
+
+
+def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh: _Sharding) -> tuple:
+    """(activation bytes, their categories, transient bytes, replica bytes, exchange buffer bytes) of the stage's
+    MoE layers beyond their activation terms: balanced dispatch's replicas, padding, exchange buffers and relay
+    stores (BalancedMoE), or dispatch's all-to-all buffers under EP."""
+    moe_layers = [i for i in range(a, b) if cfg.ffn_types()[i] == "moe"]
+    bal = balanced_moe(cfg, lay, w)
+    acts, detail, transient, replicas, exchange = 0.0, {}, 0.0, 0.0, 0.0
+    if moe_layers and bal is not None:  # balanced dispatch (BalancedMoE)
+        pad = 0.0
+        if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
+            pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], attn_res_sources(cfg)[0],
+                                                        lay.recompute == "selective")
+        per_layer = bal.replica_bytes(w.weight_bytes)
+        if lay.recompute == "full":  # one layer's replicas (and padding) live, during its recomputed pass
+            replicas = per_layer
+            transient += per_layer + pad
+        else:
+            held = in_flight * len(moe_layers)
+            replicas = held * per_layer
+            acts += replicas + held * pad
+            detail["moe_replicas"] = replicas
+            if pad:
+                detail["moe_capacity_padding"] = held * pad
+        exchange = bal.exchange_buffer_bytes(w.weight_bytes) + bal.token_buffer_bytes(w.act_bytes)
+        transient += exchange
+        if w.replica_exchange == "step":  # the relay stores of every MoE layer, for the whole step
+            acts += len(moe_layers) * bal.step_store_bytes()
+            detail["moe_relay_stores"] = len(moe_layers) * bal.step_store_bytes()
+    elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer
+        transient += 2 * sh.n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
+    return acts, detail, transient, replicas, exchange
+
+
+def _stage_vision(cfg, lay: Layout, w: Workload, vis, frozen: int, in_flight: int, sh: _Sharding) -> tuple:
+    """(activation bytes, transient bytes, the vision summary) of the tower on the first stage ({} elsewhere)."""
+    if not vis.total:
+        return 0.0, 0.0, {}
+    kept, v_trans = vision_activations(cfg, w, lay.recompute, lay.tp)
+    trained = 0 if frozen else vis.total
+    return in_flight * kept, v_trans, {
+        "params": vis.total, "frozen": bool(frozen), "weights": vis.total * w.weight_bytes,
+        "gradients": trained * w.grad_bytes / sh.grad_dense,
+        "optimizer": (trained * w.master_bytes + (_opt_state_bytes(vis, w.optimizer) if trained else 0)) / sh.dense,
+        "activations": in_flight * kept, "transient": v_trans}
+
+
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
     mp = model_params(cfg, lay.tp, lay.ep)
     stages = stage_layers(cfg, lay.pp)
-    sources, out_src = attn_res_sources(cfg)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
-    shard_dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
-    shard_experts = lay.edp if w.zero_stage >= 1 else 1
-    grad_shard_dense = shard_dense if w.zero_stage >= 2 else 1
-    grad_shard_experts = shard_experts if w.zero_stage >= 2 else 1
-    n = w.micro_batch_size * w.seq_length / lay.cp
-    n_rank = n / lay.tp if lay.sp else n
-    bal = balanced_moe(cfg, lay, w)
+    sh = _Sharding.of(lay, w)
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
-        if first:
-            dense = dense + mp.embedding
-        if last:
-            dense = dense + mp.head
-        vis = mp.vision if first else type(mp.embedding)()
-        frozen = vis.total if cfg.freeze_vision else 0  # weights only: no gradient, master or optimizer state
-        if not frozen:
-            dense = dense + vis
-        experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
-        e_total, e_muon = experts.total, experts.muon  # this EP rank's experts
-        weights = (dense.total + frozen + e_total) * w.weight_bytes
-        grads = dense.total * w.grad_bytes / grad_shard_dense + e_total * w.grad_bytes / grad_shard_experts
-        opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
-        e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
-        opt_exp = e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)
-        optimizer = opt_dense / shard_dense + opt_exp / shard_experts
+        dense, frozen, experts, weights, grads, optimizer = _stage_states(mp, a, b, first, last, cfg, w, sh)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
-        transient = 0.0
-        if lay.recompute == "full":
-            ckpt = _full_recompute_checkpoints(cfg, lay, w, a, b)
-            _, _, largest = _micro_activation(cfg, lay, w, a, b, False, sources, out_src, False)
-            head, head_cat, _ = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, False)
-            acts = in_flight * (ckpt + head)
-            detail = {"layer_inputs": in_flight * ckpt, **{k: v * in_flight for k, v in head_cat.items()}}
-            transient += largest  # one layer recomputed at a time during the backward
-        else:
-            per_micro, cat, largest = _micro_activation(cfg, lay, w, a, b, last, sources, out_src,
-                                                        lay.recompute == "selective")
-            acts = in_flight * per_micro
-            detail = {k: v * in_flight for k, v in cat.items()}
-            if lay.recompute == "selective":  # the cheap parts of one layer rebuilt during its backward
-                transient += max((_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, False)[0]
-                                  - _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, True)[0])
-                                 for i in range(a, b))
-        if last:
-            _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
-            transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
-        moe_layers = [i for i in range(a, b) if cfg.ffn_types()[i] == "moe"]
-        replicas = exchange = 0.0
-        if moe_layers and bal is not None:  # balanced dispatch (BalancedMoE)
-            pad = 0.0
-            if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
-                pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], sources,
-                                                            lay.recompute == "selective")
-            per_layer = bal.replica_bytes(w.weight_bytes)
-            if lay.recompute == "full":  # one layer's replicas (and padding) live, during its recomputed pass
-                replicas = per_layer
-                transient += per_layer + pad
-            else:
-                held = in_flight * len(moe_layers)
-                replicas = held * per_layer
-                acts += replicas + held * pad
-                detail["moe_replicas"] = replicas
-                if pad:
-                    detail["moe_capacity_padding"] = held * pad
-            exchange = bal.exchange_buffer_bytes(w.weight_bytes) + bal.token_buffer_bytes(w.act_bytes)
-            transient += exchange
-            if w.replica_exchange == "step":  # the relay stores of every MoE layer, for the whole step
-                acts += len(moe_layers) * bal.step_store_bytes()
-                detail["moe_relay_stores"] = len(moe_layers) * bal.step_store_bytes()
-        elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer
-            transient += 2 * n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
+        acts, detail, transient = _stage_activations(cfg, lay, w, a, b, last, in_flight)
+        moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh)
+        acts, transient = acts + moe_acts, transient + moe_trans
+        detail.update(moe_detail)
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
-            big = max(dense.largest_matrix, experts.largest_matrix)
-            transient += 3 * big * 4
-        vision = {}
-        if vis.total:
-            kept, v_trans = vision_activations(cfg, w, lay.recompute, lay.tp)
-            acts += in_flight * kept
-            transient += v_trans
-            if kept:
-                detail["vision"] = in_flight * kept
-            trained = 0 if frozen else vis.total
-            vision = {"params": vis.total, "frozen": bool(frozen), "weights": vis.total * w.weight_bytes,
-                      "gradients": trained * w.grad_bytes / grad_shard_dense,
-                      "optimizer": ((trained * w.master_bytes + (_opt_state_bytes(vis, w.optimizer) if trained else 0))
-                                    / shard_dense),
-                      "activations": in_flight * kept, "transient": v_trans}
-        out.append(StageMemory(s, (a, b), dense.total + frozen, int(e_total), in_flight, weights, grads, optimizer,
-                               acts, transient, cluster.reserved_memory_gb * GB, detail, replicas, exchange, vision))
+            transient += 3 * max(dense.largest_matrix, experts.largest_matrix) * 4
+        vis = mp.vision if first else type(mp.embedding)()
+        v_acts, v_trans, vision = _stage_vision(cfg, lay, w, vis, frozen, in_flight, sh)
+        acts, transient = acts + v_acts, transient + v_trans
+        if v_acts:
+            detail["vision"] = v_acts
+        out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
+                               optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
+                               exchange, vision))
     return out
 
 

@@ -102,8 +102,19 @@ class CheckpointManager:
         """Load `checkpoint.load` (None: nothing to load) into the model, the optimizers and the RNG; returns the
         position it was saved at. Any layout loads any checkpoint: each rank reads only the regions of the saved
         tensors that its parameters, ZeRO fragments and experts hold (deepspeed_state.load_pieces)."""
-        r = self.ranks
         self.wait()
+        path = self._what_to_load()
+        if path is None:
+            return None
+        saved, rng, nbytes = self._read_own(path)
+        log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", self.ranks.rank, nbytes[0] / 1e6, nbytes[1] / 1e6)
+        self._restore_rng(rng, saved)
+        self._log_changes(path, saved)
+        log.info("resumed from %s at step %d (%d samples consumed)", path, saved["step"], saved["consumed_samples"])
+        return Position(saved["step"], saved["consumed_samples"], saved["tokens"])
+
+    def _what_to_load(self) -> Path | None:
+        """The checkpoint to resume from, or None: nothing to load, or pretrained weights loaded here already."""
         try:
             path = ckpt.resolve_load_path(self.run.checkpoint.load, self.dir)
         except FileNotFoundError as e:
@@ -112,16 +123,22 @@ class CheckpointManager:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.dir)
             return None
-        if ckpt.is_hf_directory(path):
-            own = ckpt.list_checkpoints(self.dir)
-            if not own:
-                self._load_pretrained(path)
-                return None
-            # a restart of a run that began from pretrained weights: its own newest checkpoint, not step 0 again
-            log.info("checkpoint.load=%s holds pretrained weights and %s the run's own checkpoints: resuming from "
-                     "the newest, %s", path, self.dir, own[-1])
-            path = own[-1]
-        index, failure = None, None
+        if not ckpt.is_hf_directory(path):
+            return path
+        own = ckpt.list_checkpoints(self.dir)
+        if not own:
+            self._load_pretrained(path)
+            return None
+        # a restart of a run that began from pretrained weights: its own newest checkpoint, not step 0 again
+        log.info("checkpoint.load=%s holds pretrained weights and %s the run's own checkpoints: resuming from "
+                 "the newest, %s", path, self.dir, own[-1])
+        return own[-1]
+
+    def _read_own(self, path: Path) -> tuple:
+        """(meta.json, the saved RNG states or None, (bytes read, checkpoint bytes)) after reading this rank's
+        pieces of `path` into the model and the optimizers. A failure on any rank (a file only some ranks read:
+        a missing or truncated shard) stops every rank, naming it."""
+        index, failure, saved, rng = None, None, None, None
         try:
             saved = ckpt.read_meta(path)
             self._check_model_config(path, saved)
@@ -140,15 +157,16 @@ class CheckpointManager:
         finally:
             if index is not None:
                 index.close()
-        # a file only some ranks read (a missing or truncated shard) fails on those ranks: every rank stops
         bad = first_failure(None if failure is None else (failure.key, str(failure.value), failure.valid))
         if failure is not None:
             raise failure
         if bad is not None:
             raise ConfigError(bad[1][0], bad[1][1], f"on rank {bad[0]}: {bad[1][2]}")
-        log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", r.rank, index.bytes_read / 1e6,
-                 index.total_bytes / 1e6)
-        self._restore_rng(rng, saved)
+        return saved, rng, (index.bytes_read, index.total_bytes)
+
+    def _log_changes(self, path: Path, saved: dict) -> None:
+        """What differs from the run that saved: the layout (resharded on load), the global batch."""
+        r = self.ranks
         layout = {k: saved.get(k) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
                                            "data_parallel", "zero_stage")}
         now = {"tensor_parallel": r.tp, "pipeline_parallel": r.pp, "expert_parallel": self.run.parallel.ep,
@@ -159,8 +177,6 @@ class CheckpointManager:
         if saved.get("global_batch_size") != self.run.train.global_batch_size:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
                         self.run.train.global_batch_size, saved.get("global_batch_size"))
-        log.info("resumed from %s at step %d (%d samples consumed)", path, saved["step"], saved["consumed_samples"])
-        return Position(saved["step"], saved["consumed_samples"], saved["tokens"])
 
     def _load_pretrained(self, path: Path) -> None:
         """Weights of a Hugging Face directory (the released K3 checkpoint, or Kimi Linear), streamed into every
