@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 from megatron_k3.config import compose_run_config  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
+from megatron_k3.planning.candidates import Layout  # noqa: E402
 from megatron_k3.planning.flops import model_flops  # noqa: E402
-from megatron_k3.planning.layout import Layout  # noqa: E402
 from megatron_k3.planning.measure import LiveTensorMemory, count_flops  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.planner import plan_training  # noqa: E402

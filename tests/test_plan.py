@@ -13,7 +13,7 @@ import pytest
 from megatron_k3.config import compose_config, load_model_config
 from megatron_k3.model.params import count_parameters
 from megatron_k3.planning.activations import attn_res_sources
-from megatron_k3.planning.layout import Layout, planner_problems, stage_layers
+from megatron_k3.planning.candidates import Layout, planner_problems, stage_layers
 from megatron_k3.planning.memory import GB, Workload, training_memory
 from megatron_k3.planning.params import model_params
 from megatron_k3.planning.planner import plan_inference, plan_training, search_training

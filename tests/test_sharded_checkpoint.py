@@ -514,8 +514,8 @@ def test_the_planner_predicts_what_each_rank_writes(tmp_path):
     (measured: the planner spreads a TP rank's tensors evenly over its ZeRO partitions; DeepSpeed's partitions
     cut the flat buffer where they fall, 3% apart on TP rank 1 here)."""
     from megatron_k3.config import compose_run_config
+    from megatron_k3.planning.candidates import Layout
     from megatron_k3.planning.checkpoint import checkpoint_bytes, rank_shares
-    from megatron_k3.planning.layout import Layout
 
     layout = ADAMW + ["parallel.tp=2", "parallel.ep=2", "parallel.zero_stage=1"]
     got = sorted(run_distributed(_share, 4, layout, str(tmp_path), timeout=300))

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
+from megatron_k3.planning.candidates import Layout  # noqa: E402
 from megatron_k3.planning.checkpoint import (  # noqa: E402
     DEFAULT_FS_GBPS,
     DEFAULT_HOST_COPY_GBPS,
@@ -55,7 +56,6 @@ from megatron_k3.planning.checkpoint import (  # noqa: E402
     checkpoint_plan,
 )
 from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
-from megatron_k3.planning.layout import Layout  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.params import count_parameters  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402

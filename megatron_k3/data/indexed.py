@@ -85,6 +85,44 @@ def _known_codes() -> str:
     return ", ".join(f"{code} ({dt.name})" for code, dt in DTYPE_CODES.items())
 
 
+
+def _read_header(idx: str, expected_dtype=None):
+    """Check the header of index file `idx` and its size against what the header declares: (token dtype, sequence
+    count, document-offset count, whether per-sequence modes follow the arrays)."""
+    idx_size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise IndexedDatasetError(f"{idx}: truncated header ({len(head)} bytes, expected {_HEADER.size})")
+    magic, version, code, n_seq, n_doc = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise IndexedDatasetError(f"{idx}: bad magic {magic!r}, expected {MAGIC!r}; "
+                                  "not a Megatron indexed-dataset index")
+    if version != VERSION:
+        raise IndexedDatasetError(f"{idx}: unsupported version {version}, only version {VERSION} exists")
+    if code not in DTYPE_CODES:
+        raise IndexedDatasetError(f"{idx}: unknown dtype code {code}; known codes: {_known_codes()}")
+    dtype = DTYPE_CODES[code]
+    if expected_dtype is not None and np.dtype(expected_dtype) != dtype:
+        raise IndexedDatasetError(f"{idx}: tokens are {dtype.name} (dtype code {code}), "
+                                  f"but {np.dtype(expected_dtype).name} was expected")
+    if n_doc < 1:
+        raise IndexedDatasetError(f"{idx}: document-offset count is 0; the index must hold "
+                                  "documents + 1 >= 1 offsets")
+    arrays_end = _HEADER.size + 12 * n_seq + 8 * n_doc
+    if idx_size < arrays_end:
+        raise IndexedDatasetError(
+            f"{idx}: truncated: the header declares {n_seq} sequences and {n_doc} document offsets, "
+            f"which need {arrays_end} bytes, but the file has {idx_size}")
+    extra = idx_size - arrays_end
+    has_modes = extra == n_seq and n_seq > 0
+    if extra and not has_modes:
+        raise IndexedDatasetError(
+            f"{idx}: {extra} unexpected bytes after the document indices (expected 0, or {n_seq} "
+            "for per-sequence modes)")
+    return dtype, n_seq, n_doc, has_modes
+
+
 class IndexedDataset:
     """Read-only view of a Megatron .bin/.idx pair.
 
@@ -105,38 +143,7 @@ class IndexedDataset:
                 raise IndexedDatasetError(f"{path}: file not found (an indexed dataset needs both "
                                           f"{self.path_prefix}.bin and {self.path_prefix}.idx)")
         idx = self.idx_path
-
-        idx_size = os.path.getsize(idx)
-        with open(idx, "rb") as f:
-            head = f.read(_HEADER.size)
-        if len(head) < _HEADER.size:
-            raise IndexedDatasetError(f"{idx}: truncated header ({len(head)} bytes, expected {_HEADER.size})")
-        magic, version, code, n_seq, n_doc = _HEADER.unpack(head)
-        if magic != MAGIC:
-            raise IndexedDatasetError(f"{idx}: bad magic {magic!r}, expected {MAGIC!r}; "
-                                      "not a Megatron indexed-dataset index")
-        if version != VERSION:
-            raise IndexedDatasetError(f"{idx}: unsupported version {version}, only version {VERSION} exists")
-        if code not in DTYPE_CODES:
-            raise IndexedDatasetError(f"{idx}: unknown dtype code {code}; known codes: {_known_codes()}")
-        self._dtype = DTYPE_CODES[code]
-        if expected_dtype is not None and np.dtype(expected_dtype) != self._dtype:
-            raise IndexedDatasetError(f"{idx}: tokens are {self._dtype.name} (dtype code {code}), "
-                                      f"but {np.dtype(expected_dtype).name} was expected")
-        if n_doc < 1:
-            raise IndexedDatasetError(f"{idx}: document-offset count is 0; the index must hold "
-                                      "documents + 1 >= 1 offsets")
-        arrays_end = _HEADER.size + 12 * n_seq + 8 * n_doc
-        if idx_size < arrays_end:
-            raise IndexedDatasetError(
-                f"{idx}: truncated: the header declares {n_seq} sequences and {n_doc} document offsets, "
-                f"which need {arrays_end} bytes, but the file has {idx_size}")
-        extra = idx_size - arrays_end
-        has_modes = extra == n_seq and n_seq > 0
-        if extra and not has_modes:
-            raise IndexedDatasetError(
-                f"{idx}: {extra} unexpected bytes after the document indices (expected 0, or {n_seq} "
-                "for per-sequence modes)")
+        self._dtype, n_seq, n_doc, has_modes = _read_header(idx, expected_dtype)
 
         self._idx_map = np.memmap(idx, dtype=np.uint8, mode="r")
         off = _HEADER.size

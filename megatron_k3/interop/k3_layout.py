@@ -75,10 +75,56 @@ def check_representable(cfg):
         raise ConfigError("model.moe_latent_size", 0, "the Kimi K3 layout has latent MoE (routed_expert_hidden_size)")
 
 
+def _linear_attn_config(cfg) -> dict:
+    """config.json's linear_attn_config: the KDA settings and which layers are KDA and which MLA (1-based)."""
+    types = cfg.layer_types()
+    return {
+        "head_dim": cfg.kda_head_dim,
+        "num_heads": cfg.kda_num_heads,
+        "short_conv_kernel_size": cfg.kda_conv_size,
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "kda"],
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "mla"],
+        "use_full_rank_gate": cfg.kda_output_gate == "full",
+        "gate_lower_bound": cfg.kda_gate_lower_bound if cfg.kda_gate == "lowerbound" else None,
+    }
+
+
+def _mxfp4_quantization_config() -> dict:
+    """config.json's quantization_config of a K3 checkpoint: routed experts in MXFP4 (compressed-tensors'
+    mxfp4-pack-quantized, groups of 32, E8M0 scales)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "format": "mxfp4-pack-quantized",
+            "targets": [QUANT_TARGET],
+            "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                        "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8"},
+            "input_activations": None,
+            "output_activations": None,
+        }},
+        "ignore": [],
+    }
+
+
+def _extension_keys(cfg) -> dict:
+    """Our settings that no K3 config.json key names (written under text_config[EXTRA]); empty at K3's values."""
+    extra = {}
+    if cfg.mla_latent_norm_eps != MLA_LATENT_NORM_EPS:
+        extra["mla_latent_norm_eps"] = cfg.mla_latent_norm_eps
+    if cfg.num_shared_experts and cfg.shared_ffn_size != cfg.moe_intermediate_size * cfg.num_shared_experts:
+        extra["shared_intermediate_size"] = cfg.shared_ffn_size
+    if cfg.decay_rank != cfg.kda_head_dim:
+        extra["kda_decay_rank"] = cfg.decay_rank
+    if cfg.kda_output_gate == "lowrank" and cfg.kda_output_gate_bias:
+        extra["kda_output_gate_bias"] = True
+    return extra
+
+
 def k3_config_dict(cfg, dtype: str = "bfloat16") -> dict:
     """The config.json of a K3-layout checkpoint equal to our config (see check_representable for refusals)."""
     check_representable(cfg)
-    types = cfg.layer_types()
     text = {
         "architectures": ["KimiK3ForCausalLM"],
         "model_type": "kimi_linear",
@@ -116,43 +162,14 @@ def k3_config_dict(cfg, dtype: str = "bfloat16") -> dict:
         "v_head_dim": cfg.v_head_dim,
         "mla_use_nope": True,
         "mla_use_output_gate": cfg.mla_output_gate,
-        "linear_attn_config": {
-            "head_dim": cfg.kda_head_dim,
-            "num_heads": cfg.kda_num_heads,
-            "short_conv_kernel_size": cfg.kda_conv_size,
-            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "kda"],
-            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "mla"],
-            "use_full_rank_gate": cfg.kda_output_gate == "full",
-            "gate_lower_bound": cfg.kda_gate_lower_bound if cfg.kda_gate == "lowerbound" else None,
-        },
+        "linear_attn_config": _linear_attn_config(cfg),
         "attn_res_block_size": cfg.attn_res_block_size if cfg.attn_res else None,
         "activation_situ_beta": cfg.situ_beta_gate,
         "activation_situ_linear_beta": cfg.situ_beta_up,
         "num_nextn_predict_layers": 0,
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": {
-                "format": "mxfp4-pack-quantized",
-                "targets": [QUANT_TARGET],
-                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                            "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8"},
-                "input_activations": None,
-                "output_activations": None,
-            }},
-            "ignore": [],
-        },
+        "quantization_config": _mxfp4_quantization_config(),
     }
-    extra = {}
-    if cfg.mla_latent_norm_eps != MLA_LATENT_NORM_EPS:
-        extra["mla_latent_norm_eps"] = cfg.mla_latent_norm_eps
-    if cfg.num_shared_experts and cfg.shared_ffn_size != cfg.moe_intermediate_size * cfg.num_shared_experts:
-        extra["shared_intermediate_size"] = cfg.shared_ffn_size
-    if cfg.decay_rank != cfg.kda_head_dim:
-        extra["kda_decay_rank"] = cfg.decay_rank
-    if cfg.kda_output_gate == "lowrank" and cfg.kda_output_gate_bias:
-        extra["kda_output_gate_bias"] = True
+    extra = _extension_keys(cfg)
     if extra:
         log.warning("Kimi K3 config.json: %s have no K3 key; written under text_config[%r], which other K3 "
                     "implementations ignore", sorted(extra), EXTRA)
@@ -224,10 +241,9 @@ def text_config_of(d: dict) -> dict:
     return d["text_config"] if isinstance(d.get("text_config"), dict) else d
 
 
-def k3_config_to(d: dict) -> ModelConfig:
-    """A Kimi K3 config.json (nested or text-only) -> our ModelConfig. Raises ConfigError naming the key for
-    anything our model cannot represent."""
-    t = text_config_of(d)
+def _check_k3_config(d: dict, t: dict):
+    """Refuse (ConfigError naming the key) what our model cannot represent in K3 config.json `d` (`t` its text
+    part): (heads, layers, linear_attn_config, the full-attention layers, the megatron-k3 extension keys)."""
     checks = [
         ("moe_router_activation_func", lambda v: v == "sigmoid", "the router is sigmoid + correction bias"),
         ("topk_method", lambda v: v == "noaux_tc", "routing is noaux_tc (bias for selection only)"),
@@ -258,13 +274,21 @@ def k3_config_to(d: dict) -> ModelConfig:
     if full | kda != set(range(1, n + 1)) or full & kda:
         _refuse("linear_attn_config", {"full_attn_layers": sorted(full), "kda_layers": sorted(kda)},
                 f"full_attn_layers and kda_layers must split layers 1..{n}")
-    lb = lac.get("gate_lower_bound")
-    block = t.get("attn_res_block_size")
     extra = t.get(EXTRA) or {}
     unknown = set(extra) - {"mla_latent_norm_eps", "shared_intermediate_size", "kda_decay_rank",
                             "kda_output_gate_bias"}
     if unknown:
         _refuse(f"{EXTRA}.{sorted(unknown)[0]}", extra[sorted(unknown)[0]], "unknown megatron-k3 extension key")
+    return heads, n, lac, full, extra
+
+
+def k3_config_to(d: dict) -> ModelConfig:
+    """A Kimi K3 config.json (nested or text-only) -> our ModelConfig. Raises ConfigError naming the key for
+    anything our model cannot represent."""
+    t = text_config_of(d)
+    heads, n, lac, full, extra = _check_k3_config(d, t)
+    lb = lac.get("gate_lower_bound")
+    block = t.get("attn_res_block_size")
     cfg = ModelConfig(
         name="k3_hf",
         vocab_size=_get(t, "vocab_size"),

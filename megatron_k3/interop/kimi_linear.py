@@ -169,22 +169,9 @@ def _require(d: dict, name: str, ok, what: str):
         raise ConfigError(f"config.json:{name}", d[name], f"megatron-k3 cannot represent this: {what}")
 
 
-def hf_config_to(d: dict) -> ModelConfig:
-    """A Kimi Linear config.json (transformers' or the original checkpoint's spelling) -> our ModelConfig.
-    Raises ConfigError naming the key for anything our model cannot represent."""
-    if d.get("model_type", "kimi_linear") != "kimi_linear":
-        raise ConfigError("config.json:model_type", d.get("model_type"), "expected 'kimi_linear'")
-    _require(d, "hidden_act", lambda v: v == "silu", "Kimi Linear's MLPs are SwiGLU ('silu')")
-    _require(d, "moe_router_activation_func", lambda v: v == "sigmoid", "the router is sigmoid + correction bias")
-    _require(d, "moe_layer_freq", lambda v: v == 1, "every layer from first_k_dense_replace on is MoE")
-    _require(d, "mla_use_nope", lambda v: v is True, "MLA without positional encoding (NoPE) only")
-    _require(d, "attention_bias", lambda v: not v, "projections have no bias")
-    _require(d, "num_nextn_predict_layers", lambda v: not v, "no multi-token-prediction layers")
-    _require(d, "rope_scaling", lambda v: v is None, "NoPE: there is no RoPE to scale")
-    heads = _pick(d, "num_attention_heads")
-    _require(d, "num_key_value_heads", lambda v: v in (None, heads), "MLA has as many key/value heads as heads")
-    n = _pick(d, "num_hidden_layers")
-    lac = d.get("linear_attn_config") or {}
+def _layer_schedule(d: dict, n: int, lac: dict):
+    """(each layer's attention type, the number of leading dense layers) of a Kimi Linear config.json with `n`
+    layers (`lac` its linear_attn_config)."""
     if d.get("layer_types"):
         types = list(d["layer_types"])
     elif "full_attn_layers" in lac:
@@ -203,6 +190,26 @@ def hf_config_to(d: dict) -> ModelConfig:
                               "megatron-k3 supports dense layers first, then MoE ('dense'*k + 'sparse'*(n-k))")
     else:
         k = _pick(d, "first_k_dense_replace", default=1)
+    return types, k
+
+
+def hf_config_to(d: dict) -> ModelConfig:
+    """A Kimi Linear config.json (transformers' or the original checkpoint's spelling) -> our ModelConfig.
+    Raises ConfigError naming the key for anything our model cannot represent."""
+    if d.get("model_type", "kimi_linear") != "kimi_linear":
+        raise ConfigError("config.json:model_type", d.get("model_type"), "expected 'kimi_linear'")
+    _require(d, "hidden_act", lambda v: v == "silu", "Kimi Linear's MLPs are SwiGLU ('silu')")
+    _require(d, "moe_router_activation_func", lambda v: v == "sigmoid", "the router is sigmoid + correction bias")
+    _require(d, "moe_layer_freq", lambda v: v == 1, "every layer from first_k_dense_replace on is MoE")
+    _require(d, "mla_use_nope", lambda v: v is True, "MLA without positional encoding (NoPE) only")
+    _require(d, "attention_bias", lambda v: not v, "projections have no bias")
+    _require(d, "num_nextn_predict_layers", lambda v: not v, "no multi-token-prediction layers")
+    _require(d, "rope_scaling", lambda v: v is None, "NoPE: there is no RoPE to scale")
+    heads = _pick(d, "num_attention_heads")
+    _require(d, "num_key_value_heads", lambda v: v in (None, heads), "MLA has as many key/value heads as heads")
+    n = _pick(d, "num_hidden_layers")
+    lac = d.get("linear_attn_config") or {}
+    types, k = _layer_schedule(d, n, lac)
     experts = _pick(d, "num_experts", "num_local_experts", "n_routed_experts", default=None)
     if experts is None and k < n:
         raise ConfigError("config.json:num_experts", None, "MoE layers need num_experts")

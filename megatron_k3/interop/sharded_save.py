@@ -200,25 +200,41 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
     before = sum(counts[:rank])
     files = [SINGLE if total == 1 else f"model-{before + j + 1:05d}-of-{total:05d}.safetensors"
              for j in range(len(shards))]
-    err = None
-    if rank == 0:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / CONFIG]:
-                if old.is_file():
-                    old.unlink()
-        except Exception as e:  # noqa: BLE001
-            err = CheckpointWriteError(f"{path}: (stale files): cannot be removed ({one_line(e)})")
-    agree(err, group, other=CheckpointWriteError)
+    agree(_clear(path) if rank == 0 else None, group, other=CheckpointWriteError)
     # peers of the writer's tensor-parallel group send their shards, in the writer's order
     peer = rank != plain_writer and tp_group is not None and me.tp[1] > 1 and writer_global in me.tp_members
-    err, weight_map = None, {}
     if peer:
         for it in _items(model, fam, dt, mode, plain_writer=True, expert_writer=False, gather=gather):
             if it.split is not None:
                 gather(it.split)
+    err, weight_map = _write_shards(path, files, shards)
+    pieces = agree(err, group, (weight_map, sum(it.nbytes for it in items)), other=CheckpointWriteError)
+    err = None
+    if rank == 0:  # the index and config.json last: a directory with an index is complete
+        err = _write_index(path, pieces, total, lambda: fam.config_dict(cfg, dt or next(model.parameters()).dtype),
+                           f"{fam.name} layout", world)
+    agree(err, group, other=CheckpointWriteError)
+    return path
+
+
+def _clear(path: Path):
+    """Create `path` and remove a previous export's files from it: None, or the CheckpointWriteError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / CONFIG]:
+            if old.is_file():
+                old.unlink()
+    except Exception as e:  # noqa: BLE001
+        return CheckpointWriteError(f"{path}: (stale files): cannot be removed ({one_line(e)})")
+    return None
+
+
+def _write_shards(path: Path, files: list, shards: list):
+    """Write this rank's shards (each item produced even after a failed write: its TP gathers must run): (None or
+    the CheckpointWriteError, {key: file} of what was written)."""
+    err, weight_map = None, {}
     for file, shard in zip(files, shards):
-        tensors = {it.key: it.produce() for it in shard}  # gathers run even after a failed write
+        tensors = {it.key: it.produce() for it in shard}
         if err is None:
             try:
                 seen = set()
@@ -229,21 +245,21 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
                 err = CheckpointWriteError(f"{path / file}: {next(iter(tensors))}: cannot be written "
                                            f"({one_line(e)})")
         del tensors
-    nbytes = sum(it.nbytes for it in items)
-    pieces = agree(err, group, (weight_map, nbytes), other=CheckpointWriteError)
-    err = None
-    if rank == 0:  # the index and config.json last: a directory with an index is complete
-        try:
-            whole = {}
-            for wm, _ in pieces:
-                whole.update(wm)
-            if total > 1:
-                (path / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(n for _, n in pieces)},
-                                                         "weight_map": dict(sorted(whole.items()))}, indent=2) + "\n")
-            hf_config = fam.config_dict(cfg, dt or next(model.parameters()).dtype)
-            (path / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-            log.info("wrote %s (%s layout, %d tensors from %d ranks)", path, fam.name, len(whole), world)
-        except Exception as e:  # noqa: BLE001
-            err = CheckpointWriteError(f"{path}: (index, config.json): cannot be written ({one_line(e)})")
-    agree(err, group, other=CheckpointWriteError)
-    return path
+    return err, weight_map
+
+
+def _write_index(path: Path, pieces: list, total: int, hf_config, what: str, world: int):
+    """The index (over every rank's (weight map, bytes) `pieces`, when there are several files) and config.json
+    (hf_config() its dict): None, or the CheckpointWriteError."""
+    try:
+        whole = {}
+        for wm, _ in pieces:
+            whole.update(wm)
+        if total > 1:
+            (path / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(n for _, n in pieces)},
+                                                     "weight_map": dict(sorted(whole.items()))}, indent=2) + "\n")
+        (path / CONFIG).write_text(json.dumps(hf_config(), indent=2) + "\n")
+        log.info("wrote %s (%s, %d tensors from %d ranks)", path, what, len(whole), world)
+    except Exception as e:  # noqa: BLE001
+        return CheckpointWriteError(f"{path}: (index, config.json): cannot be written ({one_line(e)})")
+    return None

@@ -1,7 +1,7 @@
 """The one layout check: whether a parallel layout can run a model on a world of ranks with a given batch.
 
 Config validation (`RunConfig.validate`), the parallel state (`parallel.state.initialize_model_parallel`, through
-the rank grid and `check_divisibility`) and the planner (`planning.layout.layout_problems`, which adds its own
+the rank grid and `check_divisibility`) and the planner (`planning.candidates.planner_problems`, which adds its own
 search preferences on top) all ask this module, so a layout is refused for the same reason everywhere. Each
 problem names the config key to change, its value and what would be valid.
 

@@ -247,16 +247,129 @@ def _fla_chunk_kda():
     return _FLA_CHUNK_KDA or None
 
 
+class _Chunks:
+    """Where the tokens of [B, T, ...] inputs lie in the chunk layout [N, Bc, HV, C, .] (chunk-major, so the
+    sequential hand-off slices contiguously), and the way back.
+
+    Plain (cu_list None): each row padded to whole chunks (zero q, k, v, beta and g = 0 past the end leave the state
+    unchanged), Bc = B. Documents (cu_list): every document starts its own chunk, slots past a document's end read a
+    zero row (index T), Bc = 1; `starts_at` / `ends_at` map a document's first / last chunk to the document."""
+
+    def __init__(self, B, T, C, cu_list, device):
+        self.B, self.T, self.C, self.documents = B, T, C, cu_list is not None
+        self.starts_at, self.ends_at = {}, {}
+        if cu_list is None:
+            self.NC = -(-T // C)
+            self.pad = self.NC * C - T
+            self.Bc = B
+            return
+        starts = torch.tensor(cu_list[:-1])
+        lens = torch.tensor(cu_list[1:]) - starts
+        chunks_per_doc = -(-lens // C)
+        self.NC = int(chunks_per_doc.sum())
+        self.pad, self.Bc, self.num_docs = None, 1, len(lens)
+        doc_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks_per_doc)
+        first_chunk = torch.cumsum(chunks_per_doc, 0) - chunks_per_doc
+        local = torch.arange(self.NC) - first_chunk[doc_of_chunk]
+        tok_NC = starts[doc_of_chunk, None] + local[:, None] * C + torch.arange(C)
+        valid_NC = tok_NC < (starts + lens)[doc_of_chunk, None]
+        self.gather_idx = torch.where(valid_NC, tok_NC, T).reshape(-1).to(device)
+        self.out_idx = valid_NC.reshape(-1).nonzero().squeeze(1).to(device)  # tokens come out in order
+        nonempty = [d for d in range(len(lens)) if int(chunks_per_doc[d]) > 0]
+        self.starts_at = {int(first_chunk[d]): d for d in nonempty}
+        self.ends_at = {int(first_chunk[d] + chunks_per_doc[d]) - 1: d for d in nonempty}
+
+    def to_chunks(self, x_BTH_):
+        """[B, T, H, ...] -> [N, Bc, H, C, ...]."""
+        B, NC, C = self.B, self.NC, self.C
+        if not self.documents:  # pad the tail up to a multiple of C
+            x_BTH_ = F.pad(x_BTH_, (0, 0) * (x_BTH_.dim() - 2) + (0, self.pad))
+            return x_BTH_.reshape(B, NC, C, *x_BTH_.shape[2:]).movedim(1, 0).movedim(3, 2).contiguous()
+        x_BTH_ = torch.cat([x_BTH_, x_BTH_.new_zeros(1, 1, *x_BTH_.shape[2:])], dim=1)[:, self.gather_idx]
+        return x_BTH_.reshape(1, NC, C, *x_BTH_.shape[2:]).movedim(1, 0).movedim(3, 2).contiguous()
+
+    def from_chunks(self, o_NBHCV):
+        """[N, Bc, HV, C, V] -> [B, T, HV, V]."""
+        NC, Bc, HV, C, V = o_NBHCV.shape
+        o_BTHV = o_NBHCV.movedim(0, 1).movedim(2, 3).reshape(Bc, NC * C, HV, V)
+        return o_BTHV[:, :self.T] if not self.documents else o_BTHV[:, self.out_idx]
+
+
+def _document_masks(seq_idx, chunks, dt):
+    """seq_idx's per-chunk document masks (same_ij, c_i, e_i of `_chunk_kda_torch`), [N, B, 1, C(, C)] in dt
+    (broadcast over heads); tail padding is document -1."""
+    B, NC, C = chunks.B, chunks.NC, chunks.C
+    doc = F.pad(seq_idx.to(dtype=torch.long), (0, chunks.pad), value=-1)
+    doc = doc.reshape(B, NC, C).movedim(1, 0).unsqueeze(2)  # [N, B, 1, C]
+    prev = torch.cat([doc[:1, ..., :1], doc[:-1, ..., -1:]], dim=0)  # [N, B, 1, 1]
+    return ((doc[..., :, None] == doc[..., None, :]).to(dt),  # same_ij
+            (doc == prev).to(dt)[..., None],  # c_i, [N, B, 1, C, 1]
+            (doc == doc[..., -1:]).to(dt)[..., None])  # e_i
+
+
+def _chunk_terms(q, k, v, g, beta, scale, C, masks):
+    """P, R, M, N of every chunk at once (inputs in the chunk layout [N, Bc, HV, C, .]; beta [N, Bc, HV, C])."""
+    K, V = q.shape[-1], v.shape[-1]
+    # Every decay exponent is a sum of the g's it spans (<= 0, so every exp is <= 1 and nothing overflows, while
+    # a chunk-wide exp(-G) would pass the fp32 range once G < -88). None is a difference of two chunk-wide
+    # cumulative sums either: that difference loses |G| * 6e-8 of absolute accuracy (~1e-5 at G = -160).
+    A_qk, A_kk = _intra_chunk_scores(q, k, g, C)
+    A_qk = A_qk * scale
+    A_kk = A_kk * beta[..., :, None]
+    gamma = _cumsum(g).exp()  # decay from the chunk start, inclusive
+    gamma_in = gamma  # the incoming state's decay to each token (zero where it does not reach: seq_idx)
+    if masks is not None:
+        same, carry, reach = masks
+        A_qk, A_kk, gamma_in = A_qk * same, A_kk * same, gamma * carry
+    rhs = torch.cat([v, k * gamma_in], dim=-1) * beta[..., None]
+    # (I + A_kk) [U | W] = beta [V | K Gamma]: a unit-triangular solve reads (and differentiates) only the strict
+    # lower triangle of A_kk; the unit diagonal is implied
+    UW = torch.linalg.solve_triangular(A_kk, rhs, upper=False, unitriangular=True)
+    k_tail = k * _tail_sum(g).exp()  # decay from each position to the chunk end
+    if masks is not None:
+        k_tail = k_tail * reach
+    R, AW = (A_qk @ UW).split([V, K], dim=-1)
+    N_, KW = (k_tail.transpose(-1, -2) @ UW).split([V, K], dim=-1)
+    P = (scale * q) * gamma_in - AW
+    M = torch.diag_embed(gamma_in[..., -1, :]) - KW
+    return P, R, M, N_
+
+
+def _hand_off(M, N_, chunks, initial_state, zeros):
+    """S_{n+1} = M_n S_n + N_n chunk by chunk, reset at document starts: (each chunk's incoming state
+    [N, Bc * HV, K, V], the last state, {document: its final state}). zeros(*shape): a zero state."""
+    NC, K, V = chunks.NC, M.shape[-1], N_.shape[-1]
+    M3 = M.reshape(NC, -1, K, K)
+    N3 = N_.reshape(NC, -1, K, V)
+    S = None
+    if not chunks.documents:
+        S = (initial_state if initial_state is not None else zeros(chunks.B, M3.shape[1] // chunks.B, K, V))
+        S = S.reshape(-1, K, V)
+    chunk_start_states, finals = [], {}
+    M3, N3 = M3.unbind(0), N3.unbind(0)  # (unbind, not indexing: its backward is one stack, not NC zero-fills)
+    for n in range(NC):
+        d = chunks.starts_at.get(n)
+        if d is not None:
+            S = initial_state[d] if initial_state is not None else zeros(M3[n].shape[0], K, V)
+        chunk_start_states.append(S)
+        S = torch.baddbmm(N3[n], M3[n], S)
+        d = chunks.ends_at.get(n)
+        if d is not None:
+            finals[d] = S
+    return torch.stack(chunk_start_states), S, finals
+
+
 def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C, cu_list, seq_idx=None):
     """Chunked KDA in torch (plain autograd). Per chunk with start state S, G the running sum of g, Gamma = exp(G):
     (I + A_kk) [U | W] = beta [V | K Gamma];  O = P S + R,  P = scale Q Gamma - A_qk W,  R = A_qk U;
     S_next = M S + N,  M = diag(Gamma_C) - K_tail^T W,  N = K_tail^T U,  K_tail = K exp(G_C - G).
-    P, R, M, N are batched over all chunks; only S_next = M S + N runs chunk by chunk.
+    P, R, M, N are batched over all chunks (`_chunk_terms`); only S_next = M S + N runs chunk by chunk
+    (`_hand_off`).
 
-    Documents, two layouts. cu_list (host offsets): every document starts its own chunk, slots past a document's
-    end are zero, and the hand-off resets the state at document starts. seq_idx [B, T] (static): the plain fixed
-    chunks of each row, with per-chunk document masks (i, j tokens of a chunk; "prev" the token just before the
-    chunk's first one, the first token itself for chunk 0, whose incoming state is zero anyway):
+    Documents, two layouts (`_Chunks`). cu_list (host offsets): every document starts its own chunk, slots past a
+    document's end are zero, and the hand-off resets the state at document starts. seq_idx [B, T] (static): the
+    plain fixed chunks of each row, with per-chunk document masks (i, j tokens of a chunk; "prev" the token just
+    before the chunk's first one, the first token itself for chunk 0, whose incoming state is zero anyway):
         same_ij = doc_i == doc_j,  c_i = doc_i == doc_prev (token i carries the incoming state S),
         e_i = doc_i == doc_last (token i reaches the chunk-end state);
     A_qk, A_kk <- A * same (the solve becomes block-diagonal by document), Gamma <- c Gamma in P and in the solve's
@@ -270,119 +383,37 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     dt = compute_dtype(q, k, v, g, beta, initial_state)
-
-    # ---- lay the tokens out as chunks [N, B, HV, C, .] (chunk-major so the sequential loop slices contiguously)
-    if cu_list is None:
-        NC = -(-T // C)
-        pad = NC * C - T
-
-        # zero q, k, v, beta and g = 0 past the end: such positions leave the state unchanged
-        def to_chunks(x_BTH_):  # pad the tail up to a multiple of C
-            x_BTH_ = F.pad(x_BTH_, (0, 0) * (x_BTH_.dim() - 2) + (0, pad))
-            return x_BTH_.reshape(B, NC, C, *x_BTH_.shape[2:]).movedim(1, 0).movedim(3, 2).contiguous()
-    else:
-        # every document starts a new chunk; slots past a document's end read a zero row (index T)
-        starts = torch.tensor(cu_list[:-1])
-        lens = torch.tensor(cu_list[1:]) - starts
-        chunks_per_doc = -(-lens // C)
-        NC = int(chunks_per_doc.sum())
-        doc_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks_per_doc)
-        first_chunk = torch.cumsum(chunks_per_doc, 0) - chunks_per_doc
-        local = torch.arange(NC) - first_chunk[doc_of_chunk]
-        tok_NC = starts[doc_of_chunk, None] + local[:, None] * C + torch.arange(C)
-        valid_NC = tok_NC < (starts + lens)[doc_of_chunk, None]
-        gather_idx = torch.where(valid_NC, tok_NC, T).reshape(-1).to(q.device)
-        out_idx = valid_NC.reshape(-1).nonzero().squeeze(1).to(q.device)  # tokens come out in order
-
-        def to_chunks(x_BTH_):
-            x_BTH_ = torch.cat([x_BTH_, x_BTH_.new_zeros(1, 1, *x_BTH_.shape[2:])], dim=1)[:, gather_idx]
-            return x_BTH_.reshape(1, NC, C, *x_BTH_.shape[2:]).movedim(1, 0).movedim(3, 2).contiguous()
-
-    masks = None
-    if seq_idx is not None:  # per-chunk document masks [N, B, 1, C(, C)] (broadcast over heads), in dt
-        doc = F.pad(seq_idx.to(device=q.device, dtype=torch.long), (0, pad), value=-1)
-        doc = doc.reshape(B, NC, C).movedim(1, 0).unsqueeze(2)  # [N, B, 1, C]
-        prev = torch.cat([doc[:1, ..., :1], doc[:-1, ..., -1:]], dim=0)  # [N, B, 1, 1]
-        masks = ((doc[..., :, None] == doc[..., None, :]).to(dt),  # same_ij
-                 (doc == prev).to(dt)[..., None],  # c_i, [N, B, 1, C, 1]
-                 (doc == doc[..., -1:]).to(dt)[..., None])  # e_i
-
-    Bc = B if cu_list is None else 1  # batch of the chunk layout
-    if NC == 0:  # T == 0: nothing to do
+    chunks = _Chunks(B, T, C, cu_list, q.device)
+    init = initial_state.to(dt) if initial_state is not None else None
+    if chunks.NC == 0:  # T == 0: nothing to do
         final = None
         if output_final_state:
             N = B if cu_list is None else len(cu_list) - 1
-            final = initial_state.to(dt) if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=dt)
+            final = init if init is not None else q.new_zeros(N, HV, K, V, dtype=dt)
         return v.new_zeros(B, T, HV, V), final
 
+    masks = None if seq_idx is None else _document_masks(seq_idx.to(q.device), chunks, dt)
     grp = HV // H
-    q_NBHCK = to_chunks(q.to(dt).repeat_interleave(grp, dim=2))
-    k_NBHCK = to_chunks(k.to(dt).repeat_interleave(grp, dim=2))
-    v_NBHCV = to_chunks(v.to(dt))
-    g_NBHCK = to_chunks(g.to(dt))
-    beta_NBHC = to_chunks(beta.to(dt).unsqueeze(-1)).squeeze(-1)
+    q_NBHCK = chunks.to_chunks(q.to(dt).repeat_interleave(grp, dim=2))
+    k_NBHCK = chunks.to_chunks(k.to(dt).repeat_interleave(grp, dim=2))
+    v_NBHCV = chunks.to_chunks(v.to(dt))
+    g_NBHCK = chunks.to_chunks(g.to(dt))
+    beta_NBHC = chunks.to_chunks(beta.to(dt).unsqueeze(-1)).squeeze(-1)
+    P, R, M, N_ = _chunk_terms(q_NBHCK, k_NBHCK, v_NBHCV, g_NBHCK, beta_NBHC, scale, C, masks)
 
-    # ---- intra-chunk terms, batched over all chunks, batch and heads.
-    # Every decay exponent is a sum of the g's it spans (<= 0, so every exp is <= 1 and nothing overflows, while
-    # a chunk-wide exp(-G) would pass the fp32 range once G < -88). None is a difference of two chunk-wide
-    # cumulative sums either: that difference loses |G| * 6e-8 of absolute accuracy (~1e-5 at G = -160).
-    A_qk, A_kk = _intra_chunk_scores(q_NBHCK, k_NBHCK, g_NBHCK, C)
-    A_qk = A_qk * scale
-    A_kk = A_kk * beta_NBHC[..., :, None]
-    gamma = _cumsum(g_NBHCK).exp()  # decay from the chunk start, inclusive
-    gamma_in = gamma  # the incoming state's decay to each token (zero where it does not reach: seq_idx)
-    if masks is not None:
-        same, carry, reach = masks
-        A_qk, A_kk, gamma_in = A_qk * same, A_kk * same, gamma * carry
-    rhs = torch.cat([v_NBHCV, k_NBHCK * gamma_in], dim=-1) * beta_NBHC[..., None]
-    # (I + A_kk) [U | W] = beta [V | K Gamma]: a unit-triangular solve reads (and differentiates) only the strict
-    # lower triangle of A_kk; the unit diagonal is implied
-    UW = torch.linalg.solve_triangular(A_kk, rhs, upper=False, unitriangular=True)
-    k_tail = k_NBHCK * _tail_sum(g_NBHCK).exp()  # decay from each position to the chunk end
-    if masks is not None:
-        k_tail = k_tail * reach
-    R, AW = (A_qk @ UW).split([V, K], dim=-1)
-    N_, KW = (k_tail.transpose(-1, -2) @ UW).split([V, K], dim=-1)
-    P = (scale * q_NBHCK) * gamma_in - AW
-    M = torch.diag_embed(gamma_in[..., -1, :]) - KW
+    def zeros(*shape):
+        return q_NBHCK.new_zeros(*shape)
 
-    # ---- sequential hand-off: S_{n+1} = M_n S_n + N_n (reset at document starts)
-    M3 = M.reshape(NC, Bc * HV, K, K)
-    N3 = N_.reshape(NC, Bc * HV, K, V)
-    if cu_list is None:
-        S = (initial_state.to(dt) if initial_state is not None else q_NBHCK.new_zeros(B, HV, K, V)).reshape(-1, K, V)
-        starts_at, ends_at = {}, {}
-    else:
-        nonempty = [d for d in range(len(cu_list) - 1) if int(chunks_per_doc[d]) > 0]
-        starts_at = {int(first_chunk[d]): d for d in nonempty}
-        ends_at = {int(first_chunk[d] + chunks_per_doc[d]) - 1: d for d in nonempty}
-    chunk_start_states, finals = [], {}
-    M3, N3 = M3.unbind(0), N3.unbind(0)  # (unbind, not indexing: its backward is one stack, not NC zero-fills)
-    for n in range(NC):
-        d = starts_at.get(n)
-        if d is not None:
-            S = initial_state[d].to(dt) if initial_state is not None else q_NBHCK.new_zeros(HV, K, V)
-        chunk_start_states.append(S)
-        S = torch.baddbmm(N3[n], M3[n], S)
-        d = ends_at.get(n)
-        if d is not None:
-            finals[d] = S
-    S_NBHKV = torch.stack(chunk_start_states).reshape(NC, Bc, HV, K, V)
+    S_NBHKV, S, finals = _hand_off(M, N_, chunks, init, zeros)
     o_NBHCV = torch.baddbmm(R.reshape(-1, C, V), P.reshape(-1, C, K), S_NBHKV.reshape(-1, K, V))
-
-    # ---- back to [B, T, HV, V]
-    o_BTHV = o_NBHCV.reshape(NC, Bc, HV, C, V).movedim(0, 1).movedim(2, 3).reshape(Bc, NC * C, HV, V)
-    o_BTHV = o_BTHV[:, :T] if cu_list is None else o_BTHV[:, out_idx]
+    o_BTHV = chunks.from_chunks(o_NBHCV.reshape(chunks.NC, chunks.Bc, HV, C, V))
     final = None
     if output_final_state:
         if cu_list is None:
             final = S.reshape(B, HV, K, V)
         else:  # a zero-length document keeps its initial state
-            final = torch.stack([
-                finals[d] if d in finals
-                else (initial_state[d].to(dt) if initial_state is not None else q_NBHCK.new_zeros(HV, K, V))
-                for d in range(len(cu_list) - 1)
-            ])
+            final = torch.stack([finals[d] if d in finals else (init[d] if init is not None else zeros(HV, K, V))
+                                 for d in range(len(cu_list) - 1)])
     return o_BTHV.to(v.dtype), final
 
 
@@ -417,29 +448,10 @@ def _intra_chunk_scores(q, k, g, C):
     S = C
     while S > _DIAG_BLOCK and S % 2 == 0:
         S //= 2
-    lead = g.shape[:-2]
-    Kd = g.shape[-1]
-    dt, dev = g.dtype, g.device
     X = torch.stack((q, k), dim=-3)  # [..., 2, C, K]: rows of A_qk and A_kk share every column factor
-    values, positions = [], []  # flattened pieces of A and where they go in the C x C matrix
-    ar = torch.arange(C, device=dev)
-
-    # diagonal S x S blocks: D[i, j] = sum_{j < t <= i} g_t as a matmul of 0/1 spans, masked to -inf above the
-    # diagonal before exp (safe for any g)
-    if S > 1:
-        pi, pj = torch.arange(S * S, device=dev) // S, torch.arange(S * S, device=dev) % S
-        t = torch.arange(S, device=dev)
-        span = ((t[None, :] > pj[:, None]) & (t[None, :] <= pi[:, None])).to(dt)  # [S*S, S]
-        upper = torch.where(pi >= pj, 0.0, float("-inf")).to(dt)[:, None]
-        decay = (span @ g.reshape(*lead, C // S, S, Kd) + upper).exp()  # [..., C/S, S*S, K]
-        kdec = k.reshape(*lead, C // S, 1, S, Kd) * decay.reshape(*lead, C // S, S, S, Kd)  # k_j exp(G_i - G_j)
-        Xs = X.reshape(*lead, 2, C // S, S, 1, Kd)
-        values.append((Xs * kdec.unsqueeze(-5)).sum(-1).reshape(*lead, 2, C * S))
-        blk = torch.arange(0, C, S, device=dev).reshape(C // S, 1, 1)
-        positions.append(((blk + pi.reshape(1, S, S)) * C + blk + pj.reshape(1, S, S)).reshape(-1))
-    else:
-        values.append((X * k.unsqueeze(-3)).sum(-1))  # the diagonal i = j, no decay
-        positions.append(ar * (C + 1))
+    value, position = _diagonal_blocks(X, k, g, S)
+    values, positions = [value], [position]  # flattened pieces of A and where they go in the C x C matrix
+    lead, Kd, dev = g.shape[:-2], g.shape[-1], g.device
 
     b = S
     while b < C:
@@ -462,3 +474,23 @@ def _intra_chunk_scores(q, k, g, C):
     src[pos] = torch.arange(pos.numel(), device=dev)
     A = vals[..., src].reshape(*lead, 2, C, C)
     return A[..., 0, :, :], A[..., 1, :, :]
+
+
+def _diagonal_blocks(X, k, g, S):
+    """The diagonal S x S blocks of `_intra_chunk_scores` (X = stack(q, k) [..., 2, C, K]): (their values
+    [..., 2, C * S], their flat positions in the C x C matrix). D[i, j] = sum_{j < t <= i} g_t as a matmul of 0/1
+    spans, masked to -inf above the diagonal before exp (safe for any g); S = 1 is the diagonal i = j, no decay."""
+    C, Kd = g.shape[-2], g.shape[-1]
+    lead, dt, dev = g.shape[:-2], g.dtype, g.device
+    if S == 1:
+        return (X * k.unsqueeze(-3)).sum(-1), torch.arange(C, device=dev) * (C + 1)
+    pi, pj = torch.arange(S * S, device=dev) // S, torch.arange(S * S, device=dev) % S
+    t = torch.arange(S, device=dev)
+    span = ((t[None, :] > pj[:, None]) & (t[None, :] <= pi[:, None])).to(dt)  # [S*S, S]
+    upper = torch.where(pi >= pj, 0.0, float("-inf")).to(dt)[:, None]
+    decay = (span @ g.reshape(*lead, C // S, S, Kd) + upper).exp()  # [..., C/S, S*S, K]
+    kdec = k.reshape(*lead, C // S, 1, S, Kd) * decay.reshape(*lead, C // S, S, S, Kd)  # k_j exp(G_i - G_j)
+    Xs = X.reshape(*lead, 2, C // S, S, 1, Kd)
+    blk = torch.arange(0, C, S, device=dev).reshape(C // S, 1, 1)
+    return ((Xs * kdec.unsqueeze(-5)).sum(-1).reshape(*lead, 2, C * S),
+            ((blk + pi.reshape(1, S, S)) * C + blk + pj.reshape(1, S, S)).reshape(-1))

@@ -139,6 +139,17 @@ def attach(engine) -> ZeroMuon:
     clip = float(engine.gradient_clipping() if hasattr(engine, "gradient_clipping") else zero.clip_grad)
     zero.clip_grad = 0.0  # ours, before the momentum (DeepSpeed's would clip the orthogonalised update)
     opt.clip = clip
+    _defer_muon_updates(zero, opt)
+    _clip_raw_gradients(zero, opt, clip)
+    _flush_before_muon_gradients(zero, opt)
+    opt.attached = True
+    return opt
+
+
+def _defer_muon_updates(zero, opt: ZeroMuon) -> None:
+    """Wrap zero.get_flat_partition: at a Muon group's boundary, record each (parameter, gradient, momentum)
+    DeepSpeed hands muon_update instead of updating there (opt.pending; the update runs in the step, after the
+    clipping coefficient is known)."""
     original = zero.get_flat_partition
 
     def get_flat_partition(tensor_list, first_offset, partition_size, dtype, device, param_group_idx,
@@ -164,6 +175,11 @@ def attach(engine) -> ZeroMuon:
         return out                           # rebuilds the partition: its records replace the first ones
 
     zero.get_flat_partition = get_flat_partition
+
+
+def _clip_raw_gradients(zero, opt: ZeroMuon, clip: float) -> None:
+    """Wrap zero.step: clip by the raw gradients' norm, run the deferred Muon updates, report that norm to
+    DeepSpeed's overflow check, and apply QK-Clip to the fp32 masters."""
     original_step = zero.step
 
     def step(*args, **kwargs):
@@ -190,9 +206,6 @@ def attach(engine) -> ZeroMuon:
         return out
 
     zero.step = step
-    _flush_before_muon_gradients(zero, opt)
-    opt.attached = True
-    return opt
 
 
 def _flush_before_muon_gradients(zero, opt: ZeroMuon) -> None:

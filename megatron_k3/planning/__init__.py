@@ -2,8 +2,8 @@
 for a model, a cluster and a parallel layout (`planner`), and the layouts that fit (`search_training`,
 `search_inference`). `tools/plan.py` is the command line; `measure` checks the estimates on CPU."""
 
+from .candidates import Layout
 from .flops import model_flops
-from .layout import Layout
 from .memory import Workload
 from .planner import (
                       InferPlan,

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .layout import Layout, stage_layers
+from .candidates import Layout, stage_layers
 from .memory import GB, _opt_state_bytes
 from .params import ParamGroup, model_params
 

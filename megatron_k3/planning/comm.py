@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .candidates import Layout, group_span, stage_layers
 from .flops import vision_tp_share
-from .layout import Layout, group_span, stage_layers
 from .memory import Workload, balanced_moe
 from .params import model_params
 
@@ -77,100 +77,115 @@ def collective_time(nbytes: float, size: int, stride: int, cluster) -> float:
     return t
 
 
-def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> StepComm:
-    """Bytes and seconds per step for the device on pipeline stage `stage`."""
-    a = w.act_bytes
-    stages = stage_layers(cfg, lay.pp)
-    start, end = stages[stage]
-    kinds = cfg.layer_types()[start:end]
-    ffns = cfg.ffn_types()[start:end]
-    m = max(1, w.global_batch_size // (w.micro_batch_size * lay.dp))
-    n = w.micro_batch_size * w.seq_length / lay.cp  # tokens of a micro-batch on this CP rank
-    n_rank = n / lay.tp if lay.sp else n  # tokens this rank routes through the MoE
-    passes = 3 if lay.recompute == "full" else 2  # forward, backward (+ forward again)
-    D = cfg.hidden_size
-    out = StepComm()
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline stage's communication depends on: its layers' kinds, its tokens per micro-batch, how many
+    passes run over them."""
+    kinds: list  # mixer of each layer (kda / mla)
+    ffns: list  # FFN of each layer (dense / moe)
+    stages: list  # every stage's (start, end) layers
+    stage: int
+    n: float  # tokens of a micro-batch on this CP rank
+    n_rank: float  # tokens this rank routes through the MoE
+    passes: int  # forward, backward (+ forward again under full recomputation)
 
-    # ---- tensor parallelism, per micro-batch
-    tp_bytes = 0.0
-    if lay.tp > 1:
-        frac = (lay.tp - 1) / lay.tp
-        act = n * D * a * frac
-        exits = len(kinds) + sum(1 for f in ffns if f == "dense" or cfg.num_shared_experts)
-        per_exit = 2 * act  # enter + exit (all-gather + reduce-scatter, or all-reduce pair)
-        small = 0.0
-        for k in kinds:
-            if k == "kda":
-                small += cfg.decay_rank + (cfg.kda_head_dim if cfg.kda_output_gate == "lowrank" else 0)
-            else:
-                small += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        tp_bytes = passes * (exits * per_exit + n * small * a * frac)
-        if stage == len(stages) - 1:
-            tp_bytes += 2 * act + passes * 3 * n * 4  # LM head input gather (+ grad), cross-entropy reductions
-        if stage == 0:
-            tp_bytes += 2 * act  # vocab-parallel embedding reduction (+ grad)
-    vision_parts = vision_tp_bytes(cfg, lay, w) if stage == 0 else {}
-    tp_bytes += sum(vision_parts.values())
-    tp_time = collective_time(tp_bytes, lay.tp, 1, cluster)
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
 
-    # ---- context parallelism, per micro-batch
-    cp_bytes = 0.0
-    if lay.cp > 1:
-        frac = lay.cp - 1  # all-gather: receive every other rank's shard
-        lat = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a
-        cp_bytes += kinds.count("mla") * passes * n * lat * frac
-        # KDA: the transition [K, K] and end state from zero [K, V] per head (fp32) of each of the rank's two
-        # zigzag chunks, all-gathered for the scan that hands every chunk its initial state (parallel/context.py)
-        K = cfg.kda_head_dim
-        state = 2 * cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
-        cp_bytes += kinds.count("kda") * passes * state * frac
-    cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
+    @property
+    def last(self) -> bool:
+        return self.stage == len(self.stages) - 1
 
-    # ---- expert parallelism, per micro-batch: dispatch + combine, forward and backward
-    ep_bytes = 0.0
-    n_moe = ffns.count("moe")
+
+def _tp_bytes(cfg, lay: Layout, w: Workload, st: _Stage) -> float:
+    """Tensor parallelism, bytes per micro-batch (the vision tower's parts apart)."""
+    if lay.tp <= 1:
+        return 0.0
+    a, n = w.act_bytes, st.n
+    frac = (lay.tp - 1) / lay.tp
+    act = n * cfg.hidden_size * a * frac
+    exits = len(st.kinds) + sum(1 for f in st.ffns if f == "dense" or cfg.num_shared_experts)
+    per_exit = 2 * act  # enter + exit (all-gather + reduce-scatter, or all-reduce pair)
+    small = 0.0
+    for k in st.kinds:
+        if k == "kda":
+            small += cfg.decay_rank + (cfg.kda_head_dim if cfg.kda_output_gate == "lowrank" else 0)
+        else:
+            small += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    tp_bytes = st.passes * (exits * per_exit + n * small * a * frac)
+    if st.last:
+        tp_bytes += 2 * act + st.passes * 3 * n * 4  # LM head input gather (+ grad), cross-entropy reductions
+    if st.first:
+        tp_bytes += 2 * act  # vocab-parallel embedding reduction (+ grad)
+    return tp_bytes
+
+
+def _cp_bytes(cfg, lay: Layout, w: Workload, st: _Stage) -> float:
+    """Context parallelism, bytes per micro-batch."""
+    if lay.cp <= 1:
+        return 0.0
+    frac = lay.cp - 1  # all-gather: receive every other rank's shard
+    lat = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * w.act_bytes
+    cp_bytes = st.kinds.count("mla") * st.passes * st.n * lat * frac
+    # KDA: the transition [K, K] and end state from zero [K, V] per head (fp32) of each of the rank's two zigzag
+    # chunks, all-gathered for the scan that hands every chunk its initial state (parallel/context.py)
+    K = cfg.kda_head_dim
+    state = 2 * cfg.kda_num_heads / lay.tp * (K * K + K * K) * 4
+    return cp_bytes + st.kinds.count("kda") * st.passes * state * frac
+
+
+def _ep_bytes(cfg, lay: Layout, w: Workload, st: _Stage):
+    """Expert parallelism: (bytes per micro-batch (dispatch + combine, forward and backward), balanced dispatch's
+    parts per micro-batch, its parts exchanged once per step (moe.replica_exchange=step))."""
+    n_moe = st.ffns.count("moe")
+    if lay.ep <= 1 or not n_moe:
+        return 0.0, {}, {}
     bal = balanced_moe(cfg, lay, w)
-    ep_parts, ep_step = {}, {}
-    if lay.ep > 1 and n_moe and bal is not None:
-        forwards = passes - 1  # the forward, again under full recomputation (the replicas are exchanged again)
-        own = n_moe * bal.owner_exchange_bytes(w.weight_bytes)
-        per_micro = w.replica_exchange != "step"  # the owners' slices to the relays, out and their gradient back
-        ep_parts = {"tokens": n_moe * passes * bal.token_bytes(a),
-                    "metadata": n_moe * forwards * bal.metadata_bytes(),
-                    "replica_weights": n_moe * forwards * bal.host_exchange_bytes(w.weight_bytes)
-                    + (forwards * own if per_micro else 0.0),
-                    "replica_grads": n_moe * bal.host_exchange_bytes(w.weight_bytes) + (own if per_micro else 0.0)}
-        ep_bytes = sum(ep_parts.values())
-        if not per_micro:  # moe.replica_exchange=step: once per step (in fp32, the relay's store)
-            ep_step = {"replica_weights": own * 4 / w.weight_bytes, "replica_grads": own * 4 / w.weight_bytes}
-    elif lay.ep > 1 and n_moe:
-        rows = n_rank * cfg.top_k * cfg.expert_width * a * (lay.ep - 1) / lay.ep
-        ep_bytes = n_moe * 2 * passes * rows
-    ep_time = ep_bytes / (cluster.intra_supernode_gbps * GB) if ep_bytes else 0.0
+    if bal is None:
+        rows = st.n_rank * cfg.top_k * cfg.expert_width * w.act_bytes * (lay.ep - 1) / lay.ep
+        return n_moe * 2 * st.passes * rows, {}, {}
+    forwards = st.passes - 1  # the forward, again under full recomputation (the replicas are exchanged again)
+    own = n_moe * bal.owner_exchange_bytes(w.weight_bytes)
+    per_micro = w.replica_exchange != "step"  # the owners' slices to the relays, out and their gradient back
+    parts = {"tokens": n_moe * st.passes * bal.token_bytes(w.act_bytes),
+             "metadata": n_moe * forwards * bal.metadata_bytes(),
+             "replica_weights": n_moe * forwards * bal.host_exchange_bytes(w.weight_bytes)
+             + (forwards * own if per_micro else 0.0),
+             "replica_grads": n_moe * bal.host_exchange_bytes(w.weight_bytes) + (own if per_micro else 0.0)}
+    step = {}
+    if not per_micro:  # moe.replica_exchange=step: once per step (in fp32, the relay's store)
+        step = {"replica_weights": own * 4 / w.weight_bytes, "replica_grads": own * 4 / w.weight_bytes}
+    return sum(parts.values()), parts, step
 
-    # ---- pipeline, per micro-batch: activations forward, gradients backward, at each stage boundary
-    pp_bytes, pp_time = 0.0, 0.0
-    if lay.pp > 1:
-        bounds = [b for _, b in stages[:-1]]
-        worst = 0.0
-        for b in bounds:
-            blocks = (-(-b // cfg.attn_res_block_size) + 1) if cfg.attn_res else 0
-            payload = (blocks + 1) * n_rank * D * a
-            worst = max(worst, payload)
-        pp_bytes = 2 * worst  # send forward, receive the gradient (per device, its own boundary)
-        stride = lay.world // lay.pp
-        pp_time = collective_time(pp_bytes, 2, stride, cluster)
 
-    # ---- data parallelism, once per step
+def _pp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
+    """Pipeline, per micro-batch: (bytes, seconds) of the activations forward and gradients backward at each stage
+    boundary (per device: its own boundary, the worst one)."""
+    if lay.pp <= 1:
+        return 0.0, 0.0
+    worst = 0.0
+    for _, b in st.stages[:-1]:
+        blocks = (-(-b // cfg.attn_res_block_size) + 1) if cfg.attn_res else 0
+        payload = (blocks + 1) * st.n_rank * cfg.hidden_size * w.act_bytes
+        worst = max(worst, payload)
+    pp_bytes = 2 * worst  # send forward, receive the gradient
+    return pp_bytes, collective_time(pp_bytes, 2, lay.world // lay.pp, cluster)
+
+
+def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
+    """Data parallelism, once per step: ({kind: bytes}, {kind: seconds}) for dp_grad_reduce, dp_param_gather and
+    dp_muon_gather, over the dense (dp x cp) and expert (edp) groups."""
+    start, end = st.stages[st.stage]
     mp = model_params(cfg, lay.tp, lay.ep)
     dense = sum(lp.dense.total for lp in mp.layers[start:end])
     dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
-    if stage == 0:
+    if st.first:
         dense += mp.embedding.total
         if not cfg.freeze_vision:  # the vision tower and projector (model.vision), like any dense parameter
             dense += mp.vision.total
             dense_muon += mp.vision.muon
-    if stage == len(stages) - 1:
+    if st.last:
         dense += mp.head.total
         dense_muon += mp.head.muon
     experts = sum(lp.experts.total for lp in mp.layers[start:end])  # this EP rank's
@@ -190,16 +205,38 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
         me = experts_muon * 4 * (g_exp - 1) / g_exp if g_exp > 1 else 0.0
         muon_bytes = md + me
         t_muon = collective_time(md, g_dense, lay.tp, cluster) + collective_time(me, g_exp, lay.ep, cluster)
+    return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
+             "dp_muon_gather": muon_bytes},
+            {"dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon})
 
+
+def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> StepComm:
+    """Bytes and seconds per step for the device on pipeline stage `stage`."""
+    stages = stage_layers(cfg, lay.pp)
+    start, end = stages[stage]
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    st = _Stage(kinds=cfg.layer_types()[start:end], ffns=cfg.ffn_types()[start:end], stages=stages, stage=stage,
+                n=n, n_rank=n / lay.tp if lay.sp else n, passes=3 if lay.recompute == "full" else 2)
+    m = max(1, w.global_batch_size // (w.micro_batch_size * lay.dp))  # micro-batches per step
+    gbps = cluster.intra_supernode_gbps * GB
+
+    vision_parts = vision_tp_bytes(cfg, lay, w) if stage == 0 else {}
+    tp_bytes = _tp_bytes(cfg, lay, w, st) + sum(vision_parts.values())
+    tp_time = collective_time(tp_bytes, lay.tp, 1, cluster)
+    cp_bytes = _cp_bytes(cfg, lay, w, st)
+    cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
+    ep_bytes, ep_parts, ep_step = _ep_bytes(cfg, lay, w, st)
+    ep_time = ep_bytes / gbps if ep_bytes else 0.0
+    pp_bytes, pp_time = _pp_comm(cfg, cluster, lay, w, st)
+    dp_bytes, dp_time = _dp_comm(cfg, cluster, lay, w, st)
+
+    out = StepComm()
     ep_once = sum(ep_step.values())
     out.bytes_by_kind = {"tp": m * tp_bytes, "cp": m * cp_bytes, "ep": m * ep_bytes + ep_once, "pp": m * pp_bytes,
-                         "dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
-                         "dp_muon_gather": muon_bytes}
-    ep_once_time = ep_once / (cluster.intra_supernode_gbps * GB)
-    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time + ep_once_time, "pp": m * pp_time,
-                        "dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon}
+                         **dp_bytes}
+    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time + ep_once / gbps, "pp": m * pp_time,
+                        **dp_time}
     out.per_micro_time = {"tp": tp_time, "cp": cp_time, "ep": ep_time, "pp": pp_time}
-    gbps = cluster.intra_supernode_gbps * GB
     step_bytes = {k: m * v + ep_step.get(k, 0.0) for k, v in ep_parts.items()}
     out.ep_detail = {k: (v, v / gbps) for k, v in step_bytes.items()}
     out.vision_tp = {k: (m * v, m * collective_time(v, lay.tp, 1, cluster)) for k, v in vision_parts.items()}

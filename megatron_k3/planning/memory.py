@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from ..layout import replica_slots
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes, vision_terms
+from .candidates import Layout, stage_layers
 from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
-from .layout import Layout, stage_layers
 from .params import model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",

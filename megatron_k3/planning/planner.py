@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..layout import rules
+from .candidates import Layout, planner_problems, stage_layers
 from .comm import training_comm
 from .flops import (
     decode_flops_per_token,
@@ -42,7 +43,6 @@ from .flops import (
     vision_media,
     vision_tp_share,
 )
-from .layout import Layout, planner_problems, stage_layers
 from .memory import (
     GB,
     MXFP4_BYTES_PER_PARAM,
@@ -254,14 +254,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_bwd, t_fwd = (bwd + rec) / rate, fwd / rate
     dp_exposed = (max(0.0, comm.time_by_kind["dp_grad_reduce"] - t_bwd)
                   + max(0.0, comm.time_by_kind["dp_param_gather"] - t_fwd) + comm.time_by_kind["dp_muon_gather"])
-    t_opt = 0.0
-    if w.optimizer == "muon":
-        mp = model_params(cfg, lay.tp, lay.ep)
-        a, b = stages[slow]
-        ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
-        if slow == 0 and not cfg.freeze_vision:
-            ns += mp.vision.ns_flops
-        t_opt = ns / rate
+    t_opt = _muon_time(cfg, lay, stages[slow], slow == 0) / rate if w.optimizer == "muon" else 0.0
     step = pipeline + dp_exposed + t_opt
     mf = _model_flops(cfg, w.seq_length, w.image_share)
     tokens = w.global_batch_size * w.seq_length
@@ -274,13 +267,40 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     times = {"compute": compute, "tp": m * comm.per_micro_time["tp"], "cp": m * comm.per_micro_time["cp"],
              "ep": m * comm.per_micro_time["ep"], "pp": m * comm.per_micro_time["pp"],
              "pipeline_bubble": pipeline - m * t_micro, "dp_exposed": dp_exposed, "optimizer": t_opt}
+    moe_dispatch = _balanced_summary(cfg, cluster, lay, w, worst, comm)
+    vision = _vision_summary(cfg, lay, w, mem[0], m, rate, model_step, tokens, slow, per_stage[0][4])
+    notes = _plan_notes(lay, moe_dispatch, vision, m, per_stage[0][0], slow, t_micro)
+    return TrainPlan(
+        model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
+        active_params=counts["active"], fits=worst.total <= capacity, memory_per_device=worst.total,
+        memory_breakdown=worst.breakdown_gb(),
+        activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
+        stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
+        bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
+        comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
+        mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
+        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch, vision=vision)
+
+
+def _muon_time(cfg, lay: Layout, layers: tuple, first: bool) -> float:
+    """Newton-Schulz FLOPs of Per-Head Muon on one device of the stage holding `layers` (start, end): its dense
+    matrices and its experts, the vision tower's on the first stage unless frozen."""
+    mp = model_params(cfg, lay.tp, lay.ep)
+    a, b = layers
+    ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
+    if first and not cfg.freeze_vision:
+        ns += mp.vision.ns_flops
+    return ns
+
+
+def _plan_notes(lay: Layout, moe_dispatch: dict, vision: dict, m: int, t0: float, slow: int,
+                t_micro: float) -> list:
+    """What a plan's reader should know about its numbers (t0: stage 0's time per micro-batch, t_micro the slowest
+    stage's, `slow` its index)."""
     notes = []
     if lay.tp > 1 and not lay.sp:
         notes.append("sequence parallelism off: the routed MoE branch runs redundantly on every TP rank")
-    moe_dispatch = _balanced_summary(cfg, cluster, lay, w, worst, comm)
-    vision = _vision_summary(cfg, lay, w, mem[0], m, rate, model_step, tokens, slow, per_stage[0][4])
     if vision and slow != 0:
-        t0 = per_stage[0][0]
         added = (vision["compute_time_s"] + vision["tp_comm_time_s"]) / m
         notes.append(f"the vision tower adds {added * 1e3:.3g} ms per micro-batch to pipeline stage 0 (compute and "
                      f"its TP traffic; {t0 * 1e3:.3g} ms with it), which stays below the slowest stage {slow} "
@@ -300,16 +320,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
                      f"{moe_dispatch['own_experts']}: balance is not exact (a donor computes what its receiver "
                      f"cannot take; FLOPs assume balanced routing), and the compute buffer is sized for the worst "
                      f"case, {moe_dispatch['compute_rows']} rows instead of {moe_dispatch['pairs_per_rank']}")
-    return TrainPlan(
-        model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
-        active_params=counts["active"], fits=worst.total <= capacity, memory_per_device=worst.total,
-        memory_breakdown=worst.breakdown_gb(),
-        activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
-        stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
-        bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
-        comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
-        mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
-        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch, vision=vision)
+    return notes
 
 
 def _vision_summary(cfg, lay: Layout, w: Workload, first, m: int, rate: float, model_step: float,

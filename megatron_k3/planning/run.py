@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import CONF_DIR, ConfigError, compose_config
+from .candidates import Layout
 from .flops import DEFAULT_IMAGE_SHARE
-from .layout import Layout
 from .memory import GB, Workload, balanced_slots, training_memory
 
 __all__ = ["compose_for_planning", "workload", "layout", "check_fits"]

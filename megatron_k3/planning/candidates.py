@@ -1,5 +1,6 @@
-"""Parallel layouts for the planner: sizes, derived group sizes, and which layouts it considers on a cluster (the
-rules of megatron_k3.layout, which config validation and the parallel state apply too, plus its own preferences).
+"""The planner's candidate layouts (`Layout`): sizes, derived group sizes, and which layouts it considers on a
+cluster (the rules of megatron_k3.layout, which config validation and the parallel state apply too, plus its own
+preferences: `planner_problems`).
 
 Rank order is megatron_k3.parallel.state's default `tp-cp-ep-dp-pp` (TP fastest, PP outermost); routed
 experts use the folded expert grid (etp = 1, ep, edp, pp), so edp = world / (ep * pp).
