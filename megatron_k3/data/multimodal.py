@@ -63,6 +63,28 @@ def _pack(lengths: np.ndarray, cap: int, rng) -> tuple:
     return flat, offsets.astype(np.int64)
 
 
+class _Documents:
+    """What `MultimodalDataset._scan` keeps of the usable documents, in order: their ids, tokens (with offsets),
+    the tokens and media a sample keeps of each, and their media's grids (with offsets)."""
+
+    def __init__(self):
+        self.ids, self.tokens, self.tok_off, self.keep_len, self.keep_media = [], [], [0], [], []
+        self.grids, self.media_off = [], [0]
+
+    def add(self, i: int, doc) -> None:
+        """Document i as `_tokens_of` returned it (None: left out)."""
+        if doc is None:
+            return
+        out, cut, kept_media, grids, n_media = doc
+        self.ids.append(int(i))
+        self.tokens.append(np.asarray(out, dtype=np.int64))
+        self.tok_off.append(self.tok_off[-1] + len(out))
+        self.keep_len.append(cut)
+        self.keep_media.append(kept_media)
+        self.grids.extend(grids)
+        self.media_off.append(self.media_off[-1] + n_media)
+
+
 class MultimodalDataset:
     """Samples of seq_length + 1 tokens, each a whole number of documents (with their media) of `source`.
 
@@ -124,8 +146,9 @@ class MultimodalDataset:
         return pieces, out
 
     def _scan(self, doc_ids: np.ndarray, batch: int = 512):
-        cap, mt, p = self.seq_length + 1, self.tokens, self.processor
-        good, toks, tok_off, keep_len, keep_media, grids, media_off = [], [], [0], [], [], [], [0]
+        """Tokenise every document (text in batches of `batch` documents), leave out the bad ones, and keep what
+        sampling needs: the usable documents' ids, their tokens, the tokens a sample keeps of each, its media."""
+        docs = _Documents()
         for b in range(0, len(doc_ids), batch):
             ids, structs = doc_ids[b: b + batch], []
             for i in ids:
@@ -137,52 +160,52 @@ class MultimodalDataset:
             flat = [t for s in structs if s is not None for t in s[0]]
             encoded = iter(self.encode(flat) if flat else [])
             for i, s in zip(ids, structs):
-                if s is None:
-                    continue
-                pieces, media = s
-                out, spans = [], []
-                for k in range(len(pieces)):
-                    out.extend(next(encoded))
-                    for grid in media[k] if k < len(media) else ():  # an image, or a video's chunks back to back
-                        n = p.num_tokens(grid)
-                        spans.append((len(out), len(out) + n + 1))  # positions of begin and end
-                        out.extend([mt.begin] + [mt.placeholder] * n + [mt.end])
-                if self.eod_id is not None:
-                    out.append(self.eod_id)
-                media_len = sum(e - b0 + 1 for b0, e in spans)
-                if media_len > cap:
-                    self._bad(i, f"its media need {media_len} tokens, more than a sample of train.seq_length+1="
-                                 f"{cap} (raise train.seq_length or lower data.image_max_patches)")
-                    continue
-                if not spans and not any(pieces):
-                    continue  # an empty document contributes nothing (as in PackedDataset)
-                cut = min(len(out), cap)
-                for b0, e in spans:
-                    if b0 < cut <= e:  # the cut would split this run: cut before it
-                        cut = b0
-                if cut < len(out) and np.isin(out[1:cut], mt.ids).all():
-                    self._bad(i, f"cut to a sample of train.seq_length+1={cap} tokens it keeps only media, no text "
-                                 f"to learn (raise train.seq_length)")
-                    continue
-                good.append(int(i))
-                toks.append(np.asarray(out, dtype=np.int64))
-                tok_off.append(tok_off[-1] + len(out))
-                keep_len.append(cut)
-                keep_media.append(sum(1 for _, e in spans if e < cut))
-                grids.extend(g for marker in media for g in marker)
-                media_off.append(media_off[-1] + len(spans))
+                if s is not None:
+                    docs.add(i, self._tokens_of(i, *s, encoded))
         if self.skipped and self.report:
             more = len(self.skipped) - _LOGGED_BAD
             log.warning("%s: %d of %d documents left out as bad (data.on_bad_sample=skip)%s", self.name,
                         len(self.skipped), len(doc_ids), f"; {more} not logged one by one" if more > 0 else "")
-        dtype = np.int64 if (max(mt.ids) >= 2 ** 31) else np.int32
-        self.doc_ids = np.asarray(good, dtype=np.int64)  # source ids of the usable documents
-        self._tokens = np.concatenate(toks).astype(dtype) if toks else np.zeros(0, dtype)
-        self._tok_off = np.asarray(tok_off, dtype=np.int64)
-        self.keep_len = np.asarray(keep_len, dtype=np.int64)
-        self.keep_media = np.asarray(keep_media, dtype=np.int64)
-        self.grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
-        self._media_off = np.asarray(media_off, dtype=np.int64)
+        dtype = np.int64 if (max(self.tokens.ids) >= 2 ** 31) else np.int32
+        self.doc_ids = np.asarray(docs.ids, dtype=np.int64)  # source ids of the usable documents
+        self._tokens = np.concatenate(docs.tokens).astype(dtype) if docs.tokens else np.zeros(0, dtype)
+        self._tok_off = np.asarray(docs.tok_off, dtype=np.int64)
+        self.keep_len = np.asarray(docs.keep_len, dtype=np.int64)
+        self.keep_media = np.asarray(docs.keep_media, dtype=np.int64)
+        self.grids = np.asarray(docs.grids, dtype=np.int64).reshape(-1, 3)
+        self._media_off = np.asarray(docs.media_off, dtype=np.int64)
+
+    def _tokens_of(self, i: int, pieces: list, media: list, encoded):
+        """Document i's tokens (its text pieces' ids from `encoded`, each medium's begin, placeholders and end after
+        the piece before it, EOD), the tokens a sample keeps of it (never cutting a medium) and the media those
+        hold, as (tokens, kept tokens, kept media, its media's grids, its media count); None for a document left
+        out (empty, media longer than a sample, or only media once cut)."""
+        cap, mt, p = self.seq_length + 1, self.tokens, self.processor
+        out, spans = [], []
+        for k in range(len(pieces)):
+            out.extend(next(encoded))
+            for grid in media[k] if k < len(media) else ():  # an image, or a video's chunks back to back
+                n = p.num_tokens(grid)
+                spans.append((len(out), len(out) + n + 1))  # positions of begin and end
+                out.extend([mt.begin] + [mt.placeholder] * n + [mt.end])
+        if self.eod_id is not None:
+            out.append(self.eod_id)
+        media_len = sum(e - b0 + 1 for b0, e in spans)
+        if media_len > cap:
+            self._bad(i, f"its media need {media_len} tokens, more than a sample of train.seq_length+1="
+                         f"{cap} (raise train.seq_length or lower data.image_max_patches)")
+            return None
+        if not spans and not any(pieces):
+            return None  # an empty document contributes nothing (as in PackedDataset)
+        cut = min(len(out), cap)
+        for b0, e in spans:
+            if b0 < cut <= e:  # the cut would split this run: cut before it
+                cut = b0
+        if cut < len(out) and np.isin(out[1:cut], mt.ids).all():
+            self._bad(i, f"cut to a sample of train.seq_length+1={cap} tokens it keeps only media, no text "
+                         f"to learn (raise train.seq_length)")
+            return None
+        return (out, cut, sum(1 for _, e in spans if e < cut), [g for marker in media for g in marker], len(spans))
 
     # ---------------------------------------------------------------- samples
     def __len__(self) -> int:

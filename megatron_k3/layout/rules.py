@@ -89,13 +89,18 @@ def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
     return out
 
 
+def default_replica_slots(num_experts: int, ep: int) -> int:
+    """moe.redundant_experts when not set (-1): E/ep, the slots that balance exactly for any routing."""
+    return num_experts // ep
+
+
 def replica_slots(model, ep: int, redundant_experts: int, moe_overflow: str | None = None) -> int | None:
     """The replica slots per EP rank balanced dispatch runs with (moe.redundant_experts; -1: E/ep, which balances
     exactly for any routing), or None where it does not run (model.moe_overflow, or `moe_overflow` in its place,
     not balanced; ep = 1; no MoE layers)."""
     if (moe_overflow or model.moe_overflow) != "balanced" or ep <= 1 or not has_moe(model):
         return None
-    return model.num_experts // ep if redundant_experts < 0 else redundant_experts
+    return default_replica_slots(model.num_experts, ep) if redundant_experts < 0 else redundant_experts
 
 
 def _replica_problems(model, ep: int, redundant_experts: int, moe_overflow: str | None) -> list:

@@ -50,15 +50,10 @@ from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
 __all__ = ["alias_plan", "streams", "pair_destinations", "slot_layout", "compute_capacity", "relay_block",
-           "BalancedDispatch", "default_slots", "balanced_layers", "flush_replica_gradients"]
+           "BalancedDispatch", "balanced_layers", "flush_replica_gradients"]
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def default_slots(num_experts: int, ep: int) -> int:
-    """moe.redundant_experts when not set: E/R, the slots that guarantee exact balance for any routing."""
-    return num_experts // ep
 
 
 def compute_capacity(N: int, k: int, R: int, El: int, S: int) -> int:

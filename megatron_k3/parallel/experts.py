@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from ..annotations import annotate, copy_meta
+from ..layout import default_replica_slots
 from ..model.dispatcher import POLICIES, Dispatcher, capacity, sorted_rows, static_buffer
 from ..model.moe import StableLatentMoE
 from ..ops.grouped_gemm import weighted_combine
-from .balanced import BalancedDispatch, default_slots
+from .balanced import BalancedDispatch
 from .mappings import Group, all_to_all, all_to_all_overlapped, gather_rows, split_rows
 from .tensor import TensorParallel, block_copy, mark_partial_grad
 
@@ -66,7 +67,7 @@ class ParallelDispatcher(Dispatcher):
         self.overflow = resolve_overflow(overflow, expert_parallel=ep.size > 1)
         self.balanced = None
         if self.overflow == "balanced":
-            slots = default_slots(num_experts, ep.size) if redundant_experts is None else redundant_experts
+            slots = default_replica_slots(num_experts, ep.size) if redundant_experts is None else redundant_experts
             self.balanced = BalancedDispatch(ep.group, ep.size, ep.rank, slots)
         if overflow == "dropless" and ep.size > 1:
             log.warning("model.moe_overflow=dropless with parallel.ep=%d: the all-to-all needs split sizes on the host "
