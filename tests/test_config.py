@@ -58,3 +58,20 @@ def test_bad_redundant_experts_name_the_key_and_the_limit(slots, limit):
     run, _, _ = compose_run_config(["model=k3_tiny", "parallel.ep=4", "train.micro_batch_size=1",
                                     "model.moe_overflow=balanced"], world_size=4)
     assert run.moe.slots(run.model, run.parallel) == 4  # default: E/ep
+
+
+def test_configs_hash_by_value_and_drop_the_cached_hash_when_copied():
+    """The planner's caches key on ModelConfig / ClusterConfig by value: equal configs hash equal, a set field
+    changes the hash, and a pickled or copied config recomputes it (string hashes differ between processes)."""
+    import copy
+    import dataclasses
+    import pickle
+
+    a, b = load_model_config("k3_tiny"), load_model_config("k3_tiny")
+    assert a == b and hash(a) == hash(b)
+    wider = dataclasses.replace(a, hidden_size=2 * a.hidden_size)
+    assert hash(wider) != hash(a)
+    b.hidden_size = wider.hidden_size  # set in place: the cached hash is dropped
+    assert hash(b) == hash(wider)
+    for c in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a)):
+        assert "_hash" not in vars(c) and c == a and hash(c) == hash(a)

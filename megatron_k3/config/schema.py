@@ -66,13 +66,18 @@ def _setattr(self, name, value) -> None:
     object.__setattr__(self, name, value)
 
 
+def _getstate(self) -> dict:
+    """Pickled and copied without the cached hash: string hashes differ between processes (PYTHONHASHSEED)."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass
 class VisionConfig:
     """K3's vision tower (MoonViT-3D) and projector (patchmergerv2), `model.vision.*`; the defaults are the released
     K3's `vision_config` (vt_* keys there). Off (`enabled: false`) in the text-only models. The fixed choices of the
     released tower (divided fixed position embedding, RMSNorm, GELU-tanh MLP without biases, 2D RoPE, sd2_tpool
     merge, patchmergerv2 projector) are not keys: a checkpoint that differs is refused on load."""
-    __hash__, __setattr__ = _value_hash, _setattr
+    __hash__, __setattr__, __getstate__ = _value_hash, _setattr, _getstate
     enabled: bool = False
     patch_size: int = 14  # pixels per patch side; pixel_values are [patches, 3, patch_size, patch_size]
     hidden_size: int = 1024  # vt_hidden_size
@@ -127,7 +132,7 @@ class ModelConfig:
     gated MLA) and Kimi Linear (ordinary residuals, SwiGLU, no latent projection, softplus gate, low-rank
     output gate, ungated MLA) through these switches.
     """
-    __hash__, __setattr__ = _value_hash, _setattr
+    __hash__, __setattr__, __getstate__ = _value_hash, _setattr, _getstate
 
     name: str = field(default="custom", metadata=RUNTIME)
     vocab_size: int = 163840
@@ -300,7 +305,7 @@ RUNTIME_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.
 class ClusterConfig:
     """The hardware: sizes, peak rates and link bandwidths (used by the planner and for MFU); the defaults describe
     this CPU machine (conf/cluster/cpu.yaml)."""
-    __hash__, __setattr__ = _value_hash, _setattr
+    __hash__, __setattr__, __getstate__ = _value_hash, _setattr, _getstate
     name: str = "cpu"
     num_nodes: int = 1
     devices_per_node: int = 1
