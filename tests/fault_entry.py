@@ -19,6 +19,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _record(run_dir, what: str):
+    """Note the fault in RUN_DIR/faults.log before it is injected (flushed to disk: a SIGKILL follows), so a drill
+    can tell that its fault happened without reading which failure the launcher reported first."""
+    with open(Path(run_dir) / "faults.log", "a") as f:
+        f.write(what + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _install(spec: str):
     from megatron_k3.training import loop
     from megatron_k3.training.checkpoint import shards
@@ -35,6 +44,7 @@ def _install(spec: str):
         def train_step(self):
             out = orig(self)
             if self.step == step and self.rank == (arg or 0):
+                _record(self.run_dir, f"{kind} rank {self.rank} after step {step}")
                 os.kill(os.getpid(), sig)
             return out
 

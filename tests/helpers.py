@@ -214,20 +214,34 @@ def logged_losses(run_dir) -> dict:
 FAULT_ENTRY = str(Path(__file__).with_name("fault_entry.py"))
 
 
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def launch(make_cmd, attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(make_cmd(port), **kwargs) for a launcher (torchrun, deepspeed) given a free port. The port is
+    free when free_port() returns and may be taken by another process before the launcher's rendezvous binds it; a
+    run that failed for that reason alone (the launcher's bind error in its output) is started again on a new port,
+    up to `attempts` times. Any other outcome is returned as it is."""
+    for _ in range(attempts):
+        p = subprocess.run(make_cmd(free_port()), **kwargs)
+        if p.returncode == 0 or not any(m in (p.stdout or "") + (p.stderr or "") for m in PORT_TAKEN):
+            return p
+    return p
+
+
 def run_drill(args, run_dir, fault=None, nproc=1, restarts=0, timeout=300) -> subprocess.CompletedProcess:
     """A training run through tests/fault_entry.py, which injects `fault` (K3_FAULT, e.g. "kill:3:1"): one process,
-    or `nproc` under torchrun with `restarts` restarts."""
+    or `nproc` under torchrun with `restarts` restarts (started again on another port if the first was taken)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("K3_FAULT", None)
     if fault:
         env["K3_FAULT"] = fault
+    tail = [FAULT_ENTRY] + args + [f"hydra.run.dir={run_dir}"]
+    kw = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if nproc == 1 and not restarts:
-        cmd = [sys.executable, FAULT_ENTRY]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--max-restarts",
-               str(restarts), "--master_port", str(free_port()), FAULT_ENTRY]
-    return subprocess.run(cmd + args + [f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+        return subprocess.run([sys.executable] + tail, **kw)
+    return launch(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                "--max-restarts", str(restarts), "--master_port", str(port)] + tail, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face

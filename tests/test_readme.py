@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port
+from helpers import launch
 
 pytestmark = pytest.mark.slow  # training runs and torchrun worlds
 
@@ -118,9 +118,9 @@ def workspace(tmp_path_factory):
 
 
 def _run(command: str, cwd: Path, extra: str = "", timeout: float = 600) -> subprocess.CompletedProcess:
-    command = re.sub(r"--master_port \d+", lambda _: f"--master_port {free_port()}", command) + extra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    out = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = launch(lambda port: ["bash", "-c", re.sub(r"--master_port \d+", f"--master_port {port}", command) + extra],
+                 cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{command}\nexit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port
-from helpers import CLI_FAST, logged_losses
+from helpers import CLI_FAST, launch, logged_losses
 
 from megatron_k3.train import main
 from megatron_k3.training.wandb_files import find_run_files, history
@@ -128,10 +127,9 @@ WORKER_ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _torchrun(args, run_dir):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", str(free_port()), "-m", "megatron_k3.train", *args,
-                        f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=WORKER_ENV)
+    p = launch(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(port), "-m", "megatron_k3.train", *args, f"hydra.run.dir={run_dir}"],
+               cwd=ROOT, capture_output=True, text=True, timeout=300, env=WORKER_ENV)
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -182,8 +180,8 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
     assert exe, "the deepspeed launcher is installed with the package"
     args = CLI_FAST + ["train.steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "precision=bf16",
                        "parallel.zero_stage=2", f"hydra.run.dir={tmp_path}"]
-    p = subprocess.run([exe, "--num_gpus", "2", "--master_port", str(free_port()), "megatron_k3/train.py"] + args,
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=WORKER_ENV)
+    p = launch(lambda port: [exe, "--num_gpus", "2", "--master_port", str(port), "megatron_k3/train.py"] + args,
+               cwd=ROOT, capture_output=True, text=True, timeout=300, env=WORKER_ENV)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = logged_losses(tmp_path)
     assert sorted(losses) == [1, 2, 3] and all(9.0 < v < 9.2 for v in losses.values()), losses
@@ -196,10 +194,10 @@ def test_deepspeed_launcher_trains_with_bf16_and_zero2(tmp_path):
     ("parallel.pp=4", "parallel"),  # tp*pp does not divide the world of 2
 ])
 def test_bad_layout_fails_on_every_rank_under_torchrun(tmp_path, override, fragment):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), "-m", "megatron_k3.train", "parallel.tp=2", override,
-                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=WORKER_ENV)
+    p = launch(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(port), "-m", "megatron_k3.train", "parallel.tp=2", override,
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+               env=WORKER_ENV)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: invalid config") and fragment in line]
     # Each rank validates before its first collective and exits 2; rank 0 prints the line (every rank finds the
