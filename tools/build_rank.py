@@ -23,8 +23,10 @@ Flags:
                       `measured` (live-tensor peak, process RSS peak) is reported beside the planner's figures
   --dtype bf16|fp32   parameters of --materialize (default bf16)
   --seed N            initialisation seed (default 0)
-  --recompute none|selective|full|auto   the planner's recomputation for its figures and the fit check (default
-                      auto: the least that fits; the trainer itself has none, docs/scale.md)
+  --recompute none|selective|full|auto   activation recomputation, as train.recompute: the planner's figures, the
+                      fit check and the trainer's policy the --step runs (default: train.recompute when given,
+                      else auto, the least that fits); the finer knobs are train.recompute_modules=[...] and
+                      train.recompute_num_layers=N
   --json              one JSON object instead of text
 Exit status: 0 when every check holds, 1 when one does not (params != planned_params, covered != total), 2 for a
 bad layout or config (one line naming the key and the value).
@@ -45,7 +47,7 @@ CHOICES = {"--dtype": ("bf16", "fp32"), "--recompute": ("none", "selective", "fu
 
 def parse(argv):
     overrides, flags = split_tool_args(argv, ("--all", "--search", "--materialize", "--step", "--json"),
-                                       FLAGS_WITH_VALUE, {"--dtype": "bf16", "--seed": "0", "--recompute": "auto"},
+                                       FLAGS_WITH_VALUE, {"--dtype": "bf16", "--seed": "0"},
                                        CHOICES, repeated=("--rank",))
     for v in flags["--rank"]:
         if not v.isdigit():
@@ -69,11 +71,14 @@ def compose(overrides, flags):
 
     run, optimizer, given = compose_for_planning(overrides)
     run.optim.name = optimizer
+    run.train.recompute = flags.get("--recompute") or (run.train.recompute if "train.recompute" in given else "auto")
     if "parallel.sequence_parallel" not in given:
         run.parallel.sequence_parallel = True  # with TP, as tools/plan.py plans it (no effect at tp = 1)
     world = run.cluster.world_size
     if flags.get("--search"):
-        res = search_training(run.model, run.cluster, workload(run), top=1, find_min_world=False)
+        res = search_training(run.model, run.cluster, workload(run), top=1, find_min_world=False,
+                              knobs=(tuple(run.train.recompute_modules), run.train.recompute_num_layers,
+                                     run.train.tile_tokens, run.train.offload_buffer_gb * 1e9))
         if not res.fits:
             raise ConfigError("--search", True, f"no layout of model={run.model.name} fits on "
                               f"cluster={run.cluster.name} (tools/plan.py --search says why)")
@@ -81,7 +86,7 @@ def compose(overrides, flags):
         for k in ("tp", "pp", "ep", "cp"):
             setattr(run.parallel, k, getattr(best, k))
         run.parallel.sequence_parallel = best.sp or run.parallel.sequence_parallel
-        flags["--recompute"] = best.recompute
+        run.train.recompute = best.recompute
     run.parallel.sequence_parallel = run.parallel.sequence_parallel and run.parallel.tp > 1
     run.validate(world)
     return run, world
@@ -149,12 +154,9 @@ def main(argv) -> int:
             print(__doc__.strip())
             return 0
         run, world = compose(overrides, flags)
-        from megatron_k3.planning.run import check_fits
+        from megatron_k3.planning.run import check_fits, resolve_recompute
 
-        recompute = flags["--recompute"]
-        if recompute == "auto":  # resolved once: the report and the fit check below use the planner's choice
-            from megatron_k3.planning.dry_run import plan_run
-            recompute = plan_run(run, world).layout.recompute
+        recompute = resolve_recompute(run, world)  # auto resolved once: the report, the fit check and the step
         check_fits(run, world, recompute)  # a layout that does not fit is refused before anything is built
     except (ConfigError, ValueError) as e:
         print(f"build_rank: {e}", file=sys.stderr)
@@ -171,7 +173,8 @@ def main(argv) -> int:
             rep["materialized"] = []
             for r in ranks:
                 m = D.materialize_rank(run, world, r, torch.bfloat16 if flags["--dtype"] == "bf16" else
-                                       torch.float32, int(flags["--seed"]), step=bool(flags.get("--step")))
+                                       torch.float32, int(flags["--seed"]), step=bool(flags.get("--step")),
+                                       recompute=recompute)
                 planned = D.planner_step_memory(run, world, m.coords["pp_rank"], recompute)
                 entry = {**m.as_dict(), "planner_step": planned, "measured": {
                     "live_peak_bytes": max(m.build_live_peak_bytes, m.step["live_peak_bytes"] if m.step else 0),

@@ -23,7 +23,9 @@ Flags:
   --mode train|infer       training (default) or serving: routed experts MXFP4, the rest bf16
   --batch N --context N    inference: sequences and context length (default 64 x 131072)
   --optimizer adamw|muon   same as optim=... (Muon: one fp32 momentum per matrix)
-  --recompute none|selective|full|auto   activation recomputation (auto: the least that fits; default)
+  --recompute none|selective|full|auto   activation recomputation, as train.recompute (auto: the least that
+                           fits; the default unless train.recompute is given); the finer knobs are the trainer's
+                           train.recompute_modules=[...] (selective) and train.recompute_num_layers=N (full)
   --zero 0|1|2             ZeRO stage (default 1: optimizer states sharded over data parallelism)
   --kernels eager|fused    activation model (default: eager on cpu clusters, fused on accelerators)
   --grad-dtype fp32|bf16   gradient accumulation buffers under mixed precision (default fp32)
@@ -47,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_k3.config import ConfigError, split_tool_args  # noqa: E402
 from megatron_k3.planning import report  # noqa: E402
-from megatron_k3.planning.candidates import Layout  # noqa: E402
 from megatron_k3.planning.checkpoint import (  # noqa: E402
     DEFAULT_FS_GBPS,
     DEFAULT_HOST_COPY_GBPS,
@@ -59,7 +60,7 @@ from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.params import count_parameters  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
-from megatron_k3.planning.run import compose_for_planning  # noqa: E402
+from megatron_k3.planning.run import compose_for_planning, layout  # noqa: E402
 
 BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
               "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
@@ -73,7 +74,7 @@ CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
 def parse(argv):
     overrides, flags = split_tool_args(
         argv, ("--search", "--json"), FLAGS_WITH_VALUE, choices=CHOICES,
-        defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--recompute": "auto", "--zero": "1",
+        defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--zero": "1",
                   "--top": "10", "--grad-dtype": "fp32", "--image-share": str(DEFAULT_IMAGE_SHARE),
                   **{k: str(v) for k, v in BANDWIDTHS.items()}})
     for k in ("--batch", "--context", "--top"):
@@ -129,8 +130,11 @@ def main(argv):
     # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
                  int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
-                 run.moe.replica_exchange, flags["--image-share"])
+                 run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce)
     as_json = flags.get("--json", False)
+    # --recompute, else train.recompute when given, else auto; the knobs from train.recompute_modules / _num_layers
+    recompute = flags.get("--recompute") or (t.recompute if "train.recompute" in given else "auto")
+    knobs = (tuple(t.recompute_modules), t.recompute_num_layers, t.tile_tokens, t.offload_buffer_gb * 1e9)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])
     try:
@@ -152,7 +156,7 @@ def main(argv):
                     return _dump(q.as_dict())
                 lines += report.render_infer(q)
         elif flags.get("--search"):
-            res = search_training(cfg, cluster, w, top)
+            res = search_training(cfg, cluster, w, top, knobs=knobs)
             inf = search_inference(cfg, cluster, batch, context, 3) if not res.fits else None
             if as_json:
                 out = {"mode": "train", "search": True, "total_params": counts["total"],
@@ -169,14 +173,12 @@ def main(argv):
             ck = checkpoint(run, res.fits[0], flags) if res.fits else None
             lines += report.render_train_search(cfg, cluster, w, res, inf, (batch, context), ck)
         else:
-            rcs = ("none", "selective", "full") if flags["--recompute"] == "auto" else (flags["--recompute"],)
+            rcs = ("none", "selective", "full") if recompute == "auto" else (recompute,)
             # sequence parallelism with TP unless the command line turns it off explicitly
             sp = par.sequence_parallel if "parallel.sequence_parallel" in given else True
             plan = None
             for rc in rcs:
-                lay = Layout(world=cluster.world_size, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp,
-                             sequence_parallel=sp, recompute=rc)
-                plan = plan_training(cfg, cluster, lay, w, counts)
+                plan = plan_training(cfg, cluster, layout(run, cluster.world_size, rc, sp), w, counts)
                 if plan.fits:
                     break
             if len(rcs) > 1:

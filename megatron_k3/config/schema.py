@@ -26,6 +26,12 @@ def _key(prefix: str, k: str) -> str:
     return f"{prefix}.{k}" if prefix else k
 
 
+# train.recompute's policies and the module kinds of selective recomputation (megatron_k3.parallel.recompute, whose
+# docstring says what each rebuilds; megatron_k3.planning.activations tags its terms with the same names)
+RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
+RECOMPUTE_MODULES = ("attn_res", "layernorm", "core_attn", "mlp_act", "moe_act")
+
+
 def _require_ints(obj, prefix: str, keys, minimum: int) -> None:
     for k in keys:
         v = getattr(obj, k)
@@ -319,6 +325,8 @@ class ClusterConfig:
     reserved_memory_gb: float = 0.0  # per device, kept free by the planner: runtime context, comm buffers, slack
     intra_supernode_gbps: float = 10.0  # per-device bandwidth inside a supernode, GB/s
     inter_supernode_gbps: float = 10.0  # per-device bandwidth across supernodes, GB/s
+    host_memory_gb: float = 24.0  # host memory per node (activation offload: train.offload_buffer_gb x devices)
+    host_copy_gbps: float = 10.0  # per-device copy bandwidth to / from host memory, GB/s (activation offload)
 
     @property
     def world_size(self) -> int:
@@ -327,7 +335,8 @@ class ClusterConfig:
     def validate(self, prefix: str = "cluster") -> "ClusterConfig":
         _require_choice(self, prefix, "device_kind", ("cpu", "gpu"))
         _require_ints(self, prefix, ("num_nodes", "devices_per_node", "supernode_size"), 1)
-        for k in ("device_memory_gb", "peak_tflops_bf16", "hbm_gbps", "intra_supernode_gbps", "inter_supernode_gbps"):
+        for k in ("device_memory_gb", "peak_tflops_bf16", "hbm_gbps", "intra_supernode_gbps", "inter_supernode_gbps",
+                  "host_memory_gb", "host_copy_gbps"):
             if not getattr(self, k) > 0:
                 raise ConfigError(f"{prefix}.{k}", getattr(self, k), "must be > 0")
         if self.reserved_memory_gb < 0 or self.reserved_memory_gb >= self.device_memory_gb:
@@ -354,6 +363,9 @@ class ParallelConfig:
     #                      partitioned), 2 (gradients too)
     deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed config
     timeout_minutes: float = 30.0  # how long a collective waits for its peers before failing (naming its group)
+    # ZeRO-1/2: reduce the data-parallel gradients bucket by bucket while the last micro-batch's backward runs
+    # (DeepSpeed's overlap_comm; Megatron's --overlap-grad-reduce); the planner counts the reduction exposed without it
+    overlap_grad_reduce: bool = False
 
     def validate(self, prefix: str = "parallel") -> "ParallelConfig":
         _require_ints(self, prefix, ("tp", "pp", "ep", "cp"), 1)
@@ -365,6 +377,8 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.zero_stage", self.zero_stage, "valid: 0, 1, 2 (ZeRO-3 would partition "
                               "parameters that tensor/expert parallelism already shards)")
         _require_choice(self, prefix, "backend", ("auto", "nccl", "gloo"))
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ConfigError(f"{prefix}.overlap_grad_reduce", self.overlap_grad_reduce, "must be true or false")
         return self
 
 
@@ -390,6 +404,19 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_cache: str = ".cache/torchinductor"
+    # activation recomputation (megatron_k3.parallel.recompute, docs/planning.md): none, selective (the regions of
+    # recompute_modules keep only their inputs), full (a decoder layer keeps only its input; recompute_num_layers > 0:
+    # that many layers per pipeline stage), auto (the least the planner says fits cluster.device_memory_gb)
+    recompute: str = "none"
+    recompute_modules: list = field(default_factory=list)  # selective: attn_res, layernorm, core_attn, mlp_act,
+    # moe_act (empty: all)
+    recompute_num_layers: int = 0
+    # host memory per rank for the layer inputs full recomputation keeps (megatron_k3.parallel.offload; 0: off): they
+    # go to host in the forward, come back for the layer's backward; what does not fit stays on the device
+    offload_buffer_gb: float = 0.0
+    # tokens per tile of the per-token parts (MoE dispatch and experts, shared experts, LM head and loss;
+    # megatron_k3.parallel.tiling); 0: untiled. Must divide the tokens a device holds per micro-batch
+    tile_tokens: int = 0
 
     def validate(self, prefix: str = "train") -> "TrainConfig":
         _require_ints(self, prefix, ("steps", "micro_batch_size", "global_batch_size", "seq_length",
@@ -407,7 +434,31 @@ class TrainConfig:
         _require_choice(self, prefix, "compile_backend", ("inductor", "aot_eager", "eager"))
         if not isinstance(self.compile, bool):
             raise ConfigError(f"{prefix}.compile", self.compile, "must be true or false")
+        self._validate_recompute(prefix)
         return self
+
+    def _validate_recompute(self, prefix: str) -> None:
+        MODULES = RECOMPUTE_MODULES
+        _require_choice(self, prefix, "recompute", RECOMPUTE_POLICIES)
+        mods = self.recompute_modules
+        if not isinstance(mods, (list, tuple)) or any(m not in MODULES for m in mods):
+            raise ConfigError(f"{prefix}.recompute_modules", mods, f"a list of {', '.join(MODULES)} (empty: all)")
+        if mods and self.recompute not in ("selective", "auto"):
+            raise ConfigError(f"{prefix}.recompute_modules", list(mods), f"applies to train.recompute=selective, "
+                              f"not {self.recompute}")
+        if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 0:
+            raise ConfigError(f"{prefix}.recompute_num_layers", self.recompute_num_layers,
+                              "must be an integer >= 0 (0: every layer of a stage)")
+        if self.recompute_num_layers and self.recompute not in ("full", "auto"):
+            raise ConfigError(f"{prefix}.recompute_num_layers", self.recompute_num_layers,
+                              f"applies to train.recompute=full, not {self.recompute}")
+        if not isinstance(self.offload_buffer_gb, (int, float)) or not 0 <= self.offload_buffer_gb < float("inf"):
+            raise ConfigError(f"{prefix}.offload_buffer_gb", self.offload_buffer_gb, "host GB per rank, >= 0 (0: off)")
+        if self.offload_buffer_gb and self.recompute not in ("full", "auto"):
+            raise ConfigError(f"{prefix}.offload_buffer_gb", self.offload_buffer_gb, "offloads the layer inputs "
+                              f"train.recompute=full keeps, not with train.recompute={self.recompute}")
+        if not isinstance(self.tile_tokens, int) or self.tile_tokens < 0:
+            raise ConfigError(f"{prefix}.tile_tokens", self.tile_tokens, "tokens per tile, an integer >= 0 (0: off)")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 from ..annotations import annotate
 from ..ops.attn_res import attn_res
 from .kda import KimiDeltaAttention
-from .layers import Linear
+from .layers import Linear, recomputing
 from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import StableLatentMoE
@@ -52,7 +52,8 @@ class DepthMix(nn.Module):
 
     def forward(self, sources):
         h, alpha_N = attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps, return_weights=True)
-        self.last_weights_N = alpha_N.detach().flatten(1).mean(1)
+        if not recomputing():
+            self.last_weights_N = alpha_N.detach().flatten(1).mean(1)
         return h
 
 

@@ -32,6 +32,9 @@ class GroupedExperts(nn.Module):
         # Quantisation-aware training hook (precision=mx_qat, set by megatron_k3.precision.qat): an object with
         # weight(w) and act(x) that fake-quantise along the last (reduction) dimension; None = off.
         self.qat = None
+        # Selective recomputation's moe_act (megatron_k3.parallel.recompute sets it): the gate/up GEMM's output is
+        # kept and the activation's fp32 intermediates are made again in the backward
+        self.recompute_act = False
 
     @property
     def num_local(self) -> int:
@@ -44,9 +47,9 @@ class GroupedExperts(nn.Module):
             w1, w3, w2, x = q.weight(w1), q.weight(w3), q.weight(w2), q.act(x)
         if replicas is not None:  # row groups of the own experts, then of the replicas (balanced dispatch)
             r1, r3, r2 = replicas if q is None else (q.weight(r) for r in replicas)
-            h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, r1, r3)
+            h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, r1, r3, self.recompute_act)
             return GroupedDown.apply(h if q is None else q.act(h), w2, r2, offs_E)
-        h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up)
+        h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, None, None, self.recompute_act)
         if q is not None:
             h = q.act(h)
         if combine is not None:

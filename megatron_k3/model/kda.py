@@ -111,11 +111,11 @@ class KimiDeltaAttention(nn.Module):
             return constant(1.0)
         return None
 
-    def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Per-step, per-channel log-decay g [B, T, H, K] in fp32."""
-        wide = compute_dtype(x_BTD)
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).to(wide) + self.dt_bias.to(wide)
-        z = z.reshape(*x_BTD.shape[:2], -1, self.K)  # (view: aot_eager's backward of softplus trips on it)
+    def log_decay(self, z_BTC: torch.Tensor) -> torch.Tensor:
+        """Per-step, per-channel log-decay g [B, T, H, K] in fp32 from the decay projection z = W_fb W_fa x."""
+        wide = compute_dtype(z_BTC)
+        z = z_BTC.to(wide) + self.dt_bias.to(wide)
+        z = z.reshape(*z_BTC.shape[:2], -1, self.K)  # (view: aot_eager's backward of softplus trips on it)
         a = self.A_log.to(wide).exp()[:, None]
         if self.gate_kind == "lowerbound":
             return self.lower_bound * torch.sigmoid(a * z)
@@ -126,28 +126,38 @@ class KimiDeltaAttention(nn.Module):
         """x [B, T, D] -> [B, T, D]. Packed documents as cu_seqlens (B = 1) or seq_idx [B, T] (no state), or
         neither; state: the decode cache, continued and updated in place."""
         B, T, _ = x_BTD.shape
+        gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)
+        o = self.core(self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD), self.f_b_proj(self.f_a_proj(x_BTD)),
+                      self.b_proj(x_BTD), gate, cu_seqlens, state, seq_idx)
+        return self.o_proj(o.to(x_BTD.dtype).reshape(B, T, -1))
+
+    def core(self, q_BTC, k_BTC, v_BTC, z_BTC, b_BTH, gate_BTC, cu_seqlens=None, state: KDAState | None = None,
+             seq_idx=None) -> torch.Tensor:
+        """Everything between the input projections and o_proj (C = H K): short convolutions, L2 norms, decay and
+        beta, the delta rule, the gated output norm -> [B, T, H, K] (fp32 at least). Its inputs are the
+        projections' outputs; the elementwise work and the chunked kernel inside are what selective recomputation
+        (`core_attn`) rebuilds in the backward."""
+        B, T, _ = q_BTC.shape
         K = self.K
-        wide = compute_dtype(x_BTD)
+        wide = compute_dtype(q_BTC)
         keep = state is not None
         convs = []
-        for proj, w, name in ((self.q_proj, self.q_conv1d, "conv_q"), (self.k_proj, self.k_conv1d, "conv_k"),
-                              (self.v_proj, self.v_conv1d, "conv_v")):
-            y, c = self.kernels.conv(proj(x_BTD), w.squeeze(1), getattr(state, name) if keep else None, cu_seqlens,
-                                     keep, seq_idx=seq_idx)
+        for y, w, name in ((q_BTC, self.q_conv1d, "conv_q"), (k_BTC, self.k_conv1d, "conv_k"),
+                           (v_BTC, self.v_conv1d, "conv_v")):
+            y, c = self.kernels.conv(y, w.squeeze(1), getattr(state, name) if keep else None, cu_seqlens, keep,
+                                     seq_idx=seq_idx)
             if keep:
                 setattr(state, name, c)
             convs.append(y.view(B, T, -1, K))
         q, k, v = convs
         q, k = l2norm(q, 1e-6), l2norm(k, 1e-6)
-        g = self.log_decay(x_BTD)
-        beta = torch.sigmoid(self.b_proj(x_BTD).to(wide))
+        g = self.log_decay(z_BTC)
+        beta = torch.sigmoid(b_BTH.to(wide))
         lb = self.lower_bound if self.gate_kind == "lowerbound" else None
         o, S = self.kernels.delta_rule(q, k, v, g, beta, state.recurrent if keep else None, keep, cu_seqlens,
                                        self.chunk_size, lb, seq_idx=seq_idx)
         if keep:
             state.recurrent = S
-        gate = self.g_b_proj(self.g_a_proj(x_BTD)) if self.lowrank_gate else self.g_proj(x_BTD)
         of = o.to(wide)
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.to(wide)
-        of = of * torch.sigmoid(gate.to(wide).view(B, T, -1, K))
-        return self.o_proj(of.to(x_BTD.dtype).reshape(B, T, -1))
+        return of * torch.sigmoid(gate_BTC.to(wide).view(B, T, -1, K))

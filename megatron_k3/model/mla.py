@@ -23,7 +23,7 @@ from ..annotations import annotate
 from ..ops.kda import seq_idx_from_cu_seqlens
 from ..ops.numerics import compute_dtype
 from .cache import MLAState
-from .layers import Linear
+from .layers import Linear, recomputing
 from .norm import RMSNorm
 
 
@@ -171,7 +171,7 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, self.k_rope_broadcast(k_r, kv.shape[2])], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, .]
         o = self.kernels.attend(q, k, v, cu_seqlens, self.scale, seq_idx=seq_idx)
-        if self.track_max_logit and self.training:
+        if self.track_max_logit and self.training and not recomputing():
             m = self.kernels.max_logit(q, k, cu_seqlens, self.scale, seq_idx=seq_idx)
             self.max_logit_H = m if self.max_logit_H is None else torch.maximum(self.max_logit_H, m)
         return self._output(o.transpose(1, 2), x_BTD)

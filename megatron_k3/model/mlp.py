@@ -31,5 +31,8 @@ class GatedMLP(nn.Module):
         self.act, self.beta_gate, self.beta_up = act, beta_gate, beta_up
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        h_BTI = glu_act(self.gate_proj(x_BTD), self.up_proj(x_BTD), self.act, self.beta_gate, self.beta_up)
-        return self.down_proj(h_BTI)
+        return self.down_proj(self.activation(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
+
+    def activation(self, gate_BTI: torch.Tensor, up_BTI: torch.Tensor) -> torch.Tensor:
+        """The gated activation between the projections (what selective recomputation's `mlp_act` rebuilds)."""
+        return glu_act(gate_BTI, up_BTI, self.act, self.beta_gate, self.beta_up)

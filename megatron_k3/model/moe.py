@@ -13,7 +13,7 @@ from torch import nn
 
 from .dispatcher import Dispatcher, counts
 from .experts import GroupedExperts
-from .layers import Linear
+from .layers import Linear, recomputing
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .router import TopKRouter
@@ -47,23 +47,25 @@ class StableLatentMoE(nn.Module):
         """The routed branch in latent space (before the norm and up-projection) of the rows x_ND; `side` as in
         Dispatcher.__call__."""
         route = self.gate(x_ND)
-        if self.balance is not None and self.training and torch.is_grad_enabled():
+        first = not recomputing()  # a recomputed pass (activation recomputation) records nothing again
+        if self.balance is not None and self.training and torch.is_grad_enabled() and first:
             if torch.compiler.is_compiling():  # a compiled region hands the scores out (flush_observation)
                 self.pending_observation = (route.scores_NE.detach(), x_ND.detach())
-            elif torch._C._current_graph_task_id() == -1:  # real forward passes only, not a recomputation
+            else:
                 self.balance.observe(route.scores_NE.detach(), self.gate.e_score_correction_bias, x_ND.detach())
         z_NL = self.latent_down_proj(x_ND) if self.latent else x_ND
         r_NL, kept_M = self.dispatcher(z_NL, route.topk_idx_Nk, route.topk_weight_Nk, self.experts, side)
-        self.tokens_per_expert_E = counts(route.topk_idx_Nk, self.num_experts).to(self.tokens_per_expert_E.dtype)
-        self.dropped_assignments = (torch.zeros((), device=x_ND.device) if kept_M is None else
-                                    (~kept_M).sum().to(self.dropped_assignments.dtype))
+        if first:
+            self.tokens_per_expert_E = counts(route.topk_idx_Nk, self.num_experts).to(self.tokens_per_expert_E.dtype)
+            self.dropped_assignments = (torch.zeros((), device=x_ND.device) if kept_M is None else
+                                        (~kept_M).sum().to(self.dropped_assignments.dtype))
         return r_NL, route
 
     def flush_observation(self) -> None:
         """Observe the router scores a compiled forward left (megatron_k3.training.compile runs this after each
         compiled layer): Quantile Balancing's statistics are Python state that the compiled code does not touch."""
         pending, self.pending_observation = self.pending_observation, None
-        if pending is not None and self.balance is not None:
+        if pending is not None and self.balance is not None and not recomputing():  # once: not a recomputed pass's
             self.balance.observe(pending[0], self.gate.e_score_correction_bias, pending[1])
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,11 @@ class VisionBlock(nn.Module):
         annotate(self.wo.weight, blocks=H, block_axis=1, block_kind="heads")
 
     def attention(self, x: torch.Tensor, lengths: list, cos, sin) -> torch.Tensor:
-        qkv = F.linear(x, self.wqkv.weight)
+        return F.linear(self.core(F.linear(x, self.wqkv.weight), lengths, cos, sin), self.wo.weight)
+
+    def core(self, qkv: torch.Tensor, lengths: list, cos, sin) -> torch.Tensor:
+        """Between wqkv and wo: the 2D rotary embedding and attention within each medium (what selective
+        recomputation's `core_attn` rebuilds in the backward)."""
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # [L, H, hd] each
         q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
         out, start = [v.flatten(1)[:0]], 0  # (no media: an empty output that still reads wqkv)
@@ -197,7 +201,7 @@ class VisionBlock(nn.Module):
             o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1))
             out.append(o.transpose(0, 1).flatten(1))
             start += n
-        return F.linear(torch.cat(out), self.wo.weight)
+        return torch.cat(out)
 
     def forward(self, x, lengths, cos, sin):
         x = x + self.attention(self.norm0(x), lengths, cos, sin)

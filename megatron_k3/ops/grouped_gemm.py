@@ -128,19 +128,23 @@ class GateUpGLU(torch.autograd.Function):
     offs_E, or [E, C, L] with offs_E None."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up, r1=None, r3=None):
+    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up, r1=None, r3=None, rebuild=False):
         I = w1.shape[1]
         W13 = _cat13(w1, w3, r1, r3).to(x.dtype)  # [E, 2I, L]
         gu = rows_mm(x, W13.transpose(1, 2), offs_E)  # [..., 2I]: gate columns, then up
         h, saved = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)
-        ctx.save_for_backward(x, w1, w3, offs_E, r1, r3, *saved)
-        ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype)
+        # rebuild (selective recomputation's moe_act): keep the GEMM's output and make the activation's fp32
+        # intermediates again in the backward (the same values: the backward is bit-identical)
+        ctx.save_for_backward(x, w1, w3, offs_E, r1, r3, *((gu,) if rebuild else saved))
+        ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype, rebuild)
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        act, beta_gate, beta_up, I, dt1, dt3 = ctx.cfg
+        act, beta_gate, beta_up, I, dt1, dt3, rebuild = ctx.cfg
         x, w1, w3, offs_E, r1, r3, *saved = ctx.saved_tensors
+        if rebuild:
+            saved = glu_forward(saved[0][..., :I], saved[0][..., I:], act, beta_gate, beta_up)[1]
         dgu = x.new_empty(*x.shape[:-1], 2 * I)
         glu_backward(dh, saved, act, beta_gate, beta_up, dgate=dgu[..., :I], dup=dgu[..., I:])
         dx = rows_mm(dgu, _cat13(w1, w3, r1, r3).to(x.dtype), offs_E) if ctx.needs_input_grad[0] else None
@@ -154,7 +158,7 @@ class GateUpGLU(torch.autograd.Function):
             dw3 = wgrad_mm(dgu[..., I:], x, offs_E).to(dt3)
             if r3 is not None:
                 dw3, dr3 = dw3[:E], dw3[E:]
-        return dx, dw1, dw3, None, None, None, None, dr1, dr3
+        return dx, dw1, dw3, None, None, None, None, dr1, dr3, None
 
 
 def _cat13(w1, w3, r1, r3):

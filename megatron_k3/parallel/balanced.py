@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.dispatcher import counts, positions
+from ..model.layers import recomputing
 from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
@@ -262,7 +263,7 @@ class BalancedDispatch:
         ends_RS, perm_RS = streams(cnt_RE.sum(0).view(R, El))
         plan = alias_plan(ends_RS, M, S)
         rows_RX, rep_RS = slot_layout(ends_RS, perm_RS, plan, S)
-        self.stats = (rows_RX.sum(1), (rows_RX[:, El:] > 0).sum())
+        self.stats = self.stats if recomputing() else (rows_RX.sum(1), (rows_RX[:, El:] > 0).sum())  # first pass
         dest, bufpos = pair_destinations(expert_M, cnt_RE, rank, ends_RS, perm_RS, rows_RX[:, :El], plan)
         # hop 1: sort by (destination, row there), pad to Mp = a multiple of R, deal round-robin to the relays:
         # sorted row i goes to relay i % R as its row i // R. One gather builds the dealt rows straight from z.

@@ -259,6 +259,33 @@ def gather_var_rows(x, sizes: list, group):
     return x if _size(group) == 1 else _GatherVarRows.apply(x, list(sizes), group)
 
 
+class Accumulation:
+    """Whether the backward that runs now is the last of its optimizer step (the gradient-accumulation boundary).
+    The trainer sets `last` before each micro-batch's backward; anything else that calls backward (a single
+    forward and backward, the planner's measured step) leaves it True: every backward is a whole step."""
+    last = True
+
+
+ACCUMULATION = Accumulation()
+
+
+def all_reduce_grad_once_per_step_hook(group):
+    """all_reduce_grad_hook, once per optimizer step instead of once per micro-batch: the rank's partial gradients
+    of the step's micro-batches are summed locally (fp32 at least) and that sum is summed over `group` in the last
+    micro-batch's backward (ACCUMULATION.last); the earlier backwards hand on zeros, so whatever accumulates the
+    gradient (autograd's .grad, DeepSpeed's buffers) ends the step with the group's sum of every micro-batch's
+    gradient: the per-micro-batch sum's value, summed in another order."""
+    held = []
+
+    def hook(g):
+        acc = g.float() if not held else held.pop().add_(g)
+        if not ACCUMULATION.last:
+            held.append(acc if acc is not g else acc.clone())
+            return torch.zeros_like(g)
+        return _all_reduce(acc if acc is not g else acc.clone(), group).to(g.dtype)
+    return hook
+
+
 def all_reduce_grad_hook(group):
     """A parameter hook that sums the gradient over `group`: for replicated parameters whose gradient on each rank
     is a partial sum (they see only this rank's heads, tokens or sequence shard)."""

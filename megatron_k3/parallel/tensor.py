@@ -87,11 +87,13 @@ def shard_parameter(p: torch.Tensor, dim: int, tp: TensorParallel, what: str) ->
     return annotate(local, tp_dim=dim, tp_size=tp.size, tp_rank=tp.rank)
 
 
-def mark_partial_grad(p: nn.Parameter, tp: TensorParallel) -> nn.Parameter:
-    """p is replicated but its gradient on each TP rank is a partial sum: a hook sums it over the TP group."""
+def mark_partial_grad(p: nn.Parameter, tp: TensorParallel, per_step: bool = False) -> nn.Parameter:
+    """p is replicated but its gradient on each TP rank is a partial sum: a hook sums it over the TP group, in each
+    micro-batch's backward or, `per_step`, once per optimizer step (mappings.all_reduce_grad_once_per_step_hook)."""
     if not meta(p).partial_grad:
         annotate(p, partial_grad=True)
-        p.register_hook(M.all_reduce_grad_hook(tp.group))
+        p.register_hook(M.all_reduce_grad_once_per_step_hook(tp.group) if per_step else
+                        M.all_reduce_grad_hook(tp.group))
     return p
 
 
@@ -360,8 +362,9 @@ def _sequence_share_of_media(tp: TensorParallel):
 def _vision(model, tp: TensorParallel) -> None:
     """The vision tower is replicated over TP, its work is not: each rank encodes a share of the media and the
     features are gathered (_MediaShare, hooks around the tower and the projector); each rank's gradient of the
-    tower's parameters, computed from its share, is summed over the group by a hook, once per micro-batch. Under SP
-    each rank then puts in the features of its own sequence share.
+    tower's parameters, computed from its share, is summed over the group by a hook once per optimizer step (the
+    micro-batches' partial gradients summed locally first: one all-reduce of the tower's size per step, not one per
+    micro-batch). Under SP each rank then puts in the features of its own sequence share.
 
     Why not shard it like the text layers: ~0.45B parameters at K3 size against 2.8T, and splitting 12 heads and a
     1024 width would add two collectives per block. Why not replicate the work: every rank would run the whole
@@ -372,7 +375,7 @@ def _vision(model, tp: TensorParallel) -> None:
     model.mm_projector.register_forward_hook(share.gather)
     for p in model.vision_parameters():
         if p.requires_grad:  # model.freeze_vision: nothing to sum
-            mark_partial_grad(p, tp)
+            mark_partial_grad(p, tp, per_step=True)
     if tp.sequence_parallel:
         model.model.register_forward_pre_hook(_sequence_share_of_media(tp), with_kwargs=True)
 

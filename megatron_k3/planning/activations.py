@@ -18,8 +18,9 @@ and the keys and values expanded from it on every CP rank), and "span", local qu
 the eager attention (each query block attends to the keys up to its last position; with the zigzag layout a
 rank's queries see (2cp+1)/(4cp) of the sequence on average). KDA under CP runs its chunk kernel at width
 V + K (outputs [o0 | q~], states [B | A]): the terms that carry the value width grow by K.
-A term marked `cheap` is recomputed in the backward under selective recomputation (elementwise work, the
-attention/KDA core), the matmul inputs stay.
+A term's `cheap` names the selective-recomputation module (megatron_k3.parallel.recompute) that rebuilds it in the
+backward (elementwise work, the attention/KDA core), the matmul inputs stay; a `region` term is what that module's
+checkpointed region holds instead (its inputs), kept only when the module is recomputed.
 
 The vision tower (`vision_terms`, model.vision.enabled) keeps its terms per patch (per feature for the projector),
 unsharded: its parameters are replicated over TP and its work is split by whole media, so each TP rank keeps the
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ActTerm", "layer_terms", "head_terms", "attn_res_sources", "term_bytes", "vision_terms"]
+__all__ = ["ActTerm", "kept", "layer_terms", "head_terms", "attn_res_sources", "term_bytes", "vision_terms"]
 
 # dtype classes: "a" = activation dtype (4 B fp32, 2 B under bf16 autocast), "f" = always fp32, "i" = int64
 _BYTES = {"f": 4, "i": 8}
@@ -46,8 +47,16 @@ class ActTerm:
     per_token: float  # elements per token
     dtype: str = "a"
     tokens: str = "seq"  # "seq": n / tp under sequence parallelism (else n); "full": n; "row": n, with
-    cheap: bool = False  # per_token scaled by the packed row length (the eager attention square); "gathered":
-    # n * cp; "span": n, with per_token scaled by the keys a local query sees under context parallelism
+    # per_token scaled by the packed row length (the eager attention square); "gathered": n * cp; "span": n, with
+    # per_token scaled by the keys a local query sees under context parallelism
+    cheap: str = ""  # the selective-recomputation module (parallel.recompute.MODULES) that rebuilds it; "": kept
+    region: str = ""  # kept only when that module is recomputed: the input its checkpointed region holds
+
+
+def kept(t: ActTerm, recomputed: frozenset) -> bool:
+    """Whether term `t` is kept for the backward when the module kinds `recomputed` are (selective recomputation;
+    empty: none)."""
+    return (not t.cheap or t.cheap not in recomputed) and (not t.region or t.region in recomputed)
 
 
 def term_bytes(t: ActTerm, n: float, tp: int, sp: bool, act_bytes: int, row: float, cp: int = 1) -> float:
@@ -79,17 +88,22 @@ def attn_res_sources(cfg) -> tuple:
 def _mix(ns: int, D: int, kernels: str, what: str) -> list:
     if not ns:
         return []
-    if kernels == "eager":  # stacked fp32 sources, their normalised copy, rms and softmax weights
-        return [ActTerm(f"{what}_depth_mix", "attn_res", ns * (2 * D + 2), "f", "seq", True)]
+    if kernels == "eager":  # stacked fp32 sources, their normalised copy, rms and softmax weights; recomputed, the
+        # region holds its sources, of which the running partial sum is the one nothing else keeps
+        return [ActTerm(f"{what}_depth_mix", "attn_res", ns * (2 * D + 2), "f", "seq", "attn_res"),
+                ActTerm(f"{what}_depth_mix_partial", "attn_res", D, "a", "seq", region="attn_res")]
     return [ActTerm(f"{what}_depth_mix", "attn_res", D, "a", "seq"),  # the new partial sum, by reference
             ActTerm(f"{what}_depth_mix_stats", "attn_res", ns, "f", "seq")]
 
 
 def _norm(D: int, kernels: str, what: str) -> list:
-    """RMSNorm feeding a linear: eager keeps x (fp32), rms, the normalised x; the linear keeps the output."""
+    """RMSNorm feeding a linear: eager keeps x (fp32), rms, the normalised x; the linear keeps the output.
+    Recomputed (`layernorm`), its region holds its input."""
     if kernels == "eager":
-        return [ActTerm(what, "norm", D, "f", "seq", True), ActTerm(what + "_rms", "norm", 1, "f", "seq", True),
-                ActTerm(what + "_normed", "norm", D, "a", "seq", True)]
+        return [ActTerm(what, "norm", D, "f", "seq", "layernorm"),
+                ActTerm(what + "_rms", "norm", 1, "f", "seq", "layernorm"),
+                ActTerm(what + "_normed", "norm", D, "a", "seq", "layernorm"),
+                ActTerm(what + "_input", "norm", D, "a", "seq", region="layernorm")]
     return [ActTerm(what, "norm", D, "a", "seq"), ActTerm(what + "_rms", "norm", 1, "f", "seq")]
 
 
@@ -101,9 +115,9 @@ def _kda(cfg, tp: int, kernels: str, cp: int = 1) -> list:
     if cp > 1:  # the chunk kernel at width V + K: [V | K Gamma] and [U | W] one K wider, the [o0 | q~] output
         # kept for the correction, and K more columns in every chunk state
         t += [ActTerm("kda_cp_transition", "kda", H * (2 * K if kernels == "eager" else 0) + 2 * HK, "f", "full",
-                      True),
+                      "core_attn"),
               ActTerm("kda_cp_states", "kda_states", H * K * K / C * (3 if kernels == "eager" else 1), "f", "full",
-                      True)]
+                      "core_attn")]
     if cfg.kda_output_gate == "lowrank":
         t.append(ActTerm("kda_gate_lowrank", "kda", K, "a", "full"))
     if kernels == "eager":
@@ -112,26 +126,28 @@ def _kda(cfg, tp: int, kernels: str, cp: int = 1) -> list:
             S //= 2
         levels = int(round(math.log2(C // S))) if C // S > 1 else 0
         t += [
-            ActTerm("kda_conv", "kda", 9 * HK, "a", "full", True),  # per q/k/v: projection, padded copy, pre-SiLU
-            ActTerm("kda_qk_l2norm", "kda", 2 * (HK + H), "f", "full", True),
+            ActTerm("kda_conv", "kda", 9 * HK, "a", "full", "core_attn"),  # q/k/v: projection, padded, pre-SiLU
+            ActTerm("kda_qk_l2norm", "kda", 2 * (HK + H), "f", "full", "core_attn"),
             ActTerm("kda_decay_lowrank", "kda", R, "a", "full"),
-            ActTerm("kda_gate_decay", "kda", 2 * HK + H, "f", "full", True),  # sigmoid in/out, beta
+            ActTerm("kda_gate_decay", "kda", 2 * HK + H, "f", "full", "core_attn"),  # sigmoid in/out, beta
             # the chunked op: chunk copies of k and (q, k); 3 K per sibling-block level; the C x C matrices;
             # gamma, [V | K Gamma], [U | W], the tail decays and their transposed copy, scaled q, P
-            ActTerm("kda_chunk_vectors", "kda", H * (3 * K + 3 * K * levels + 9 * K), "f", "full", True),
-            ActTerm("kda_chunk_matrices", "kda", H * (4 * C + 1), "f", "full", True),
-            ActTerm("kda_states", "kda_states", H * (K * K + 2 * K * K) / C, "f", "full", True),
-            ActTerm("kda_out_norm_gate", "kda", 4 * HK + H, "f", "full", True),
+            ActTerm("kda_chunk_vectors", "kda", H * (3 * K + 3 * K * levels + 9 * K), "f", "full", "core_attn"),
+            ActTerm("kda_chunk_matrices", "kda", H * (4 * C + 1), "f", "full", "core_attn"),
+            ActTerm("kda_states", "kda_states", H * (K * K + 2 * K * K) / C, "f", "full", "core_attn"),
+            ActTerm("kda_out_norm_gate", "kda", 4 * HK + H, "f", "full", "core_attn"),
             ActTerm("kda_o_proj_input", "kda", HK, "a", "full"),
+            # recomputed (core_attn), the region holds the projections' outputs: q, k, v, decay, gate, beta
+            ActTerm("kda_core_inputs", "kda", 5 * HK + H, "a", "full", region="core_attn"),
         ]
     else:
         t += [
-            ActTerm("kda_conv", "kda", 3 * HK, "a", "full", True),  # conv inputs
+            ActTerm("kda_conv", "kda", 3 * HK, "a", "full", "core_attn"),  # conv inputs
             ActTerm("kda_qkv", "kda", 3 * HK, "a", "full"),
             ActTerm("kda_decay_lowrank", "kda", R, "a", "full"),
             ActTerm("kda_g_beta", "kda", HK + H, "f", "full"),
-            ActTerm("kda_chunk_matrices", "kda", 2 * H * C, "f", "full", True),
-            ActTerm("kda_states", "kda_states", H * K * K / C, "f", "full", True),
+            ActTerm("kda_chunk_matrices", "kda", 2 * H * C, "f", "full", "core_attn"),
+            ActTerm("kda_states", "kda_states", H * K * K / C, "f", "full", "core_attn"),
             ActTerm("kda_out_norm_gate", "kda", 2 * HK, "a", "full"),
             ActTerm("kda_out_rms", "kda", H, "f", "full"),
             ActTerm("kda_o_proj_input", "kda", HK, "a", "full"),
@@ -157,7 +173,7 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
             t += [ActTerm("mla_q", "mla", H * qk, "a", "full"),
                   ActTerm("mla_kv_gathered", "mla", H * (N + Vd) + H * qk * (2 * cp + 1) / (2 * cp), "a",
                           "gathered"),
-                  ActTerm("mla_probs", "mla", H, "f", "span", True),
+                  ActTerm("mla_probs", "mla", H, "f", "span", "core_attn"),
                   ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
         else:  # flash attention keeps q, o, lse locally and the gathered keys and values
             t += [ActTerm("mla_qo", "mla", H * qk + H * Vd, "a", "full"),
@@ -167,8 +183,8 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
         return t
     if eager:  # math attention over the packed row: scaled q, k^T, v, the probabilities, the mask
         t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * Vd, "a", "full"),
-              ActTerm("mla_probs", "mla", H, "f", "row", True),
-              ActTerm("mla_mask", "mla", 0.125, "f", "row", True),  # bool [row, row]: 1 byte = 1/8 of an int64
+              ActTerm("mla_probs", "mla", H, "f", "row", "core_attn"),
+              ActTerm("mla_mask", "mla", 0.125, "f", "row", "core_attn"),  # bool [row, row]: 1 byte = 1/8 of an int64
               ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
     else:
         t += [ActTerm("mla_qkvo", "mla", 2 * H * qk + 2 * H * Vd, "a", "full"),
@@ -186,15 +202,19 @@ def _moe(cfg, tp: int, kernels: str) -> list:
     t.append(ActTerm("expert_inputs", "moe", k * W, "a", "seq"))
     if eager:  # the GLU Function keeps three fp32 tensors per row (situ: tanh(g/b1), sigmoid(g), tanh(u/b2)), the
         # down projection fused with the combine its input, the routing weights and token indices (int64 = 2 x 4 B)
-        t += [ActTerm("expert_situ", "moe", 3 * k * I, "f", "seq", True),
+        t += [ActTerm("expert_situ", "moe", 3 * k * I, "f", "seq", "moe_act"),
+              ActTerm("expert_gate_up", "moe", 2 * k * I, "a", "seq", region="moe_act"),  # kept instead
               ActTerm("expert_hidden", "moe", k * I, "a", "seq"),
               ActTerm("expert_combine", "moe", 3 * k, "f", "seq")]
     else:
         t += [ActTerm("expert_gate_up", "moe", 2 * k * I, "a", "seq"),
-              ActTerm("expert_hidden", "moe", k * I, "a", "seq", True),
+              ActTerm("expert_hidden", "moe", k * I, "a", "seq", "moe_act"),
               ActTerm("expert_outputs", "moe", k * W + k, "a", "seq")]
     if cfg.moe_latent_norm:
-        t.append(ActTerm("latent_norm", "moe", (2 * W + 1) if eager else (W + 1), "f", "seq", eager))
+        t.append(ActTerm("latent_norm", "moe", (2 * W + 1) if eager else (W + 1), "f", "seq",
+                         "layernorm" if eager else ""))
+        if eager:
+            t.append(ActTerm("latent_norm_input", "moe", W, "a", "seq", region="layernorm"))
     if cfg.moe_latent_size:
         t.append(ActTerm("latent_up_input", "moe", W, "a", "seq"))
     if cfg.num_shared_experts:
@@ -206,11 +226,12 @@ def _moe(cfg, tp: int, kernels: str) -> list:
 def _glu(what: str, I: float, D: int, eager: bool, cat: str) -> list:
     if eager:
         return [ActTerm(f"{what}_input", cat, D, "a", "full"),
-                ActTerm(f"{what}_situ", cat, 3 * I, "f", "full", True),  # the GLU Function's three fp32 tensors
+                ActTerm(f"{what}_situ", cat, 3 * I, "f", "full", "mlp_act"),  # the GLU Function's three fp32
+                ActTerm(f"{what}_gate_up", cat, 2 * I, "a", "full", region="mlp_act"),  # tensors; or its inputs
                 ActTerm(f"{what}_hidden", cat, I, "a", "full")]
     return [ActTerm(f"{what}_input", cat, D, "a", "full"),
             ActTerm(f"{what}_gate_up", cat, 2 * I, "a", "full"),
-            ActTerm(f"{what}_hidden", cat, I, "a", "full", True)]
+            ActTerm(f"{what}_hidden", cat, I, "a", "full", "mlp_act")]
 
 
 def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple, cp: int = 1) -> list:
@@ -254,9 +275,9 @@ def vision_terms(cfg, kernels: str, image_patches: int) -> tuple:
     eager = kernels == "eager"
     block = _norm(D, kernels, "vision_norm0") + [ActTerm("vision_qkv_input", "vision", D, "a", "full")]
     if eager:
-        block += [ActTerm("vision_rope", "vision", 2 * Q, "f", "full", True),
+        block += [ActTerm("vision_rope", "vision", 2 * Q, "f", "full", "core_attn"),
                   ActTerm("vision_qkv", "vision", 3 * Q, "a", "full"),
-                  ActTerm("vision_probs", "vision", H * image_patches, "f", "full", True),
+                  ActTerm("vision_probs", "vision", H * image_patches, "f", "full", "core_attn"),
                   ActTerm("vision_o", "vision", Q, "a", "full")]
     else:
         block += [ActTerm("vision_qkvo", "vision", 4 * Q, "a", "full"),
@@ -264,12 +285,12 @@ def vision_terms(cfg, kernels: str, image_patches: int) -> tuple:
     block += _norm(D, kernels, "vision_norm1") + [
         ActTerm("vision_fc0_input", "vision", D, "a", "full"),
         ActTerm("vision_gelu_input", "vision", I, "a", "full"),
-        ActTerm("vision_fc1_input", "vision", I, "a", "full", True)]
+        ActTerm("vision_fc1_input", "vision", I, "a", "full")]
     tower = [ActTerm("vision_pixels", "vision", 3 * v.patch_size ** 2, "a", "full")]
     tower += _norm(D, kernels, "vision_final_norm")
     W = v.merge_size * D
     projector = [ActTerm("mm_projector_input", "vision", W, "a", "full"),
                  ActTerm("mm_projector_gelu_input", "vision", W, "a", "full"),
-                 ActTerm("mm_projector_fc1_input", "vision", W, "a", "full", True)]
+                 ActTerm("mm_projector_fc1_input", "vision", W, "a", "full")]
     projector += _norm(K, kernels, "mm_projector_norm")
     return block, tower, projector

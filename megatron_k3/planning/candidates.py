@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.schema import RECOMPUTE_MODULES
 from ..layout import Problem, has_moe, rules, stage_layers
 
 __all__ = ["Layout", "planner_problems", "stage_layers", "group_span"]
@@ -24,6 +25,23 @@ class Layout:
     cp: int = 1
     sequence_parallel: bool = True  # only meaningful when tp > 1
     recompute: str = "none"  # none, selective, full (training)
+    recompute_modules: tuple = ()  # selective: the module kinds recomputed (empty: all; train.recompute_modules)
+    recompute_num_layers: int = 0  # full: layers per stage recomputed, from its first (0: all)
+    tile_tokens: int = 0  # train.tile_tokens: MoE, shared experts, LM head + loss over tiles of this many tokens
+    offload_bytes: float = 0.0  # train.offload_buffer_gb (bytes): host memory per device for full's layer inputs
+
+    @property
+    def recomputed(self) -> frozenset:
+        """The module kinds selective recomputation rebuilds (empty unless recompute == "selective")."""
+        if self.recompute != "selective":
+            return frozenset()
+        return frozenset(self.recompute_modules or RECOMPUTE_MODULES)
+
+    def full_layers(self, a: int, b: int) -> range:
+        """The layers of stage [a, b) that full recomputation checkpoints whole (none unless recompute == "full")."""
+        if self.recompute != "full":
+            return range(a, a)
+        return range(a, min(b, a + self.recompute_num_layers) if self.recompute_num_layers else b)
 
     @property
     def dp(self) -> int:
@@ -39,11 +57,20 @@ class Layout:
 
     def as_dict(self) -> dict:
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "dp": self.dp,
-                "edp": self.edp, "etp": 1, "sequence_parallel": self.sp, "recompute": self.recompute}
+                "edp": self.edp, "etp": 1, "sequence_parallel": self.sp, "recompute": self.recompute,
+                "recompute_modules": sorted(self.recomputed), "recompute_num_layers": self.recompute_num_layers,
+                "tile_tokens": self.tile_tokens, "offload_gb": self.offload_bytes / 1e9}
 
     def short(self) -> str:
+        rc = self.recompute
+        if self.recompute == "selective" and self.recompute_modules:
+            rc += "[" + ",".join(self.recompute_modules) + "]"
+        elif self.recompute == "full" and self.recompute_num_layers:
+            rc += f"[{self.recompute_num_layers}/stage]"
+        extra = (f" tile={self.tile_tokens}" if self.tile_tokens else "") + (
+            f" offload={self.offload_bytes / 1e9:g}GB" if self.offload_bytes and self.recompute == "full" else "")
         return (f"tp{self.tp} pp{self.pp} ep{self.ep} cp{self.cp} dp{self.dp} edp{self.edp}"
-                f"{' sp' if self.sp else ''} rc={self.recompute}")
+                f"{' sp' if self.sp else ''} rc={rc}{extra}")
 
 
 def group_span(size: int, stride: int, supernode: int) -> tuple:

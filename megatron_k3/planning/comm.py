@@ -13,9 +13,9 @@ Kinds:
   all-gather of the projected features [N, K] (forward, activation dtype; each rank's part padded to the
   largest share's rows, as parallel.mappings.gather_var_rows does; its backward takes the rank's own rows, no
   traffic), and, unless model.freeze_vision, the all-reduce of the tower's and projector's parameter gradients
-  (each parameter read through the region copy: every parameter once per micro-batch, in the weights' dtype, the
-  gradient autograd hands the copy) and under sequence parallelism the all-gather of the features' gradient
-  (backward); `StepComm.vision_tp` gives the three parts and their times.
+  once per step (parallel.mappings.all_reduce_grad_once_per_step_hook: the micro-batches' partial gradients summed
+  locally, then one fp32 all-reduce in the last backward) and under sequence parallelism the all-gather of the
+  features' gradient (backward, per micro-batch); `StepComm.vision_tp` gives the three parts and their times.
 * cp: the MLA latent all-gather (and its gradient reduce-scatter) and the KDA state hand-off.
 * ep: the dispatcher's all-to-all of the top-k latent rows to the expert ranks and back (combine), forward
   and backward; inside the supernode by construction. Under balanced dispatch (model.moe_overflow=balanced,
@@ -49,6 +49,8 @@ class StepComm:
     bytes_by_kind: dict = field(default_factory=dict)  # per device per step
     time_by_kind: dict = field(default_factory=dict)  # seconds per step if not overlapped
     per_micro_time: dict = field(default_factory=dict)  # tp/cp/ep/pp seconds per micro-batch (critical path)
+    per_step_time: dict = field(default_factory=dict)  # tp/ep seconds of the collectives run once per step (on the
+    # critical path once: the vision gradient all-reduce, the balanced dispatch's step exchange)
     # balanced dispatch only: the ep kind's parts per step, {part: (bytes, seconds)} for tokens, metadata,
     # replica_weights (out, forward) and replica_grads (back, backward); under moe.replica_exchange=step the owners'
     # part once per step
@@ -221,8 +223,10 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
     gbps = cluster.intra_supernode_gbps * GB
 
     vision_parts = vision_tp_bytes(cfg, lay, w) if stage == 0 else {}
+    vision_step = vision_parts.pop("grad_all_reduce", 0.0)  # once per step
     tp_bytes = _tp_bytes(cfg, lay, w, st) + sum(vision_parts.values())
     tp_time = collective_time(tp_bytes, lay.tp, 1, cluster)
+    tp_step_time = collective_time(vision_step, lay.tp, 1, cluster) if vision_step else 0.0
     cp_bytes = _cp_bytes(cfg, lay, w, st)
     cp_time = collective_time(cp_bytes, lay.cp, lay.tp, cluster)
     ep_bytes, ep_parts, ep_step = _ep_bytes(cfg, lay, w, st)
@@ -232,21 +236,24 @@ def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> Ste
 
     out = StepComm()
     ep_once = sum(ep_step.values())
-    out.bytes_by_kind = {"tp": m * tp_bytes, "cp": m * cp_bytes, "ep": m * ep_bytes + ep_once, "pp": m * pp_bytes,
-                         **dp_bytes}
-    out.time_by_kind = {"tp": m * tp_time, "cp": m * cp_time, "ep": m * ep_time + ep_once / gbps, "pp": m * pp_time,
-                        **dp_time}
+    out.bytes_by_kind = {"tp": m * tp_bytes + vision_step, "cp": m * cp_bytes, "ep": m * ep_bytes + ep_once,
+                         "pp": m * pp_bytes, **dp_bytes}
+    out.time_by_kind = {"tp": m * tp_time + tp_step_time, "cp": m * cp_time, "ep": m * ep_time + ep_once / gbps,
+                        "pp": m * pp_time, **dp_time}
     out.per_micro_time = {"tp": tp_time, "cp": cp_time, "ep": ep_time, "pp": pp_time}
+    out.per_step_time = {"tp": tp_step_time, "ep": ep_once / gbps}
     step_bytes = {k: m * v + ep_step.get(k, 0.0) for k, v in ep_parts.items()}
     out.ep_detail = {k: (v, v / gbps) for k, v in step_bytes.items()}
     out.vision_tp = {k: (m * v, m * collective_time(v, lay.tp, 1, cluster)) for k, v in vision_parts.items()}
+    if vision_step:
+        out.vision_tp["grad_all_reduce"] = (vision_step, tp_step_time)
     return out
 
 
 def vision_tp_bytes(cfg, lay: Layout, w: Workload) -> dict:
-    """Bytes one first-stage device sends per micro-batch over TP for the vision tower (module docstring), by part:
-    feature_gather, feature_grad_gather (sequence parallelism, trainable), grad_all_reduce (trainable); empty
-    without model.vision, media or tensor parallelism."""
+    """Bytes one first-stage device sends over TP for the vision tower (module docstring), by part: per micro-batch
+    feature_gather and feature_grad_gather (sequence parallelism, trainable), per step grad_all_reduce (trainable,
+    fp32); empty without model.vision, media or tensor parallelism."""
     if not cfg.vision.enabled or lay.tp <= 1 or w.image_share <= 0:
         return {}
     K, a, frac = cfg.hidden_size, w.act_bytes, (lay.tp - 1) / lay.tp
@@ -256,5 +263,5 @@ def vision_tp_bytes(cfg, lay: Layout, w: Workload) -> dict:
     if not cfg.freeze_vision:
         if lay.sp:  # the [B, T, K] features' gradient, gathered before each rank takes its rows
             out["feature_grad_gather"] = w.micro_batch_size * w.seq_length * K * a * frac
-        out["grad_all_reduce"] = 2 * model_params(cfg, lay.tp, lay.ep).vision.total * w.weight_bytes * frac
+        out["grad_all_reduce"] = 2 * model_params(cfg, lay.tp, lay.ep).vision.total * 4 * frac
     return out

@@ -32,11 +32,13 @@ from ..annotations import full_shape, shard_offsets
 from ..model import causal_lm_class
 from ..parallel import ParallelGroups, build_model, state
 from ..parallel.pipeline import pack, unpack
+from ..parallel.recompute import Policy
+from ..parallel.recompute import apply as apply_recompute
 from .measure import LiveTensorMemory
 from .memory import GB, training_memory
 from .params import count_parameters
 from .planner import plan_training
-from .run import layout, workload
+from .run import layout, resolve_recompute, workload
 
 __all__ = ["fake_rank", "RankBuild", "build_rank", "dry_run", "plan_run", "materialize_rank"]
 
@@ -157,16 +159,10 @@ def dry_run(run, world: int, ranks=None, recompute: str = "auto", progress=None)
 
 
 def plan_run(run, world: int, recompute: str = "auto"):
-    """The planner's plan of this run's layout (recompute auto: the least recomputation that fits; its choice is
-    `plan.layout.recompute`)."""
+    """The planner's plan of this run's layout (recompute auto: the least recomputation that fits, as the trainer
+    resolves train.recompute=auto; its choice is `plan.layout.recompute`)."""
     w = workload(run)
-    options = ("none", "selective", "full") if recompute == "auto" else (recompute,)
-    plan = None
-    for rc in options:
-        plan = plan_training(run.model, run.cluster, layout(run, world, rc), w)
-        if plan.fits:
-            break
-    return plan
+    return plan_training(run.model, run.cluster, layout(run, world, resolve_recompute(run, world, w, recompute)), w)
 
 
 def _plan_summary(plan) -> dict:
@@ -234,9 +230,11 @@ def _stage_input(run, model, start: int, tokens, dtype) -> torch.Tensor:
 
 
 def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     step: bool = True) -> Materialized:
+                     step: bool = True, recompute: str = "none") -> Materialized:
     """Rank `rank` of `world` allocated on the CPU in `dtype`, initialised from `seed` and, with `step`, one
-    forward and backward of train.micro_batch_size x train.seq_length tokens; memory measured throughout."""
+    forward and backward of train.micro_batch_size x train.seq_length tokens under the trainer's activation
+    recomputation `recompute` (with the run's train.recompute_modules / recompute_num_layers); memory measured
+    throughout."""
     torch.manual_seed(seed)
     rss0 = _rss_bytes()
     with fake_rank(run, world, rank) as ps:
@@ -252,6 +250,8 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
         m = Materialized(built.coords, built.layers, built.experts, built.params, str(dtype).replace("torch.", ""),
                          round(init_s, 2), tracker.peak, tracker.current, tracker.largest, largest_param)
         if step:
+            lay = layout(run, world, recompute)
+            apply_recompute(model, Policy(recompute, lay.recompute_modules, lay.recompute_num_layers))
             m.step = _step(run, model, ps, tracker, dtype)
     m.rss_peak_bytes, m.rss_start_bytes = _peak_rss_bytes(), rss0
     return m

@@ -36,14 +36,15 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from ..config.schema import RECOMPUTE_MODULES
 from ..layout import replica_slots
 from ..parallel.balanced import compute_capacity, relay_block
-from .activations import attn_res_sources, cp_key_span, head_terms, layer_terms, term_bytes, vision_terms
+from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
 from .candidates import Layout, stage_layers
 from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
 from .params import model_params
 
-__all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory",
+__all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory", "tile_shares",
            "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations"]
 
 GB = 1e9
@@ -66,6 +67,8 @@ class Workload:
     redundant_experts: int = -1  # moe.redundant_experts (balanced): replica slots per EP rank; -1: E/ep of the layout
     replica_exchange: str = "micro_batch"  # moe.replica_exchange (balanced): owners' experts out per micro-batch|step
     image_share: float = DEFAULT_IMAGE_SHARE  # model.vision: share of the tokens that are image features
+    overlap_grad_reduce: bool = False  # parallel.overlap_grad_reduce: the DP gradient reduction hides behind the last
+    # backward (ZeRO-1/2 only); without it the reduction is exposed
 
     @property
     def weight_bytes(self) -> int:
@@ -196,12 +199,13 @@ def balanced_moe(cfg, lay: Layout, w: Workload) -> BalancedMoE | None:
     return BalancedMoE(lay.ep, cfg.num_experts, S, math.ceil(n_rank), cfg.top_k, W, 3 * cfg.moe_intermediate_size * W)
 
 
-def _expert_row_bytes(cfg, lay: Layout, w: Workload, i: int, sources, skip_cheap: bool) -> float:
-    """Bytes the routed experts keep per computed row of MoE layer i (their per-token terms over top_k)."""
+def _expert_row_bytes(cfg, lay: Layout, w: Workload, i: int, sources) -> float:
+    """Bytes the routed experts keep per computed row of MoE layer i (their per-token terms over top_k) under the
+    layout's recomputation."""
     nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
     return sum(t.per_token / cfg.top_k * nbytes[t.dtype]
                for t in layer_terms(cfg, i, lay.tp, w.kernels, sources[i], lay.cp)
-               if t.name.startswith("expert_") and not (skip_cheap and t.cheap))
+               if t.name.startswith("expert_") and kept(t, lay.recomputed))
 
 
 @dataclass
@@ -222,6 +226,7 @@ class StageMemory:
     moe_replicas: float = 0.0  # balanced dispatch: replica weights kept (in activations, or transient under full)
     moe_exchange: float = 0.0  # balanced dispatch: weight-exchange + token-hop buffers of one layer (in transient)
     vision: dict = field(default_factory=dict)  # first stage, model.vision: params and bytes by kind (in the above)
+    host: float = 0.0  # activation offload: layer inputs in host memory (not in `total`), per device
 
     @property
     def total(self) -> float:
@@ -242,21 +247,55 @@ def _opt_state_bytes(group, optimizer: str) -> float:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _layer_coefficients(cfg, i: int, tp: int, kernels: str, source: tuple, skip_cheap: bool, cp: int = 1) -> dict:
-    """Layer i's terms summed per (category, token class, dtype class): elements per token (memoised; `source`: the
-    layer's AttnRes sources, attn_res_sources(cfg)[0][i]). Read-only: shared between calls."""
+def _layer_coefficients(cfg, i: int, tp: int, kernels: str, source: tuple, recomputed: frozenset, cp: int = 1,
+                        rebuilt: bool = False) -> dict:
+    """Layer i's terms kept for the backward when the module kinds `recomputed` are recomputed (`rebuilt`: instead
+    the terms their regions make again in the backward), summed per (category, token class, dtype class): elements
+    per token (memoised; `source`: the layer's AttnRes sources, attn_res_sources(cfg)[0][i]). Read-only: shared
+    between calls."""
     out = {}
     for t in layer_terms(cfg, i, tp, kernels, source, cp):
-        if not (skip_cheap and t.cheap):
+        if (t.cheap in recomputed) if rebuilt else kept(t, recomputed):
             k = (t.category, t.tokens, t.dtype)
             out[k] = out.get(k, 0.0) + t.per_token
     return out
 
 
+def tile_shares(lay: Layout, w: Workload) -> tuple:
+    """(share of a MoE layer's rows, share of the LM head's tokens) one tile of train.tile_tokens holds on a device
+    (1.0: untiled). The MoE block gets the sequence-parallel shard (n / tp under SP), the head the whole n."""
+    if not lay.tile_tokens:
+        return 1.0, 1.0
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    return min(1.0, lay.tile_tokens / (n / lay.tp if lay.sp else n)), min(1.0, lay.tile_tokens / n)
+
+
+def _tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, recomputed: frozenset) -> float:
+    """Bytes of layer i's MoE block (routed branch and shared experts) beyond its input, which a tiled layer makes per
+    tile inside a checkpoint instead of keeping."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    if cfg.ffn_types()[i] != "moe":
+        return 0.0
+    return sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n, lay.cp)
+               for t in layer_terms(cfg, i, lay.tp, w.kernels, source, lay.cp)
+               if t.category == "moe" and t.name != "moe_input" and kept(t, recomputed))
+
+
+def _head_tiled_bytes(cfg, lay: Layout, w: Workload, out_src: int) -> float:
+    """Bytes of the LM head and loss beyond the head's input (logits, log-probabilities), made per tile if tiled."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    terms, _ = head_terms(cfg, lay.tp, w.kernels, out_src)
+    return sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in terms
+               if t.category == "head" and t.name != "lm_head_input")
+
+
 def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, sources, out_src,
-                      skip_cheap: bool) -> tuple:
+                      recomputed: frozenset, rebuilt: bool = False, moe_scale: float = 1.0,
+                      head_scale: float = 1.0) -> tuple:
     """(bytes kept, bytes by category, largest single layer's bytes) for one micro-batch on layers
-    [start, end); `last` adds the output mix, final norm, LM head and loss."""
+    [start, end) when the module kinds `recomputed` are recomputed (`rebuilt`: the bytes their regions make again
+    instead); `last` adds the output mix, final norm, LM head and loss. `moe_scale` / `head_scale`: the share of the
+    MoE blocks' and the head's bytes beyond their inputs that count (sequence tiling: 0 kept, a tile's share live)."""
     n = w.micro_batch_size * w.seq_length / lay.cp
     row = n if w.kernels == "eager" else w.seq_length  # eager attention spans the packed micro-batch row
     tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row, "gathered": n * lay.cp,
@@ -266,16 +305,24 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
     for i in range(start, end):
         layer_total = 0.0
         for (cat, tok, dt), per_token in _layer_coefficients(cfg, i, lay.tp, w.kernels, sources[i],
-                                                             skip_cheap, lay.cp).items():
+                                                             recomputed, lay.cp, rebuilt).items():
             b = per_token * tokens[tok] * nbytes[dt]
             by_cat[cat] = by_cat.get(cat, 0.0) + b
             layer_total += b
+        if moe_scale != 1.0 and not rebuilt:
+            cut = (1.0 - moe_scale) * _tiled_bytes(cfg, lay, w, i, sources[i], recomputed)
+            by_cat["moe"] = by_cat.get("moe", 0.0) - cut
+            layer_total -= cut
         total += layer_total
         largest = max(largest, layer_total)
     if last:
-        kept, _ = head_terms(cfg, lay.tp, w.kernels, out_src)
-        for t in kept:
+        terms, _ = head_terms(cfg, lay.tp, w.kernels, out_src)
+        for t in terms:
+            if not ((t.cheap in recomputed) if rebuilt else kept(t, recomputed)):
+                continue
             b = term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, row)
+            if t.category == "head" and t.name != "lm_head_input":
+                b *= head_scale
             by_cat[t.category] = by_cat.get(t.category, 0.0) + b
             total += b
     return total, by_cat, largest
@@ -293,11 +340,11 @@ def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: 
     return per_layer * (end - start + blocks)
 
 
-def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
+def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: frozenset | None = None) -> tuple:
     """(bytes kept per micro-batch, transient bytes) of the vision tower and projector on the busiest first-stage
     device of a TP group of `tp` ranks, each encoding its share of the media (module docstring). Full
-    recomputation keeps each block's input and rebuilds one block at a time; selective drops the cheap terms and
-    rebuilds one block's; frozen keeps nothing."""
+    recomputation keeps each block's input and rebuilds one block at a time; selective drops the terms of the
+    recomputed module kinds (`recomputed`; default all) and rebuilds one block's; frozen keeps nothing."""
     v = cfg.vision
     if not v.enabled or w.image_share <= 0:
         return 0.0, 0.0
@@ -306,18 +353,22 @@ def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
     patches = v.merge_size * features
     block, tower, proj = vision_terms(cfg, w.kernels, vision_image_patches(cfg, w.seq_length, w.image_share))
     nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
+    if recompute != "selective":
+        rec = frozenset()
+    else:
+        rec = frozenset(RECOMPUTE_MODULES) if recomputed is None else recomputed
 
-    def per(terms, skip_cheap=False):
-        return sum(t.per_token * nbytes[t.dtype] for t in terms if not (skip_cheap and t.cheap))
+    def per(terms, mods=frozenset()):
+        return sum(t.per_token * nbytes[t.dtype] for t in terms if kept(t, mods))
 
     one_block = patches * per(block)
     if cfg.freeze_vision:
         return 0.0, one_block
     if recompute == "full":
         return patches * (v.num_layers * v.hidden_size * w.act_bytes + per(tower)) + features * per(proj), one_block
-    cheap = recompute == "selective"
-    kept = v.num_layers * patches * per(block, cheap) + patches * per(tower, cheap) + features * per(proj, cheap)
-    return kept, (patches * (per(block) - per(block, True)) if cheap else 0.0)
+    kept_bytes = v.num_layers * patches * per(block, rec) + patches * per(tower, rec) + features * per(proj, rec)
+    rebuilt = patches * sum(t.per_token * nbytes[t.dtype] for t in block if t.cheap in rec)
+    return kept_bytes, rebuilt
 
 
 @dataclass
@@ -363,31 +414,55 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
 
 
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int) -> tuple:
-    """(activation bytes kept for the backward, by category, transient bytes) of the stage's micro-batches in
-    flight under lay.recompute (none / selective / full), the LM head's transients included on the last stage."""
+    """(activation bytes kept on the device for the backward, by category, transient bytes, bytes offloaded to host)
+    of the stage's micro-batches in flight under the layout's recomputation, tiling and offload, the LM head's
+    transients included on the last stage:
+
+    - none: everything kept; the loss gradient over the vocabulary shard is transient at the start of the backward;
+    - selective: the recomputed module kinds' terms dropped and their regions' inputs kept; each region is rebuilt on
+      its own during its layer's backward, when the later layers' (and the head's) kept activations of that
+      micro-batch are already freed: the transient is the largest region's rebuilt terms beyond what was freed, or
+      the loss gradient if larger;
+    - full: the layers it covers keep their inputs and one of them is rebuilt, whole, at a time; with offload
+      (lay.offload_bytes) up to that many bytes of the kept inputs live in host memory instead;
+    - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only; one tile's working set is
+      transient (parallel.tiling), and inside a layer full recomputation rebuilds, its MoE block is a tile's."""
     sources, out_src = attn_res_sources(cfg)
-    transient = 0.0
-    if lay.recompute == "full":
-        ckpt = _full_recompute_checkpoints(cfg, lay, w, a, b)
-        _, _, largest = _micro_activation(cfg, lay, w, a, b, False, sources, out_src, False)
-        head, head_cat, _ = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, False)
-        acts = in_flight * (ckpt + head)
-        detail = {"layer_inputs": in_flight * ckpt, **{k: v * in_flight for k, v in head_cat.items()}}
-        transient += largest  # one layer recomputed at a time during the backward
-    else:
-        per_micro, cat, largest = _micro_activation(cfg, lay, w, a, b, last, sources, out_src,
-                                                    lay.recompute == "selective")
-        acts = in_flight * per_micro
-        detail = {k: v * in_flight for k, v in cat.items()}
-        if lay.recompute == "selective":  # the cheap parts of one layer rebuilt during its backward
-            transient += max((_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, False)[0]
-                              - _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, True)[0])
-                             for i in range(a, b))
+    rec, full = lay.recomputed, lay.full_layers(a, b)
+    fm, fh = tile_shares(lay, w)
+    per_micro, cat, _ = _micro_activation(cfg, lay, w, full.stop, b, last, sources, out_src, rec,
+                                          moe_scale=0.0 if fm < 1 else 1.0, head_scale=0.0 if fh < 1 else 1.0)
+    detail = {k: v * in_flight for k, v in cat.items()}
+    head_t = 0.0
     if last:
         n = w.micro_batch_size * w.seq_length / lay.cp
         _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
-        transient += sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
-    return acts, detail, transient
+        head_t = fh * (sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
+                       + (_head_tiled_bytes(cfg, lay, w, out_src) if fh < 1 else 0.0))
+    transient = head_t
+    if fm < 1:  # one MoE tile's working set at a time (forward, and its recomputation in the backward)
+        transient = max(transient, fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b)))
+    host = 0.0
+    if len(full):
+        ckpt = _full_recompute_checkpoints(cfg, lay, w, full.start, full.stop)
+        _, _, largest = _micro_activation(cfg, lay, w, full.start, full.stop, False, sources, out_src, frozenset(),
+                                          moe_scale=fm)
+        per_micro += ckpt
+        host = min(lay.offload_bytes, in_flight * ckpt)
+        detail["layer_inputs"] = in_flight * ckpt - host
+        if host:
+            detail["layer_inputs_on_host"] = host
+        transient += largest  # one layer recomputed at a time during the backward
+    if rec and b > a:
+        freed = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, rec)[0]  # the head's kept terms
+        worst = 0.0
+        for i in reversed(range(a, b)):
+            rebuilt = max(_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, frozenset({k}), True)[0]
+                          for k in rec)
+            worst = max(worst, rebuilt - freed)
+            freed += _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, rec)[0]
+        transient = max(transient, worst)
+    return in_flight * per_micro - host, detail, transient, host
 
 
 def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh: _Sharding) -> tuple:
@@ -400,14 +475,15 @@ def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh
     if moe_layers and bal is not None:  # balanced dispatch (BalancedMoE)
         pad = 0.0
         if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
-            pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], attn_res_sources(cfg)[0],
-                                                        lay.recompute == "selective")
+            pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], attn_res_sources(cfg)[0])
         per_layer = bal.replica_bytes(w.weight_bytes)
-        if lay.recompute == "full":  # one layer's replicas (and padding) live, during its recomputed pass
+        full = lay.full_layers(a, b)
+        kept_layers = [i for i in moe_layers if i not in full]
+        if len(kept_layers) < len(moe_layers):  # one recomputed layer's replicas (and padding) live at a time
             replicas = per_layer
             transient += per_layer + pad
-        else:
-            held = in_flight * len(moe_layers)
+        if kept_layers:
+            held = in_flight * len(kept_layers)
             replicas = held * per_layer
             acts += replicas + held * pad
             detail["moe_replicas"] = replicas
@@ -418,8 +494,8 @@ def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh
         if w.replica_exchange == "step":  # the relay stores of every MoE layer, for the whole step
             acts += len(moe_layers) * bal.step_store_bytes()
             detail["moe_relay_stores"] = len(moe_layers) * bal.step_store_bytes()
-    elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer
-        transient += 2 * sh.n_rank * cfg.top_k * cfg.expert_width * w.act_bytes
+    elif moe_layers and lay.ep > 1:  # all-to-all send + receive buffers of one layer (of one tile, if tiled)
+        transient += 2 * sh.n_rank * cfg.top_k * cfg.expert_width * w.act_bytes * tile_shares(lay, w)[0]
     return acts, detail, transient, replicas, exchange
 
 
@@ -427,13 +503,13 @@ def _stage_vision(cfg, lay: Layout, w: Workload, vis, frozen: int, in_flight: in
     """(activation bytes, transient bytes, the vision summary) of the tower on the first stage ({} elsewhere)."""
     if not vis.total:
         return 0.0, 0.0, {}
-    kept, v_trans = vision_activations(cfg, w, lay.recompute, lay.tp)
+    kept_bytes, v_trans = vision_activations(cfg, w, lay.recompute, lay.tp, lay.recomputed)
     trained = 0 if frozen else vis.total
-    return in_flight * kept, v_trans, {
+    return in_flight * kept_bytes, v_trans, {
         "params": vis.total, "frozen": bool(frozen), "weights": vis.total * w.weight_bytes,
         "gradients": trained * w.grad_bytes / sh.grad_dense,
         "optimizer": (trained * w.master_bytes + (_opt_state_bytes(vis, w.optimizer) if trained else 0)) / sh.dense,
-        "activations": in_flight * kept, "transient": v_trans}
+        "activations": in_flight * kept_bytes, "transient": v_trans}
 
 
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
@@ -447,7 +523,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         first, last = s == 0, s == len(stages) - 1
         dense, frozen, experts, weights, grads, optimizer = _stage_states(mp, a, b, first, last, cfg, w, sh)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
-        acts, detail, transient = _stage_activations(cfg, lay, w, a, b, last, in_flight)
+        acts, detail, transient, host = _stage_activations(cfg, lay, w, a, b, last, in_flight)
         moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh)
         acts, transient = acts + moe_acts, transient + moe_trans
         detail.update(moe_detail)
@@ -460,7 +536,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
-                               exchange, vision))
+                               exchange, vision, host))
     return out
 
 
@@ -523,7 +599,7 @@ def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, contex
         chunk = min(prefill_chunk, context)
         w = Workload(chunk, 1, 1, "bf16", kernels="fused")
         lay = Layout(world=tp, tp=tp, sequence_parallel=True)
-        per_layer = max(_micro_activation(cfg, lay, w, i, i + 1, False, attn_res_sources(cfg)[0], 0, False)[0]
+        per_layer = max(_micro_activation(cfg, lay, w, i, i + 1, False, attn_res_sources(cfg)[0], 0, frozenset())[0]
                         for i in layers)
         blocks = (cfg.num_attn_res_blocks + 1) * chunk * cfg.hidden_size * 2 if cfg.attn_res else 0
         logits = (chunk * cfg.vocab_size / tp * 4) if s == pp - 1 else 0

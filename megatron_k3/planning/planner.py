@@ -6,9 +6,10 @@ Time model (training), for the slowest pipeline stage:
   per micro-batch  t_micro = FLOPs / (peak x gemm_efficiency) + TP + CP + EP + PP transfer time
                    (collectives on the critical path, not overlapped with compute)
   pipeline         (m + pp - 1) x t_micro for m micro-batches per step (1F1B; bubble (pp-1)/(m+pp-1))
-  data parallel    the gradient reduce-scatter overlaps the last micro-batch's backward, the parameter
-                   all-gather the first one's forward; what does not fit is exposed; the Muon momentum
-                   gather and Newton-Schulz are exposed
+  data parallel    with parallel.overlap_grad_reduce (ZeRO-1/2) the gradient reduce-scatter overlaps the last
+                   micro-batch's backward and what does not fit is exposed, else all of it is; the parameter
+                   all-gather (inside DeepSpeed's optimizer step), the Muon momentum gather and Newton-Schulz
+                   are exposed (docs/planning.md, "What the time model assumes")
   MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
 
 Vision tower (model.vision.enabled): on the first pipeline stage, for `Workload.image_share` of the tokens being
@@ -16,7 +17,7 @@ image features (flops.vision_flop_terms); model FLOPs count it once per token. I
 TP, its work is split (model/multimodal.py): each TP rank encodes a contiguous share of the micro-batch's media,
 so a first-stage device spends the busiest rank's share of the tower's FLOPs and keeps that share's activations
 (flops.vision_tp_share: 1/tp when the images divide evenly, all of it with one image per micro-batch), and the tp
-kind carries the features' all-gather and the tower's gradient all-reduce per micro-batch (comm.py).
+kind carries the features' all-gather per micro-batch and the tower's gradient all-reduce once per step (comm.py).
 `TrainPlan.vision` gives its parameters, memory per first-stage device, compute time and TP traffic as a line
 item. Context parallelism does not take media (cp = 1).
 
@@ -31,6 +32,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
+from ..config.schema import RECOMPUTE_MODULES as MODULES
 from ..layout import rules
 from .candidates import Layout, planner_problems, stage_layers
 from .comm import training_comm
@@ -60,8 +62,11 @@ __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_
            "SearchResult", "min_world_for_training", "model_state_bytes"]
 
 CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
-_CHEAP_FLOPS = ("kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve",
-                "kda.wy_products", "kda.state_handoff", "kda.output", "kda.diag_span", "mla.attention")
+# forward FLOP terms that selective recomputation runs again, by the module kind that rebuilds them
+# (parallel.recompute; the elementwise work of the other kinds is not counted as FLOPs)
+_CHEAP_FLOPS = {name: "core_attn" for name in (
+    "kda.intra_scores", "kda.block_decay_sums", "kda.chunk_decay_sums", "kda.ut_solve", "kda.wy_products",
+    "kda.state_handoff", "kda.output", "kda.diag_span", "mla.attention", "vision.attention")}
 
 
 @dataclass
@@ -93,6 +98,7 @@ class TrainPlan:
     stage_params: list = field(default_factory=list)  # parameters one device of each pipeline stage holds
     moe_dispatch: dict = field(default_factory=dict)  # balanced dispatch only (_balanced_summary)
     vision: dict = field(default_factory=dict)  # model.vision.enabled only (_vision_summary)
+    host_per_node_gb: float = 0.0  # activation offload: host memory per node the offloaded layer inputs take
 
     def as_dict(self) -> dict:
         workload = {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
@@ -103,6 +109,8 @@ class TrainPlan:
         if self.vision:
             workload["image_share"] = self.workload.image_share
             extra["vision"] = self.vision
+        if self.host_per_node_gb:
+            extra["host_per_node_gb"] = self.host_per_node_gb
         if self.moe_dispatch:
             workload.update(moe_overflow=self.workload.moe_overflow,
                             redundant_experts=self.workload.redundant_experts,
@@ -139,7 +147,7 @@ def _model_flops(cfg, seq_length: int, image_share: float):
     return model_flops(cfg, seq_length, "causal", image_share)
 
 
-def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
+def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: frozenset = frozenset(MODULES)) -> tuple:
     """(forward, backward, recompute) FLOPs of the vision tower and projector for one micro-batch on the busiest
     first-stage device of a TP group of `tp` ranks (each encodes its share of the media: flops.vision_tp_share);
     zeros without model.vision."""
@@ -150,21 +158,24 @@ def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1) -> tuple:
         return fwd, bwd, 0.0
     if recompute == "full":  # each block rebuilt from its input (the patch embedding and the projector are kept)
         again = ("vision.qkv_proj", "vision.o_proj", "vision.mlp", "vision.attention")
-    else:  # selective: the attention core, as the text layers' (_CHEAP_FLOPS)
-        again = ("vision.attention",)
+    else:  # selective: the attention core under core_attn, as the text layers' (_CHEAP_FLOPS)
+        again = tuple(n for n, kind in _CHEAP_FLOPS.items() if kind in recomputed)
     return fwd, bwd, sum(t.forward for t in terms if t.name in again) * n
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _layer_flop_classes(cfg, i: int, T: int, attention: str) -> tuple:
-    """Layer i's per-token (forward, backward, recomputable forward) FLOPs: (TP-split part, routed part)."""
-    split, routed = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+def _layer_flop_classes(cfg, i: int, T: int, attention: str, recomputed: frozenset = frozenset()) -> tuple:
+    """Layer i's per-token (forward, backward, forward run again by selective recomputation of the module kinds
+    `recomputed`, the MoE block's forward: run again by sequence tiling) FLOPs: (TP-split part, routed part)."""
+    split, routed = [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]
     for t in layer_flop_terms(cfg, i, T, attention):
         acc = split if (t.category in ("kda", "mla", "dense_ffn") or t.name == "moe.shared_experts") else routed
         acc[0] += t.forward
         acc[1] += t.backward
-        if t.name in _CHEAP_FLOPS:
+        if _CHEAP_FLOPS.get(t.name) in recomputed:
             acc[2] += t.forward
+        if t.name.startswith("moe."):
+            acc[3] += t.forward
     return tuple(split), tuple(routed)
 
 
@@ -177,22 +188,27 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
         T, attention = w.micro_batch_size * w.seq_length, "dense"
     else:
         T, attention = w.seq_length, "causal"
-    fwd = bwd = cheap = 0.0
+    fwd = bwd = again = 0.0
+    full = lay.full_layers(start, end)
     for i in range(start, end):
-        (sf, sb, sc), (rf, rb, rc) = _layer_flop_classes(cfg, i, T, attention)
+        (sf, sb, sc, sm), (rf, rb, rc, rm) = _layer_flop_classes(cfg, i, T, attention, lay.recomputed)
         # head- or intermediate-split over TP / the routed branch on this rank's tokens (all, without SP)
         fwd += sf * n / lay.tp + rf * n_rank
         bwd += sb * n / lay.tp + rb * n_rank
-        cheap += sc * n / lay.tp + rc * n_rank
+        # full: the layers it covers run their whole forward again; selective: the recomputed kinds' terms;
+        # sequence tiling: the MoE block's tiles once more (inside a recomputed layer too)
+        again += (sf * n / lay.tp + rf * n_rank) if i in full else (sc * n / lay.tp + rc * n_rank)
+        if lay.tile_tokens:
+            again += sm * n / lay.tp + rm * n_rank
     if last:
         f = 2 * cfg.hidden_size * cfg.vocab_size * n / lay.tp
         fwd += f
         bwd += 2 * f
-    recompute = fwd if lay.recompute == "full" else (cheap if lay.recompute == "selective" else 0.0)
+        again += f if lay.tile_tokens else 0.0  # the tiles' logits again
     if first:
-        vf, vb, vr = _vision_flops(cfg, w, lay.recompute, lay.tp)
-        fwd, bwd, recompute = fwd + vf, bwd + vb, recompute + vr
-    return fwd, bwd, recompute
+        vf, vb, vr = _vision_flops(cfg, w, lay.recompute, lay.tp, lay.recomputed)
+        fwd, bwd, again = fwd + vf, bwd + vb, again + vr
+    return fwd, bwd, again
 
 
 def model_state_bytes(cfg, w: Workload) -> float:
@@ -246,33 +262,46 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1, s == 0)
         comm = training_comm(cfg, cluster, lay, w, s)
         t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
+        # activation offload: each micro-batch's layer inputs go to host and come back, on side streams while the
+        # stage computes; what the copies take beyond the compute is exposed
+        copies = 2 * mem[s].host / mem[s].in_flight / (cluster.host_copy_gbps * GB) if mem[s].host else 0.0
+        t += max(0.0, copies - (fwd + bwd + rec) / rate)
         per_stage.append((t, fwd, bwd, rec, comm, s))
     t_micro, fwd, bwd, rec, comm, slow = max(per_stage, key=lambda x: x[0])
     pipeline = (m + lay.pp - 1) * t_micro
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
-    # data parallel: overlap with the last backward / first forward; Muon's gather and Newton-Schulz exposed
-    t_bwd, t_fwd = (bwd + rec) / rate, fwd / rate
-    dp_exposed = (max(0.0, comm.time_by_kind["dp_grad_reduce"] - t_bwd)
-                  + max(0.0, comm.time_by_kind["dp_param_gather"] - t_fwd) + comm.time_by_kind["dp_muon_gather"])
+    # data parallel: the gradient reduction hides behind the last backward with parallel.overlap_grad_reduce under
+    # ZeRO-1/2 (DeepSpeed's overlap_comm), else it is exposed; DeepSpeed gathers the updated parameter partitions
+    # inside its optimizer step (exposed), and Muon's gather and Newton-Schulz are exposed
+    t_bwd = (bwd + rec) / rate
+    t_grad = comm.time_by_kind["dp_grad_reduce"]
+    dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
+    dp_exposed += comm.time_by_kind["dp_param_gather"] + comm.time_by_kind["dp_muon_gather"]
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0) / rate if w.optimizer == "muon" else 0.0
-    step = pipeline + dp_exposed + t_opt
+    # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
+    # spends the most on them sets the step
+    once = max(sum(c.per_step_time.values()) for *_, c, _ in per_stage)
+    step = pipeline + once + dp_exposed + t_opt
     mf = _model_flops(cfg, w.seq_length, w.image_share)
     tokens = w.global_batch_size * w.seq_length
     model_step = mf.train_per_step(tokens)
     mfu = model_step / (step * lay.world * cluster.peak_tflops_bf16 * 1e12)
     capacity = cluster.device_memory_gb * GB
+    host_node = max(st.host for st in mem) * cluster.devices_per_node
     per_dev = {"dense": worst.params_dense, "routed_experts": worst.params_experts,
                "total": worst.params_dense + worst.params_experts}
     compute = m * (fwd + bwd + rec) / rate
     times = {"compute": compute, "tp": m * comm.per_micro_time["tp"], "cp": m * comm.per_micro_time["cp"],
              "ep": m * comm.per_micro_time["ep"], "pp": m * comm.per_micro_time["pp"],
-             "pipeline_bubble": pipeline - m * t_micro, "dp_exposed": dp_exposed, "optimizer": t_opt}
+             "pipeline_bubble": pipeline - m * t_micro, "per_step": once, "dp_exposed": dp_exposed,
+             "optimizer": t_opt}
     moe_dispatch = _balanced_summary(cfg, cluster, lay, w, worst, comm)
     vision = _vision_summary(cfg, lay, w, mem[0], m, rate, model_step, tokens, slow, per_stage[0][4])
     notes = _plan_notes(lay, moe_dispatch, vision, m, per_stage[0][0], slow, t_micro)
     return TrainPlan(
         model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
-        active_params=counts["active"], fits=worst.total <= capacity, memory_per_device=worst.total,
+        active_params=counts["active"], fits=worst.total <= capacity and host_node <= cluster.host_memory_gb * GB,
+        memory_per_device=worst.total, host_per_node_gb=host_node / GB,
         memory_breakdown=worst.breakdown_gb(),
         activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
         stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
@@ -335,7 +364,7 @@ def _vision_summary(cfg, lay: Layout, w: Workload, first, m: int, rate: float, m
     mp = model_params(cfg, 1)
     terms = vision_flop_terms(cfg, w.seq_length, w.image_share)
     model_vision = sum(t.forward + t.backward for t in terms) * tokens
-    fwd, bwd, rec = _vision_flops(cfg, w, lay.recompute, lay.tp)
+    fwd, bwd, rec = _vision_flops(cfg, w, lay.recompute, lay.tp, lay.recomputed)
     device = m * (fwd + bwd + rec)
     features = w.image_share * w.micro_batch_size * w.seq_length
     bytes_ = {k: first.vision.get(k, 0.0) for k in ("weights", "gradients", "optimizer", "activations", "transient")}
@@ -367,7 +396,10 @@ def _pow2_upto(n: int) -> list:
     return out
 
 
-def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective", "full")) -> list:
+def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective", "full"),
+                      knobs=((), 0, 0, 0.0)) -> list:
+    """Every layout the search plans; `knobs`: (train.recompute_modules, train.recompute_num_layers,
+    train.tile_tokens, train.offload_buffer_gb in bytes) of the selective, full and every layout."""
     world, sn = cluster.world_size, cluster.supernode_size
     tps = [t for t in _pow2_upto(min(sn, max(cluster.devices_per_node, 1)))]
     max_pp = cfg.num_attn_res_blocks if cfg.attn_res else cfg.num_layers
@@ -385,7 +417,10 @@ def candidate_layouts(cfg, cluster, w: Workload, recomputes=("none", "selective"
             for ep in eps:
                 for cp in cps:
                     for rc in recomputes:
-                        out.append(Layout(world=world, tp=tp, pp=pp, ep=ep, cp=cp, recompute=rc))
+                        out.append(Layout(world=world, tp=tp, pp=pp, ep=ep, cp=cp, recompute=rc,
+                                          recompute_modules=knobs[0] if rc == "selective" else (),
+                                          recompute_num_layers=knobs[1] if rc == "full" else 0,
+                                          tile_tokens=knobs[2], offload_bytes=knobs[3] if rc == "full" else 0.0))
     return out
 
 
@@ -401,13 +436,15 @@ class SearchResult:
 
 
 @functools.lru_cache(maxsize=32)
-def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bool = True) -> SearchResult:
+def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bool = True,
+                    knobs: tuple = ((), 0, 0, 0.0)) -> SearchResult:
     """Every candidate layout planned; the `top` fastest that fit (or the least-memory ones that do not, the
-    model-state floor, and the smallest accelerator count that would fit). Memoised per input (pure; the result
-    is shared: read it, do not change it)."""
+    model-state floor, and the smallest accelerator count that would fit). `knobs`: the trainer's knobs
+    (train.recompute_modules as a tuple, train.recompute_num_layers, train.tile_tokens, train.offload_buffer_gb in
+    bytes). Memoised per input (pure; the result is shared: read it, do not change it)."""
     counts = count_parameters(cfg)
     fits, over, invalid, n = [], [], {}, 0
-    for lay in candidate_layouts(cfg, cluster, w):
+    for lay in candidate_layouts(cfg, cluster, w, knobs=knobs):
         probs = planner_problems(cfg, cluster, lay, w)
         if probs:
             invalid[probs[0].kind] = invalid.get(probs[0].kind, 0) + 1
@@ -419,11 +456,12 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
     over.sort(key=lambda p: p.memory_per_device)
     res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
     if not fits and find_min_world:
-        res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts)
+        res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts, knobs=knobs)
     return res
 
 
-def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256):
+def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256,
+                           knobs: tuple = ((), 0, 0, 0.0)):
     """Smallest number of whole supernodes (same accelerators and links) on which some layout fits: a scan
     upward from the model-state floor (fitting is not monotone in the count: divisibility matters), checking
     the memory-lightest recomputation first; returns (accelerators, the best plan there) or (None, None)."""
@@ -437,14 +475,16 @@ def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernode
         c = replace(cluster, num_nodes=world // dpn, devices_per_node=dpn)
         capacity = c.device_memory_gb * GB
         fits = False
-        for lay in candidate_layouts(cfg, c, w, recomputes=("full",)):
+        for lay in candidate_layouts(cfg, c, w, recomputes=("full",), knobs=knobs):
             if planner_problems(cfg, c, lay, w):
                 continue
-            if max(s.total for s in training_memory(cfg, c, lay, w)) <= capacity:  # memory alone decides
+            mem = training_memory(cfg, c, lay, w)
+            if (max(s.total for s in mem) <= capacity  # memory alone decides
+                    and max(s.host for s in mem) * c.devices_per_node <= c.host_memory_gb * GB):
                 fits = True
                 break
         if fits:
-            res = search_training(cfg, c, w, top=1, find_min_world=False)
+            res = search_training(cfg, c, w, top=1, find_min_world=False, knobs=knobs)
             return world, res.fits[0]
     return None, None
 

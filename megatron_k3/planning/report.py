@@ -159,8 +159,11 @@ def render_train(p: TrainPlan) -> list:
            "  " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) + " (GB)",
            "  activations by part: " + ", ".join(f"{k} {v:.3g}" for k, v in p.activation_breakdown.items()
                                                   if v > 0) + " (GB)",
-           f"  stages (GB): {p.stage_memory_gb}",
-           "communication per step and device: " + (", ".join(
+           f"  stages (GB): {p.stage_memory_gb}"]
+    if p.host_per_node_gb:
+        out.append(f"  host memory per node for offloaded layer inputs: {p.host_per_node_gb:.3g} GB (every device's "
+                   "share up to train.offload_buffer_gb; within cluster.host_memory_gb)")
+    out += ["communication per step and device: " + (", ".join(
                f"{k} {_bytes(v)} ({_t(p.comm_time[k])})" for k, v in p.comm_bytes.items() if v > 0) or "none"),
            "time per step: " + ", ".join(f"{k} {_t(v)}" for k, v in p.time_breakdown.items() if v > 0)
            + f" -> {p.step_time:.3g} s",

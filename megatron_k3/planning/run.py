@@ -17,7 +17,7 @@ from .candidates import Layout
 from .flops import DEFAULT_IMAGE_SHARE
 from .memory import GB, Workload, balanced_slots, training_memory
 
-__all__ = ["compose_for_planning", "workload", "layout", "check_fits"]
+__all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits"]
 
 
 def compose_for_planning(overrides, optimizer: str | None = None):
@@ -55,14 +55,41 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
                     grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
                     run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots,
-                    run.moe.replica_exchange, image_share)
+                    run.moe.replica_exchange, image_share, run.parallel.overlap_grad_reduce)
 
 
-def layout(run, world: int, recompute: str = "none", sequence_parallel: bool | None = None) -> Layout:
-    """The planner's Layout of a run on `world` ranks."""
-    p = run.parallel
-    sp = p.sequence_parallel if sequence_parallel is None else sequence_parallel
-    return Layout(world=world, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, sequence_parallel=sp, recompute=recompute)
+def layout(run, world: int, recompute: str | None = None, sequence_parallel: bool | None = None) -> Layout:
+    """The planner's Layout of a run on `world` ranks, with the recomputation `recompute` (none, selective, full;
+    None: the run's train.recompute, which must not be auto) and the run's train.recompute_modules /
+    recompute_num_layers where they apply."""
+    p, t = run.parallel, run.train
+    rc = t.recompute if recompute is None else recompute
+    if rc == "auto":
+        raise ValueError("train.recompute=auto is resolved first (planning.run.resolve_recompute)")
+    return Layout(world=world, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, sequence_parallel=sp_of(p, sequence_parallel),
+                  recompute=rc, recompute_modules=tuple(t.recompute_modules) if rc == "selective" else (),
+                  recompute_num_layers=t.recompute_num_layers if rc == "full" else 0, tile_tokens=t.tile_tokens,
+                  offload_bytes=t.offload_buffer_gb * 1e9 if rc == "full" else 0.0)
+
+
+def sp_of(p, sequence_parallel: bool | None) -> bool:
+    return p.sequence_parallel if sequence_parallel is None else sequence_parallel
+
+
+def _largest_stage(run, world: int, recompute: str, w: Workload) -> float:
+    return max(m.total for m in training_memory(run.model, run.cluster, layout(run, world, recompute), w))
+
+
+def resolve_recompute(run, world: int, w: Workload | None = None, recompute: str | None = None) -> str:
+    """train.recompute (or `recompute`) as it runs: the value itself, or for auto the least recomputation (none,
+    selective, full, with the run's train.recompute_modules / recompute_num_layers) whose largest pipeline stage the
+    planner puts within cluster.device_memory_gb; full when none does (check_fits then says by how much)."""
+    recompute = recompute or run.train.recompute
+    if recompute != "auto":
+        return recompute
+    w = w or workload(run)
+    capacity = run.cluster.device_memory_gb * GB
+    return next((rc for rc in ("none", "selective") if _largest_stage(run, world, rc, w) <= capacity), "full")
 
 
 def _layout_keys(run) -> str:
@@ -90,17 +117,25 @@ def _largest_fitting_slots(run, lay: Layout, w: Workload, S: int, capacity: floa
     return None
 
 
-def check_fits(run, world: int, recompute: str = "none", w: Workload | None = None) -> list:
-    """The planner's StageMemory of every pipeline stage of this run's layout; ConfigError (naming the layout keys
-    and values, the stage, its memory and cluster.device_memory_gb) when the largest does not fit. The trainer runs
-    without activation recomputation (`recompute="none"`). Under balanced MoE dispatch, when the layout fits with
-    the drop dispatcher's buffers instead, the replica slots are what push it over: the ConfigError names
-    moe.redundant_experts, its value and the largest that fits."""
+def check_fits(run, world: int, recompute: str | None = None, w: Workload | None = None) -> list:
+    """The planner's StageMemory of every pipeline stage of this run's layout under `recompute` (None: the run's
+    train.recompute, auto resolved); ConfigError (naming the layout keys and values, the stage, its memory,
+    cluster.device_memory_gb and the recomputation that would fit) when the largest does not fit. Under balanced MoE
+    dispatch, when the layout fits with the drop dispatcher's buffers instead, the replica slots are what push it
+    over: the ConfigError names moe.redundant_experts, its value and the largest that fits."""
     w = w or workload(run)
+    recompute = resolve_recompute(run, world, w) if recompute in (None, "auto") else recompute
     lay = layout(run, world, recompute)
     stages = training_memory(run.model, run.cluster, lay, w)
     worst = max(stages, key=lambda s: s.total)
     capacity = run.cluster.device_memory_gb * GB
+    host = max(s.host for s in stages) * run.cluster.devices_per_node
+    if host > run.cluster.host_memory_gb * GB:
+        raise ConfigError("train.offload_buffer_gb", run.train.offload_buffer_gb, (
+            f"the offloaded layer inputs take {host / GB:.1f} GB of host memory per node "
+            f"({run.cluster.devices_per_node} devices), over cluster.host_memory_gb={run.cluster.host_memory_gb}: "
+            "at most "
+            f"{run.cluster.host_memory_gb / run.cluster.devices_per_node:.4g} GB per device fits"))
     if worst.total > capacity:
         S = balanced_slots(run.model, lay.ep, w)
         if S is not None:
@@ -124,8 +159,15 @@ def check_fits(run, world: int, recompute: str = "none", w: Workload | None = No
                     f"{base / GB:.4g} GB with the drop dispatcher), over cluster.device_memory_gb="
                     f"{run.cluster.device_memory_gb}: {fix}"))
         parts = ", ".join(f"{k} {v:.1f}" for k, v in worst.breakdown_gb().items())
-        raise ConfigError("parallel", _layout_keys(run), (
-            f"pipeline stage {worst.stage} needs {worst.total / GB:.1f} GB per device ({parts} GB; recompute="
-            f"{recompute}), over cluster.device_memory_gb={run.cluster.device_memory_gb}: "
-            f"tools/plan.py model={run.model.name} cluster={run.cluster.name} --search lists layouts that fit"))
+        fits = [rc for rc in ("selective", "full") if rc != recompute and _largest_stage(run, world, rc, w) <= capacity
+                and ("none", "selective", "full").index(rc) > ("none", "selective", "full").index(recompute)]
+        fix = (f"train.recompute={fits[0]} fits ({_largest_stage(run, world, fits[0], w) / GB:.1f} GB)" if fits else
+               f"no recomputation fits this layout; tools/plan.py model={run.model.name} cluster={run.cluster.name} "
+               "--search lists layouts that fit")
+        key = "train.recompute" if fits else "parallel"
+        raise ConfigError(key, recompute if fits else _layout_keys(run), (
+            (f"layout {_layout_keys(run)}: " if fits else "")
+            + f"pipeline stage {worst.stage} needs {worst.total / GB:.1f} GB per device "
+            f"({parts} GB; train.recompute={recompute}), over cluster.device_memory_gb="
+            f"{run.cluster.device_memory_gb}: {fix}"))
     return stages

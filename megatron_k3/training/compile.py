@@ -106,6 +106,10 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor", cache: str
     need = 2 * len(layers) + 8
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * need)
+    # selective recomputation's regions (parallel/recompute.py) are traced inside a layer as torch's checkpoint
+    # operator; what a region records besides its output (depth weights, router statistics) is recorded by the
+    # forward only, as in eager (model.layers.recomputing), not replayed by the recomputation
+    dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         compiled = torch.compile(layer.forward, backend=backend, dynamic=False, fullgraph=False)
         layer.forward = _region(layer, compiled)

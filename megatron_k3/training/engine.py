@@ -102,7 +102,8 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # our optimizers are plain torch.optim ones
         # buckets no larger than the model: DeepSpeed allocates them whole (200 MB each at fp32 otherwise)
-        "zero_optimization": {"stage": p.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
+        "zero_optimization": {"stage": p.zero_stage, "contiguous_gradients": True,
+                              "overlap_comm": bool(p.overlap_grad_reduce),
                               "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "bf16": {"enabled": bf16},
     }

@@ -24,9 +24,11 @@ from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
 from ..errors import DataError
 from ..optim.schedule import lr_at
-from ..parallel import ParallelGroups, build_model, pipeline, state
+from ..parallel import ParallelGroups, build_model, pipeline, recompute, state, tiling
+from ..parallel import mappings as M
 from ..parallel.balanced import balanced_layers
-from ..planning.run import check_fits
+from ..planning.run import check_fits, resolve_recompute
+from ..planning.run import layout as plan_layout
 from ..precision import forward_context, prepare_model_for_precision
 from . import balancing, faults
 from . import compile as compile_regions
@@ -95,8 +97,10 @@ class Trainer:
             compile_regions.check_backend(t.compile_backend, self.device)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
-        # a layout the planner puts over the device's memory is refused here, on every rank, before any allocation
-        check_fits(run, self.world)
+        # a layout the planner puts over the device's memory is refused here, on every rank, before any allocation;
+        # train.recompute=auto becomes the least recomputation the planner says fits
+        self.recompute = resolve_recompute(run, self.world)
+        check_fits(run, self.world, self.recompute)
         torch.manual_seed(t.seed)
         # this rank's part only (its stage, shards and experts), built on the meta device and initialised in place
         # from train.seed: the same weights in every layout (parallel.plan.build_model)
@@ -110,10 +114,7 @@ class Trainer:
         if self.experts is not None:
             install_norm(ds_engine.zero_optimizer(self.engine), self.experts)
         self.model = self.engine.module
-        if t.compile:  # each decoder layer one compiled region (training/compile.py)
-            n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache)
-            log.info("train.compile: %d decoder layers compiled (%s), cache %s", n, t.compile_backend,
-                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        self._wrap_layers()
         self.moe = self.model.moe_layers()
         self.balancers = balancing.install(self.model, run.moe, ps.group("tp-dp-cp"),
                                            t.global_batch_size * t.seq_length)
@@ -129,6 +130,24 @@ class Trainer:
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(run, self.engine, self.experts, ps, self.ckpt_dir)
         self.start_time = time.time()
+
+    def _wrap_layers(self) -> None:
+        """train.compile: each decoder layer one compiled region (training/compile.py); then activation
+        recomputation, offload and sequence tiling wrap this rank's regions from outside (parallel/recompute.py,
+        offload.py, tiling.py), around the compiled layers."""
+        run, t = self.run, self.run.train
+        if t.compile:
+            n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache)
+            log.info("train.compile: %d decoder layers compiled (%s), cache %s", n, t.compile_backend,
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        lay = plan_layout(run, self.world, self.recompute)
+        offload = int(t.offload_buffer_gb * 1e9) if self.recompute == "full" else 0
+        wrapped = recompute.apply(self.model, recompute.Policy(self.recompute, lay.recompute_modules,
+                                                               lay.recompute_num_layers, offload))
+        wrapped.update(tiling.apply(self.model, t.tile_tokens, run.model.moe_overflow))
+        if wrapped and self.rank == 0:
+            log.info("train.recompute=%s, train.tile_tokens=%d: %s", self.recompute, t.tile_tokens,
+                     ", ".join(f"{k} {v}" for k, v in wrapped.items()))
 
     @property
     def step(self) -> int:
@@ -209,6 +228,7 @@ class Trainer:
         respect to y is exactly g, which already carries the 1/num_micro, so it is not scaled again
         (scale_wrt_gas=False). Going through engine.backward keeps DeepSpeed's accumulation and boundary
         bookkeeping."""
+        M.ACCUMULATION.last = micro == self.num_micro - 1  # once-per-step gradient sums (parallel/mappings.py)
         if g is None:
             self.engine.backward(y)
         else:
@@ -223,6 +243,8 @@ class Trainer:
             g["lr"] = lr
         acc = _Step(torch.zeros(len(self.routing.layer_ids), self.run.model.num_experts, dtype=torch.float64),
                     self._step_samples())
+        if getattr(self.model, "host_offload", None) is not None:  # every backward of the step before has run
+            self.model.host_offload.reset()
 
         def forward(micro, x):
             return self._forward_micro(acc, micro, x)

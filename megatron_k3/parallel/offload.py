@@ -1,0 +1,134 @@
+"""Activation offload (`train.offload_buffer_gb`): what full recomputation keeps for the backward, each decoder
+layer's input, goes to host memory in the forward and comes back for the layer's recomputation in the backward.
+
+- The layer runs under full recomputation's checkpoint (non-reentrant: the forward builds the layer's graph as
+  without recomputation, the saved tensors are made again in the backward), but the checkpoint is not handed the
+  layer's inputs: the layer reads them from a box that holds the device tensors during the forward and, after it,
+  their `HostOffload` copies; the recomputation reads them back from there. A tensor several layers read (the
+  completed AttnRes blocks every later layer mixes) is copied once and shared.
+- Bounded: the host copies of one rank use at most `budget` bytes; what does not fit stays on the device (counted in
+  `kept_on_device`), so a run never allocates unbounded host memory. On CUDA the host buffers are pinned.
+- Overlapped on CUDA: the device-to-host copy runs on a side stream after the current stream's work that made the
+  tensor (the device memory is released when the copy is done, `record_stream`); in the backward, reading a layer's
+  inputs back also starts the copy of the inputs saved before them, on another side stream, so the next layer's
+  load runs while this layer recomputes and back-propagates. On the CPU the same code runs with synchronous copies.
+
+Exact: the host round trip copies the values and the graph is full recomputation's: bit-identical gradients
+(tests/test_tiling.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["HostOffload"]
+
+
+class _Held:
+    """One offloaded tensor: its host copy (or the device tensor itself when the budget is spent), the device and the
+    copy's completion event (CUDA)."""
+
+    def __init__(self, host, device, nbytes: int, event=None, on_device: bool = False):
+        self.host, self.device, self.nbytes, self.event, self.on_device = host, device, nbytes, event, on_device
+        self.back = None  # the device copy, once loaded (prefetched or on demand)
+        self.back_event = None
+        self.users = 0
+
+
+class HostOffload:
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self.used = 0
+        self.peak = 0
+        self.kept_on_device = 0  # bytes the budget could not take
+        self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
+        self._order = []  # packed, in order: the backward reads them in reverse
+        self._streams = None
+
+    def _cuda_streams(self):
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams
+
+    def pack(self, t: torch.Tensor):
+        # the same tensor saved by several layers is held once; a key is trusted only while the tensor it was made
+        # for is alive (after that its memory may hold another tensor)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        held = self._by_storage.get(key)
+        if held is None or held.src() is not t:
+            held = self._offload(t)
+            held.src = weakref.ref(t)
+            self._by_storage[key] = held
+            self._order.append(held)
+        held.users += 1
+        return key, held
+
+    def reset(self) -> None:
+        """Forget what a step left unread (a forward without its backward): the trainer calls it at each step's
+        start, when every backward of the step before has run."""
+        self._by_storage.clear()
+        self._order.clear()
+        self.used = 0
+
+    def _offload(self, t: torch.Tensor) -> _Held:
+        nbytes = t.numel() * t.element_size()
+        if self.used + nbytes > self.budget:
+            self.kept_on_device += nbytes
+            return _Held(t, t.device, nbytes, on_device=True)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        if t.device.type != "cuda":  # the same path, synchronous: a host copy the device tensor no longer backs
+            return _Held(t.detach().to("cpu", copy=True), t.device, nbytes)
+        down, _ = self._cuda_streams()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        down.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(down):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(down)
+        t.record_stream(down)  # the device memory stays allocated until the copy has read it
+        return _Held(host, t.device, nbytes, event)
+
+    def _load(self, held: _Held) -> None:
+        if held.back is not None or held.on_device:
+            return
+        if held.device.type != "cuda":
+            held.back = held.host.to(held.device)  # on the CPU: the host copy itself
+            return
+        _, up = self._cuda_streams()
+        with torch.cuda.stream(up):
+            up.wait_event(held.event)
+            held.back = held.host.to(held.device, non_blocking=True)
+            held.back_event = torch.cuda.Event()
+            held.back_event.record(up)
+
+    def unpack(self, packed) -> torch.Tensor:
+        key, held = packed
+        if held.on_device:
+            out = held.host
+        else:
+            self._load(held)
+            i = self._order.index(held) if held in self._order else -1
+            if i > 0:  # prefetch the inputs saved before these: the layer whose backward comes next
+                self._load(self._order[i - 1])
+            out = held.back
+            if held.back_event is not None:
+                torch.cuda.current_stream(held.device).wait_event(held.back_event)
+                out.record_stream(torch.cuda.current_stream(held.device))
+        held.users -= 1
+        if held.users <= 0:
+            self._release(key, held)
+        return out
+
+    def _release(self, key, held: _Held) -> None:
+        if self._by_storage.get(key) is held:
+            del self._by_storage[key]
+        if held in self._order:
+            self._order.remove(held)
+        if not held.on_device:
+            self.used -= held.nbytes
+        held.host = held.back = None
+
+

@@ -1,0 +1,173 @@
+"""Activation recomputation (`train.recompute`), applied to a built model from outside, as parallelism is: the
+model's code does not change, its regions are wrapped in torch.utils.checkpoint (non-reentrant, RNG state kept) so
+that the backward runs them again instead of keeping what they made.
+
+Policies, with the planner's meanings (megatron_k3.planning.activations):
+
+- `none`: everything autograd keeps is kept.
+- `selective`: the regions named by `train.recompute_modules` (all of MODULES when empty) keep only their inputs;
+  the terms the planner marks `cheap` for those modules are rebuilt in the backward:
+  - `attn_res`: each Block Attention Residual depth mix (its stacked fp32 sources and softmax);
+  - `layernorm`: the RMSNorms before the mixer, before the FFN, on the MoE latent and before the LM head, and the
+    vision tower's;
+  - `core_attn`: KDA between its input projections and o_proj (short convolutions, L2 norms, gates, the chunked
+    delta rule, the gated output norm), MLA's attention (the probabilities), the vision tower's attention;
+  - `mlp_act`: the gated activation of the dense FFN and the shared experts;
+  - `moe_act`: the routed experts' gated activation (the gate/up GEMM's output is kept, its fp32 intermediates
+    are made again; ops.grouped_gemm.GateUpGLU's `rebuild`).
+- `full`: a decoder layer keeps only its input (the state between layers) and runs again, whole, in its backward;
+  `train.recompute_num_layers` > 0 limits it to that many layers per pipeline stage, counted from the stage's first
+  (Megatron's `--recompute-method block`); the vision tower's blocks likewise. With `train.offload_buffer_gb` the
+  recomputed layers' inputs go to host memory until their backward (parallel.offload; `model.host_offload`).
+
+Recomputation changes no number: the regions run the same operations on the same inputs (bit-identical losses and
+gradients; tests/test_recompute.py). What a forward records besides its output (Quantile Balancing's
+observation, expert-load counts, the balanced dispatch's statistics, AttnRes depth weights, QK-Clip's max logit)
+is recorded by the first pass only (model.layers.recomputing), and checkpoint restores the RNG it used, so those
+happen once per micro-batch whatever the policy. Collectives inside a region (sequence-parallel gathers, the MoE
+all-to-alls, context parallelism's exchanges) run again in the backward on every rank of their group alike.
+
+Under `train.compile` the whole-layer wrapper goes around the compiled region (the recomputation calls the same
+compiled code); selective regions are traced inside it as torch's checkpoint operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..config.schema import RECOMPUTE_MODULES as MODULES
+from ..config.schema import RECOMPUTE_POLICIES as POLICIES
+from ..model.decoder import DecoderLayer, DepthMix, ResidualState
+from ..model.experts import GroupedExperts
+from ..model.kda import KimiDeltaAttention
+from ..model.mla import GatedMLA
+from ..model.mlp import GatedMLP
+from ..model.norm import RMSNorm
+from ..model.vision import VisionBlock
+from .offload import HostOffload
+
+__all__ = ["POLICIES", "MODULES", "Policy", "apply"]
+
+# the RMSNorms of `layernorm`, by their attribute names (DepthMix's key norm is a weight its mix reads, not called)
+_NORMS = ("input_layernorm", "post_attention_layernorm", "latent_norm", "norm", "norm0", "norm1", "final_layernorm",
+          "post_norm")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A resolved recomputation policy (`auto` is resolved by the planner before a model is built)."""
+    name: str = "none"  # none, selective, full
+    modules: tuple = ()  # selective: the module kinds recomputed (empty: all of MODULES)
+    num_layers: int = 0  # full: decoder layers per stage recomputed, from the stage's first (0: all)
+    offload_bytes: int = 0  # full: host memory for the recomputed layers' inputs (parallel.offload; 0: off)
+
+    def __post_init__(self):
+        if self.name not in POLICIES[:3]:
+            raise ValueError(f"recompute policy must be one of none, selective, full (auto is resolved first), "
+                             f"got {self.name!r}")
+        bad = [m for m in self.modules if m not in MODULES]
+        if bad:
+            raise ValueError(f"unknown recompute module(s) {bad}: valid {', '.join(MODULES)}")
+        if self.offload_bytes and self.name != "full":
+            raise ValueError("activation offload moves what full recomputation keeps (the layer inputs): it needs "
+                             f"the full policy, not {self.name}")
+
+    @property
+    def selected(self) -> frozenset:
+        """The module kinds recomputed under selective (empty for none and full)."""
+        if self.name != "selective":
+            return frozenset()
+        return frozenset(self.modules or MODULES)
+
+
+def _checkpointed(fn):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation, generation: nothing is kept, nothing to recompute
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    run.recomputes = fn
+    return run
+
+
+def _wrap(obj, attr: str) -> int:
+    """obj.attr becomes its checkpointed self (once); 1 if it was wrapped now."""
+    fn = getattr(obj, attr)
+    if getattr(fn, "recomputes", None) is not None:
+        return 0
+    setattr(obj, attr, _checkpointed(fn))
+    return 1
+
+
+def _selective(model, kinds: frozenset) -> dict:
+    done = dict.fromkeys(kinds, 0)
+    for parent in model.modules():
+        if "attn_res" in kinds and isinstance(parent, DepthMix):
+            done["attn_res"] += _wrap(parent, "forward")
+        if "core_attn" in kinds:
+            if isinstance(parent, (KimiDeltaAttention, VisionBlock)):
+                done["core_attn"] += _wrap(parent, "core")
+            elif isinstance(parent, GatedMLA):
+                done["core_attn"] += _wrap(parent.kernels, "attend")
+        if "mlp_act" in kinds and isinstance(parent, GatedMLP):
+            done["mlp_act"] += _wrap(parent, "activation")
+        if "moe_act" in kinds and isinstance(parent, GroupedExperts):
+            parent.recompute_act = True
+            done["moe_act"] += 1
+        if "layernorm" in kinds and not isinstance(parent, DepthMix):
+            for name, child in parent.named_children():
+                if isinstance(child, RMSNorm) and name in _NORMS:
+                    done["layernorm"] += _wrap(child, "forward")
+    return done
+
+
+def _offloaded(fn, off):
+    """A decoder layer's forward under full recomputation with its inputs offloaded (parallel.offload): the
+    checkpointed function reads the layer's inputs from a box, the device tensors during the forward and their host
+    copies (read back through `off`) when the backward recomputes it; the checkpoint itself holds none of them."""
+    def run(st, cu_seqlens=None, cache_state=None, seq_idx=None):
+        if not torch.is_grad_enabled():
+            return fn(st, cu_seqlens, cache_state, seq_idx)
+        attn_res = st.hidden is None
+        box = {"live": list(st.blocks) + [st.partial] if attn_res else [st.hidden], "packed": None}
+        grads = [t.requires_grad for t in box["live"]]
+
+        def inner():
+            ts = box["live"] if box["packed"] is None else [
+                off.unpack(p).detach().requires_grad_(g) for p, g in zip(box["packed"], grads)]
+            s = ResidualState(blocks=list(ts[:-1]), partial=ts[-1]) if attn_res else ResidualState(hidden=ts[0])
+            return fn(s, cu_seqlens, cache_state, seq_idx)
+        out = checkpoint(inner, use_reentrant=False, preserve_rng_state=True)
+        box["packed"], box["live"] = [off.pack(t) for t in box["live"]], None
+        return out
+    run.recomputes = fn
+    return run
+
+
+def _full(model, num_layers: int, offload_bytes: int = 0) -> dict:
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    layers = layers[:num_layers] if num_layers else layers
+    blocks = [m for m in model.modules() if isinstance(m, VisionBlock)]
+    done = {"layers": 0, "vision_blocks": sum(_wrap(m, "forward") for m in blocks)}
+    if offload_bytes:
+        model.host_offload = HostOffload(offload_bytes)
+        for m in layers:
+            if getattr(m.forward, "recomputes", None) is None:
+                m.forward = _offloaded(m.forward, model.host_offload)
+                done["layers"] += 1
+        done["offload_gb"] = offload_bytes / 1e9
+        return done
+    done["layers"] = sum(_wrap(m, "forward") for m in layers)
+    return done
+
+
+def apply(model: torch.nn.Module, policy: Policy) -> dict:
+    """Wrap this rank's part of the model for `policy` in place (after parallelism, precision and compilation are
+    applied, before the first forward); returns how many regions of each kind were wrapped."""
+    if policy.name == "full":
+        return _full(model, policy.num_layers, policy.offload_bytes)
+    if policy.name == "selective":
+        return _selective(model, policy.selected)
+    return {}

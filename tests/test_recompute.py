@@ -1,0 +1,191 @@
+"""Activation recomputation (train.recompute, megatron_k3.parallel.recompute) changes no number.
+
+- One process, the model alone: the loss and every parameter's gradient bit for bit equal to no recomputation under
+  each policy (selective with all modules and with a subset, full, full on the first 2 layers), with the dropless and
+  the drop dispatcher, fp32 and MX QAT; what a forward records besides its output happens in the forward only (the
+  router observation count, the load counts, the depth weights) and the RNG after the step is the same.
+- The Trainer, under tp2 + sequence parallelism, pp2, ep2 (drop and balanced), cp2 and compiled (aot_eager): the
+  losses, the expert loads and every parameter after each step bit for bit equal to none, the routers observed once
+  per micro-batch and MoE layer, the RNG state after the steps the same. Under inductor (make test-compile) full
+  recomputation is bit for bit and selective agrees to fp32 rounding (test_recompute_under_inductor says why).
+
+Bit for bit, not within a tolerance: a recomputed region runs the same operations on the same inputs in the same
+order, so anything else is a defect. (Identical parameters after each AdamW step from identical states mean identical
+updates, so identical gradients.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from helpers import FAST, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, full_params, norm_rel
+
+from megatron_k3.parallel.recompute import Policy
+
+POLICY_ORDER = ("none", "selective", "full")
+POLICIES = [Policy("selective"), Policy("selective", ("core_attn", "moe_act")), Policy("full"),
+            Policy("full", num_layers=2)]
+
+
+class _Counter:
+    def __init__(self):
+        self.calls = 0
+
+    def observe(self, *args):
+        self.calls += 1
+
+
+def _model_step(policy: Policy, extra: list):
+    from megatron_k3.config import compose_config
+    from megatron_k3.model import causal_lm_class
+    from megatron_k3.model.decoder import DepthMix
+    from megatron_k3.model.moe import StableLatentMoE
+    from megatron_k3.parallel.recompute import apply
+    from megatron_k3.precision import prepare_model_for_precision
+
+    run, _, _ = compose_config(TINY_MODEL + extra)
+    cfg = run.model
+    torch.manual_seed(0)
+    model = causal_lm_class(cfg)(cfg)
+    prepare_model_for_precision(model, run.precision, torch.device("cpu"))
+    model.train()
+    wrapped = apply(model, policy)
+    counter = _Counter()
+    moes = [m for m in model.modules() if isinstance(m, StableLatentMoE)]
+    mixes = [m for m in model.modules() if isinstance(m, DepthMix)]
+    for m in moes:
+        m.balance = counter
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    out = model(ids, labels=ids)
+    records = [id(m.tokens_per_expert_E) for m in moes] + [id(m.last_weights_N) for m in mixes]
+    out.loss.backward()
+    again = [id(m.tokens_per_expert_E) for m in moes] + [id(m.last_weights_N) for m in mixes]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads, wrapped, counter.calls, records == again, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_overflow=drop"], ["precision=mx_qat"]],
+                         ids=["dropless", "drop", "mx_qat"])
+def test_recompute_changes_no_gradient_in_one_process(extra):
+    loss, grads, _, calls, _, rng = _model_step(Policy("none"), extra)
+    assert calls == 3  # 3 MoE layers, each observed once
+    for policy in POLICIES:
+        got_loss, got, wrapped, got_calls, unchanged, got_rng = _model_step(policy, extra)
+        assert sum(wrapped.values()) > 0, policy
+        assert torch.equal(got_loss, loss), policy
+        assert got.keys() == grads.keys(), policy
+        different = [n for n, g in grads.items() if not torch.equal(got[n], g)]
+        assert not different, (policy, different[:5])
+        assert got_calls == calls, (policy, got_calls)  # the routers observed in the forward only
+        assert unchanged, policy  # load counts and depth weights not written again by the recomputed pass
+        assert torch.equal(got_rng, rng), policy
+
+
+def test_policies_wrap_the_regions_the_planner_names():
+    _, _, wrapped, *_ = _model_step(Policy("selective"), [])
+    # 4 layers: 2 norms each, 3 MoE latent norms and the final norm; 9 depth mixes (2 per layer, and the output's);
+    # 4 mixers; layer 0's dense FFN and 3 shared experts; 3 routed-expert sets
+    assert wrapped == {"layernorm": 12, "attn_res": 9, "core_attn": 4, "mlp_act": 4, "moe_act": 3}
+    assert _model_step(Policy("full", num_layers=3), [])[2] == {"layers": 3, "vision_blocks": 0}
+
+
+def test_bad_recompute_keys_name_the_key_and_what_is_valid():
+    from megatron_k3.config import ConfigError, compose_config
+
+    for overrides, key in ((["train.recompute=some"], "train.recompute"),
+                           (["train.recompute=selective", "train.recompute_modules=[mlp]"], "train.recompute_modules"),
+                           (["train.recompute_modules=[core_attn]"], "train.recompute_modules"),
+                           (["train.recompute=full", "train.recompute_num_layers=-1"], "train.recompute_num_layers"),
+                           (["train.recompute=selective", "train.recompute_num_layers=2"],
+                            "train.recompute_num_layers")):
+        run, _, _ = compose_config(overrides)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            run.validate()
+    with pytest.raises(ValueError, match="moe"):
+        Policy("selective", ("moe",))
+
+
+# ---------------------------------------------------------------------------------------------- the Trainer
+
+
+def _policies(rank, world, overrides, run_dir):
+    """2 steps of FAST + overrides under each train.recompute: per policy (losses, loads, parameters after each step,
+    router observations, the RNG state after)."""
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
+
+    out = {}
+    for policy in POLICY_ORDER:
+        run, _, _ = compose_run_config(FAST + overrides + [f"train.recompute={policy}", "train.steps=2"],
+                                       world_size=world)
+        try:
+            torch._dynamo.reset()  # each run compiles afresh (a later compile in a process can differ from the first)
+            torch.manual_seed(0)
+            trainer = Trainer(run, f"{run_dir}/{policy}/{rank}")
+            observed = [0]
+            for b in trainer.balancers:
+                orig = b.observe
+
+                def observe(*args, _orig=orig, _observed=observed):
+                    _observed[0] += 1
+                    return _orig(*args)
+                b.observe = observe
+            steps = []
+            for _ in range(2):
+                rec, loads = trainer.train_step()
+                steps.append((rec["loss"], loads.clone(), full_params(trainer)))
+            out[policy] = (steps, observed[0], len(trainer.balancers) * trainer.num_micro * 2,
+                           torch.get_rng_state())
+        finally:
+            shutdown()
+    return out
+
+
+def _assert_same(results, what, rounding=()):
+    """Every policy's run equal to none's bit for bit, those in `rounding` to fp32 rounding instead (losses within
+    RTOL, parameters within PARAM_RTOL per tensor in norm)."""
+    for rank, res in enumerate(results):
+        ref_steps, ref_obs, expected_obs, ref_rng = res["none"]
+        assert ref_obs == expected_obs, (what, rank, ref_obs, expected_obs)
+        for policy in ("selective", "full"):
+            steps, obs, _, rng = res[policy]
+            assert obs == ref_obs, (what, rank, policy, obs, ref_obs)
+            assert torch.equal(rng, ref_rng), (what, rank, policy)
+            for s, ((loss, loads, params), (l0, loads0, p0)) in enumerate(zip(steps, ref_steps)):
+                assert torch.equal(loads, loads0), (what, rank, policy, s)
+                if policy in rounding:
+                    worst = max(norm_rel(params[n], p0[n]) for n in p0)
+                    print(f"{what} {policy} step {s}: loss {abs(loss - l0) / abs(l0):.2g}, parameters {worst:.2g}")
+                    assert abs(loss - l0) <= RTOL * abs(l0) and worst < PARAM_RTOL, (what, policy, s, loss, l0, worst)
+                    continue
+                assert loss == l0, (what, rank, policy, s, loss, l0)
+                bad = [n for n in p0 if not torch.equal(params[n], p0[n])]
+                assert not bad, (what, rank, policy, s, bad[:4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,overrides", [
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (2, ["parallel.pp=2"]),
+    (2, ["parallel.ep=2"] + STATIC),
+    (2, ["parallel.ep=2", "model.moe_overflow=balanced"]),
+    (2, ["parallel.cp=2"]),
+    (1, ["train.compile=true", "train.compile_backend=aot_eager"]),
+], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_balanced", "cp2", "compiled_aot_eager"])
+def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides):
+    results = run_distributed(_policies, world, overrides, str(tmp_path), timeout=900)
+    _assert_same(results, overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_recompute_under_inductor(tmp_path):
+    """train.compile=true with inductor: full recomputation wraps the compiled layer and calls the same compiled code
+    again (bit for bit); selective regions are traced inside the compiled layer as torch's checkpoint operator and
+    inductor fuses the recomputed operations into the backward's kernels, which round differently from the forward's
+    (aot_eager, which runs the traced operations as they are, is bit for bit): fp32 rounding (losses within RTOL,
+    parameters within PARAM_RTOL)."""
+    results = run_distributed(_policies, 1, ["train.compile=true"], str(tmp_path), timeout=1500)
+    _assert_same(results, "inductor", ("selective",))
