@@ -750,3 +750,51 @@ def test_plan_reports_the_vision_tower(plan_tool, capsys):
         ["cluster=supernodes_8x64"])[0].cluster, Layout(world=512, tp=8, pp=8, ep=64, cp=2),
         Workload(8192, 1, 4096, "bf16", "muon"))
     assert any("context parallelism does not take media" in p.reason for p in probs)
+
+
+def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_offload():
+    """K3 at 1M tokens on supernodes_8x64: tp8 pp8 ep64 cp8 with full recomputation alone needs 149.9 GB per device;
+    the layer inputs it keeps go to host memory (train.offload_buffer_gb: up to that many bytes per device, the rest
+    stays), the MoE blocks and the LM head run over token tiles (train.tile_tokens), and it fits, with the host
+    memory per node within cluster.host_memory_gb; a host too small is refused naming train.offload_buffer_gb."""
+    from megatron_k3.config import ConfigError
+    from megatron_k3.planning.run import check_fits, compose_for_planning
+
+    run = compose_config(["model=k3", "cluster=supernodes_8x64", "train=pretrain", "precision=bf16"])[0]
+    cfg, cl = run.model, run.cluster
+    w = Workload(1 << 20, 1, 64, "bf16", "muon")
+    lay = Layout(world=512, tp=8, pp=8, ep=64, cp=8, recompute="full")
+    base = plan_training(cfg, cl, lay, w)
+    assert not base.fits and round(base.memory_per_device / GB, 1) == 149.9
+    first = training_memory(cfg, cl, lay, w)[0]
+    kept = first.activation_detail["layer_inputs"]
+    half = replace(lay, offload_bytes=kept / 2)
+    s0 = training_memory(cfg, cl, half, w)[0]
+    assert s0.host == pytest.approx(kept / 2) and s0.activations == pytest.approx(first.activations - kept / 2)
+    both = plan_training(cfg, cl, replace(lay, tile_tokens=4096, offload_bytes=40e9), w)
+    assert both.fits and both.memory_per_device / GB < 120 and 0 < both.host_per_node_gb < cl.host_memory_gb
+    tiled = training_memory(cfg, cl, replace(lay, tile_tokens=4096), w)[-1]
+    assert tiled.activation_detail.get("head", 0.0) < training_memory(cfg, cl, lay, w)[-1].activation_detail["head"]
+    args = ["model=k3", "cluster=supernodes_8x64", "parallel.tp=8", "parallel.pp=8", "parallel.ep=64", "parallel.cp=8",
+            "parallel.sequence_parallel=true", "train.seq_length=1048576", "train.global_batch_size=64",
+            "train.recompute=full", "train.tile_tokens=4096", "train.offload_buffer_gb=40"]
+    assert check_fits(compose_for_planning(args)[0], 512)
+    with pytest.raises(ConfigError, match=r"train\.offload_buffer_gb=40.*cluster\.host_memory_gb=64"):
+        check_fits(compose_for_planning(args + ["cluster.host_memory_gb=64"])[0], 512)
+
+
+def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_that_fits():
+    """tp8 pp8 ep64 at 4096 tokens (the search's best on supernodes_8x64): train.recompute=auto (train=pretrain)
+    resolves to selective and fits; none is refused before anything is built, naming train.recompute and what fits."""
+    from megatron_k3.config import ConfigError
+    from megatron_k3.planning.run import check_fits, compose_for_planning, resolve_recompute, workload
+
+    args = ["model=k3", "cluster=supernodes_8x64", "parallel.tp=8", "parallel.pp=8", "parallel.ep=64",
+            "parallel.sequence_parallel=true"]
+    run = compose_for_planning(args)[0]
+    assert run.train.recompute == "auto" and resolve_recompute(run, 512) == "selective"
+    assert max(s.total for s in check_fits(run, 512)) / GB < 141
+    best = search_training(run.model, run.cluster, workload(run), 1).fits[0]
+    assert (best.layout.tp, best.layout.pp, best.layout.ep, best.layout.recompute) == (8, 8, 64, "selective")
+    with pytest.raises(ConfigError, match=r"train\.recompute='none'.*train\.recompute=selective fits"):
+        check_fits(compose_for_planning(args + ["train.recompute=none"])[0], 512)

@@ -6,7 +6,9 @@
   router observation count, the load counts, the depth weights) and the RNG after the step is the same.
 - The Trainer, under tp2 + sequence parallelism, pp2, ep2 (drop and balanced), cp2 and compiled (aot_eager): the
   losses, the expert loads and every parameter after each step bit for bit equal to none, the routers observed once
-  per micro-batch and MoE layer, the RNG state after the steps the same. Under inductor (make test-compile) full
+  per micro-batch and MoE layer, the RNG state after the steps the same; in the same runs activation offload (pp2)
+  and parallel.overlap_grad_reduce (DeepSpeed's overlap_comm, dp2) bit for bit, sequence tiling (tp2 + SP, ep2
+  balanced, cp2) to fp32 rounding. Under inductor (make test-compile) full
   recomputation is bit for bit and selective agrees to fp32 rounding (test_recompute_under_inductor says why).
 
 Bit for bit, not within a tolerance: a recomputed region runs the same operations on the same inputs in the same
@@ -109,21 +111,21 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
 # ---------------------------------------------------------------------------------------------- the Trainer
 
 
-def _policies(rank, world, overrides, run_dir):
-    """2 steps of FAST + overrides under each train.recompute: per policy (losses, loads, parameters after each step,
-    router observations, the RNG state after)."""
+def _policies(rank, world, overrides, run_dir, extra=()):
+    """2 steps of FAST + overrides under train.recompute=none, selective and full, and each (name, overrides) of
+    `extra`: per variant (losses, loads, parameters after each step, router observations, the RNG state after)."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
     out = {}
-    for policy in POLICY_ORDER:
-        run, _, _ = compose_run_config(FAST + overrides + [f"train.recompute={policy}", "train.steps=2"],
-                                       world_size=world)
+    variants = [(p, [f"train.recompute={p}"]) for p in POLICY_ORDER] + list(extra)
+    for name, more in variants:
+        run, _, _ = compose_run_config(FAST + overrides + more + ["train.steps=2"], world_size=world)
         try:
             torch._dynamo.reset()  # each run compiles afresh (a later compile in a process can differ from the first)
             torch.manual_seed(0)
-            trainer = Trainer(run, f"{run_dir}/{policy}/{rank}")
+            trainer = Trainer(run, f"{run_dir}/{name}/{rank}")
             observed = [0]
             for b in trainer.balancers:
                 orig = b.observe
@@ -136,20 +138,19 @@ def _policies(rank, world, overrides, run_dir):
             for _ in range(2):
                 rec, loads = trainer.train_step()
                 steps.append((rec["loss"], loads.clone(), full_params(trainer)))
-            out[policy] = (steps, observed[0], len(trainer.balancers) * trainer.num_micro * 2,
-                           torch.get_rng_state())
+            out[name] = (steps, observed[0], len(trainer.balancers) * trainer.num_micro * 2, torch.get_rng_state())
         finally:
             shutdown()
     return out
 
 
 def _assert_same(results, what, rounding=()):
-    """Every policy's run equal to none's bit for bit, those in `rounding` to fp32 rounding instead (losses within
-    RTOL, parameters within PARAM_RTOL per tensor in norm)."""
+    """Every variant's run equal to none's bit for bit, those in `rounding` to fp32 rounding instead (losses within
+    RTOL, parameters within PARAM_RTOL per tensor in norm, as the layout tests hold a layout to one process)."""
     for rank, res in enumerate(results):
         ref_steps, ref_obs, expected_obs, ref_rng = res["none"]
         assert ref_obs == expected_obs, (what, rank, ref_obs, expected_obs)
-        for policy in ("selective", "full"):
+        for policy in res:
             steps, obs, _, rng = res[policy]
             assert obs == ref_obs, (what, rank, policy, obs, ref_obs)
             assert torch.equal(rng, ref_rng), (what, rank, policy)
@@ -165,18 +166,24 @@ def _assert_same(results, what, rounding=()):
                 assert not bad, (what, rank, policy, s, bad[:4])
 
 
+TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tiling.py says why)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,overrides", [
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    (2, ["parallel.pp=2"]),
-    (2, ["parallel.ep=2"] + STATIC),
-    (2, ["parallel.ep=2", "model.moe_overflow=balanced"]),
-    (2, ["parallel.cp=2"]),
-    (1, ["train.compile=true", "train.compile_backend=aot_eager"]),
+@pytest.mark.parametrize("world,overrides,extra", [
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], [TILED]),
+    (2, ["parallel.pp=2"], [("offloaded", ["train.recompute=full", "train.offload_buffer_gb=1"])]),
+    # dp2 (the dense parameters' data parallelism): DeepSpeed's overlap_comm changes no number either
+    (2, ["parallel.ep=2"] + STATIC, [("overlap_grad_reduce", ["parallel.overlap_grad_reduce=true"])]),
+    (2, ["parallel.ep=2", "model.moe_overflow=balanced"], [TILED]),
+    (2, ["parallel.cp=2"], [TILED]),
+    (1, ["train.compile=true", "train.compile_backend=aot_eager"], []),
 ], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_balanced", "cp2", "compiled_aot_eager"])
-def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides):
-    results = run_distributed(_policies, world, overrides, str(tmp_path), timeout=900)
-    _assert_same(results, overrides)
+def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):
+    """Also, per layout: sequence tiling (to rounding), activation offload under pp2 and the overlapped gradient
+    reduction at dp2 (bit for bit), each against the same layout's none."""
+    results = run_distributed(_policies, world, overrides, str(tmp_path), extra, timeout=900)
+    _assert_same(results, overrides, ("tiled",))
 
 
 @pytest.mark.slow
@@ -189,3 +196,4 @@ def test_recompute_under_inductor(tmp_path):
     parameters within PARAM_RTOL)."""
     results = run_distributed(_policies, 1, ["train.compile=true"], str(tmp_path), timeout=1500)
     _assert_same(results, "inductor", ("selective",))
+

@@ -10,9 +10,8 @@
 - Offload, one process: bit for bit equal to full recomputation (the host round trip copies values; the graph is
   full's), the completed AttnRes blocks held once however many layers read them, all host memory released by the
   backward, a budget too small keeps the inputs on the device and is still exact.
-- The Trainer: tiled under tp2 + sequence parallelism, ep2 balanced and cp2 follows untiled as the layout tests
-  follow one process (losses within RTOL, parameters within PARAM_RTOL per tensor in norm after the steps);
-  offloaded under pp2 bit for bit equal to full.
+- The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
+  and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Bad input names the key: a tile that does not divide the tokens, tiling with the drop dispatcher, offload without
   full recomputation.
 """
@@ -21,8 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from helpers import FAST, PARAM_RTOL, RTOL, TINY_MODEL, full_params, max_abs_rel, norm_rel
+from helpers import TINY_MODEL, max_abs_rel
 
 from megatron_k3.parallel.recompute import Policy
 
@@ -108,49 +106,3 @@ def test_bad_tiling_and_offload_name_the_key():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             run.validate()
 
-
-# ---------------------------------------------------------------------------------------------- the Trainer
-
-
-def _runs(rank, world, overrides, variants, run_dir):
-    from megatron_k3.config import compose_run_config
-    from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.loop import Trainer
-
-    out = []
-    for i, extra in enumerate(variants):
-        run, _, _ = compose_run_config(FAST + overrides + extra + ["train.steps=2"], world_size=world)
-        try:
-            torch.manual_seed(0)
-            trainer = Trainer(run, f"{run_dir}/{i}/{rank}")
-            steps = []
-            for _ in range(2):
-                rec, loads = trainer.train_step()
-                steps.append((rec["loss"], loads.clone(), full_params(trainer)))
-            out.append(steps)
-        finally:
-            shutdown()
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                       ["parallel.ep=2", "model.moe_overflow=balanced"], ["parallel.cp=2"]],
-                         ids=["tp2_sp", "ep2_balanced", "cp2"])
-def test_tiled_training_follows_untiled(tmp_path, overrides):
-    for ref, tiled in run_distributed(_runs, 2, overrides, [[], ["train.tile_tokens=16"]], str(tmp_path),
-                                      timeout=600):
-        for (loss, loads, params), (l0, loads0, p0) in zip(tiled, ref):
-            assert abs(loss - l0) <= RTOL * abs(l0) and torch.equal(loads, loads0)
-            worst = max(norm_rel(params[n], p0[n]) for n in p0)
-            assert worst < PARAM_RTOL, worst  # as the layout tests hold AdamW steps from gradients equal to rounding
-
-
-@pytest.mark.slow
-def test_offloaded_training_equals_full_under_pipeline_parallelism(tmp_path):
-    variants = [["train.recompute=full"], ["train.recompute=full", "train.offload_buffer_gb=1"]]
-    for full, offloaded in run_distributed(_runs, 2, ["parallel.pp=2", "train.global_batch_size=4"], variants,
-                                           str(tmp_path), timeout=600):
-        for (loss, loads, params), (l0, loads0, p0) in zip(offloaded, full):
-            assert loss == l0 and torch.equal(loads, loads0)
-            assert all(torch.equal(params[n], p0[n]) for n in p0)

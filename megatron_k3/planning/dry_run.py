@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..annotations import full_shape, shard_offsets
 from ..model import causal_lm_class
-from ..parallel import ParallelGroups, build_model, state
+from ..parallel import ParallelGroups, build_model, state, tiling
 from ..parallel.pipeline import pack, unpack
 from ..parallel.recompute import Policy
 from ..parallel.recompute import apply as apply_recompute
@@ -233,8 +233,9 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
                      step: bool = True, recompute: str = "none") -> Materialized:
     """Rank `rank` of `world` allocated on the CPU in `dtype`, initialised from `seed` and, with `step`, one
     forward and backward of train.micro_batch_size x train.seq_length tokens under the trainer's activation
-    recomputation `recompute` (with the run's train.recompute_modules / recompute_num_layers); memory measured
-    throughout."""
+    recomputation `recompute` (with the run's train.recompute_modules / recompute_num_layers, train.tile_tokens and
+    train.offload_buffer_gb); memory measured throughout (on the CPU the offloaded layer inputs are live tensors
+    too: `offloaded_peak_bytes` says how much of the peak they are)."""
     torch.manual_seed(seed)
     rss0 = _rss_bytes()
     with fake_rank(run, world, rank) as ps:
@@ -250,9 +251,14 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
         m = Materialized(built.coords, built.layers, built.experts, built.params, str(dtype).replace("torch.", ""),
                          round(init_s, 2), tracker.peak, tracker.current, tracker.largest, largest_param)
         if step:
-            lay = layout(run, world, recompute)
-            apply_recompute(model, Policy(recompute, lay.recompute_modules, lay.recompute_num_layers))
+            lay = layout(run, world, recompute)  # the trainer's policy, tiling and offload, as the Trainer applies them
+            apply_recompute(model, Policy(recompute, lay.recompute_modules, lay.recompute_num_layers,
+                                          int(lay.offload_bytes)))
+            tiling.apply(model, lay.tile_tokens, run.model.moe_overflow)
             m.step = _step(run, model, ps, tracker, dtype)
+            off = getattr(model, "host_offload", None)
+            if off is not None:  # on the CPU the host copies are live tensors too: reported apart
+                m.step["offloaded_peak_bytes"] = off.peak
     m.rss_peak_bytes, m.rss_start_bytes = _peak_rss_bytes(), rss0
     return m
 
