@@ -4,7 +4,8 @@
   each policy (selective with all modules and with a subset, full, full on the first 2 layers), with the dropless and
   the drop dispatcher, fp32 and MX QAT; what a forward records besides its output happens in the forward only (the
   router observation count, the load counts, the depth weights) and the RNG after the step is the same.
-- The Trainer, under tp2 + sequence parallelism, pp2, ep2 (drop and balanced), cp2 and compiled (aot_eager): the
+- The Trainer, under tp2 + sequence parallelism, pp2, ep2 (drop, dropless and balanced), cp2, the vision-language
+  model at tp2 (its tower's blocks and attention recomputed too) and compiled (aot_eager): the
   losses, the expert loads and every parameter after each step bit for bit equal to none, the routers observed once
   per micro-batch and MoE layer, the RNG state after the steps the same; in the same runs activation offload (pp2)
   and parallel.overlap_grad_reduce (DeepSpeed's overlap_comm, dp2) bit for bit, sequence tiling (tp2 + SP, ep2
@@ -175,10 +176,12 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
     (2, ["parallel.pp=2"], [("offloaded", ["train.recompute=full", "train.offload_buffer_gb=1"])]),
     # dp2 (the dense parameters' data parallelism): DeepSpeed's overlap_comm changes no number either
     (2, ["parallel.ep=2"] + STATIC, [("overlap_grad_reduce", ["parallel.overlap_grad_reduce=true"])]),
+    (2, ["parallel.ep=2", "model.moe_overflow=dropless"], []),
     (2, ["parallel.ep=2", "model.moe_overflow=balanced"], [TILED]),
     (2, ["parallel.cp=2"], [TILED]),
+    (2, ["model=k3_vl_tiny", "data=multimodal", "parallel.tp=2"], []),  # the vision tower's blocks and attention
     (1, ["train.compile=true", "train.compile_backend=aot_eager"], []),
-], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_balanced", "cp2", "compiled_aot_eager"])
+], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_dropless", "ep2_balanced", "cp2", "vision_tp2", "compiled_aot_eager"])
 def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):
     """Also, per layout: sequence tiling (to rounding), activation offload under pp2 and the overlapped gradient
     reduction at dp2 (bit for bit), each against the same layout's none."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..model.k3 import CausalLMOutput
 from ..model.layers import recomputing
 from ..model.moe import StableLatentMoE
