@@ -4,8 +4,9 @@ Each layer is a list of `ActTerm`s, elements per token with a dtype class and th
 with. Two kernel profiles:
 
 * "eager" is what this repository runs on CPU (and on GPU without fused kernels), read off the code: the
-  torch chunked KDA keeps its chunk matrices, the math attention keeps the [T, T] probabilities of the
-  packed row, the depth mix keeps a stacked fp32 copy of its sources, SiTU keeps its fp32 intermediates.
+  torch chunked KDA keeps its chunk matrices, the attention (torch's CPU flash kernel behind
+  F.scaled_dot_product_attention) keeps the additive [T, T] document mask of the packed row and the log-sum-exp, not
+  the probabilities, the depth mix keeps a stacked fp32 copy of its sources, SiTU keeps its fp32 intermediates.
 * "fused" is the accelerator path a 2.8T run uses: fla's chunk_kda (keeps q, k, v, g, beta, the
   intra-chunk matrices and chunk states), flash attention (keeps q, k, v, o and the log-sum-exp), fused
   norms, SiTU and depth mix (keep their inputs and per-row statistics).
@@ -168,12 +169,14 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
     gate = 2 * H * Vd if cfg.mla_output_gate else 0
     if cp > 1:  # the whole sequence's latent, and the keys and values expanded from it, on every CP rank
         t.append(ActTerm("mla_latent_gathered", "mla_latent", L + Rr, "a", "gathered"))
-        if eager:  # math attention per query block: scaled q; each block's scaled copy of the keys it sees
-            # ((2cp+1)/2cp of the sequence per rank), the expanded [k_nope | v] that v views, the probabilities
+        if eager:  # torch's CPU flash attention per query block: q; each block's copy of the keys it sees
+            # ((2cp+1)/2cp of the sequence per rank), the expanded [k_nope | v] that v views; the block's additive
+            # mask over the keys it sees (in the activation dtype, shared by the heads) and the log-sum-exp
             t += [ActTerm("mla_q", "mla", H * qk, "a", "full"),
                   ActTerm("mla_kv_gathered", "mla", H * (N + Vd) + H * qk * (2 * cp + 1) / (2 * cp), "a",
                           "gathered"),
-                  ActTerm("mla_probs", "mla", H, "f", "span", "core_attn"),
+                  ActTerm("mla_mask", "mla", 1, "a", "span", "core_attn"),
+                  ActTerm("mla_lse", "mla", H, "f", "full", "core_attn"),
                   ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
         else:  # flash attention keeps q, o, lse locally and the gathered keys and values
             t += [ActTerm("mla_qo", "mla", H * qk + H * Vd, "a", "full"),
@@ -181,10 +184,12 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
                   ActTerm("mla_lse", "mla", H, "f", "full"),
                   ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
         return t
-    if eager:  # math attention over the packed row: scaled q, k^T, v, the probabilities, the mask
+    if eager:  # torch's CPU flash attention over the packed row (what F.scaled_dot_product_attention runs on the
+        # CPU with a document mask, fp32 or bf16): q, k, v, the output (the gate's input below), the log-sum-exp
+        # and the additive [row, row] mask in the activation dtype, shared by the heads; no probabilities
         t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * Vd, "a", "full"),
-              ActTerm("mla_probs", "mla", H, "f", "row", "core_attn"),
-              ActTerm("mla_mask", "mla", 0.125, "f", "row", "core_attn"),  # bool [row, row]: 1 byte = 1/8 of an int64
+              ActTerm("mla_mask", "mla", 1, "a", "row", "core_attn"),
+              ActTerm("mla_lse", "mla", H, "f", "full", "core_attn"),
               ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
     else:
         t += [ActTerm("mla_qkvo", "mla", 2 * H * qk + 2 * H * Vd, "a", "full"),

@@ -269,7 +269,9 @@ def _step(run, model, ps, tracker, dtype) -> dict:
     cp = ps.size("cp")
     first, last = model.model.embed_tokens is not None, model.lm_head is not None
     start = model.model.layers.indices()[0] if len(model.model.layers) else 0
-    ids = torch.randint(0, run.model.vocab_size, (B, T // cp))
+    # the whole sequence, as the Trainer feeds every CP rank: context parallelism's pre-hook takes this rank's share
+    # (a stage after the first gets its share of the state between stages, and the ids only for their length)
+    ids = torch.randint(0, run.model.vocab_size, (B, T))
     model.train()
     tracker.reset_peak()
     t0 = time.perf_counter()
@@ -277,7 +279,7 @@ def _step(run, model, ps, tracker, dtype) -> dict:
         tracker.phase = "forward"
         x = None if first else _stage_input(run, model, start, (B, T // cp), dtype)
         state_in = None if x is None else unpack(x, run.model.attn_res)
-        out = model(ids if first else None, labels=ids if last else None, state_in=state_in)
+        out = model(ids if first or cp > 1 else None, labels=ids if last else None, state_in=state_in)
         tracker.phase = "backward"
         if last:
             out.loss.backward()
