@@ -244,6 +244,20 @@ def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> di
             "metadata_bytes_per_step": d["metadata"][0], "link_gbps": cluster.intra_supernode_gbps}
 
 
+def _stage_times(cfg, cluster, lay: Layout, w: Workload, stages, mem, rate: float) -> list:
+    """Per pipeline stage (seconds per micro-batch, forward, backward and recomputed FLOPs, its StepComm, the
+    stage): compute, communication on the critical path and, with activation offload, the layer inputs' copies to
+    host and back (side streams while the stage computes) beyond the compute."""
+    out = []
+    for s, (a, b) in enumerate(stages):
+        fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1, s == 0)
+        comm = training_comm(cfg, cluster, lay, w, s)
+        t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
+        copies = 2 * mem[s].host / mem[s].in_flight / (cluster.host_copy_gbps * GB) if mem[s].host else 0.0
+        out.append((t + max(0.0, copies - (fwd + bwd + rec) / rate), fwd, bwd, rec, comm, s))
+    return out
+
+
 def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
     """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
     problems = planner_problems(cfg, cluster, lay, w)
@@ -256,17 +270,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     worst = max(mem, key=lambda s: s.total)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp)
     rate = _peak_flops(cluster, w.precision) * cluster.gemm_efficiency
-    # slowest stage per micro-batch, communication on the critical path included
-    per_stage = []
-    for s, (a, b) in enumerate(stages):
-        fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1, s == 0)
-        comm = training_comm(cfg, cluster, lay, w, s)
-        t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
-        # activation offload: each micro-batch's layer inputs go to host and come back, on side streams while the
-        # stage computes; what the copies take beyond the compute is exposed
-        copies = 2 * mem[s].host / mem[s].in_flight / (cluster.host_copy_gbps * GB) if mem[s].host else 0.0
-        t += max(0.0, copies - (fwd + bwd + rec) / rate)
-        per_stage.append((t, fwd, bwd, rec, comm, s))
+    per_stage = _stage_times(cfg, cluster, lay, w, stages, mem, rate)
     t_micro, fwd, bwd, rec, comm, slow = max(per_stage, key=lambda x: x[0])
     pipeline = (m + lay.pp - 1) * t_micro
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
