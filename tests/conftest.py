@@ -15,10 +15,12 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 # --dist loadscope --no-loadscope-reorder). The modules that take longest go first, so the workers finish together
 # rather than one running a long module alone at the end (xdist's own order is by test count, which put the
 # torchrun fault drills last). Order from the slowest-test list of a 2-core run (2026-12-02), about 100 s down to 25 s
-# a module, after test_readme (the README's commands, ~5 minutes); every other module follows in its usual order.
-LONGEST_FIRST = ("test_readme", "test_fault_drills", "test_vision_train", "test_compile", "test_checkpoint",
-                 "test_engine", "test_train", "test_expert_parallel", "test_build_rank", "test_context_parallel",
-                 "test_faults", "test_sharded_checkpoint", "test_pipeline", "test_k3_streaming")
+# a module, after test_readme (the README's commands, ~5 minutes); test_recompute (2026-12-03: eight layouts, 3-4 runs
+# each, ~3 minutes) joins them; every other module follows in its usual order.
+LONGEST_FIRST = ("test_readme", "test_fault_drills", "test_recompute", "test_vision_train", "test_compile",
+                 "test_checkpoint", "test_engine", "test_train", "test_expert_parallel", "test_build_rank",
+                 "test_context_parallel", "test_faults", "test_sharded_checkpoint", "test_pipeline",
+                 "test_k3_streaming")
 
 
 def pytest_collection_modifyitems(config, items):
