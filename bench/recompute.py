@@ -3,7 +3,8 @@ memory, as ratios to no recomputation, in one run on this CPU (megatron_k3.paral
 
     .venv/bin/python bench/recompute.py [--model k3_tiny --seq 2048 --batch 1 --tile 256 --reps 5]
 
-Each variant builds the same model (same seed), applies its policy from outside as the Trainer does, and runs
+Each variant builds the same model (same seed), applies its policy from outside as the Trainer does
+(tests/helpers.wrapped_model), and runs
 forward + backward of the same batch: the step time is the median of --reps timed steps after a warm-up, taken
 round-robin over the variants so the machine's drift hits them alike; the peak is the live-tensor peak of one more
 step under megatron_k3.planning.measure.LiveTensorMemory (every tensor storage an op creates), with the weights and
@@ -19,14 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import torch  # noqa: E402
+from helpers import wrapped_model  # noqa: E402  (tests/helpers.py: the model as the Trainer wraps it)
 
-from megatron_k3.config import compose_config  # noqa: E402
-from megatron_k3.model import causal_lm_class  # noqa: E402
-from megatron_k3.parallel import tiling  # noqa: E402
-from megatron_k3.parallel.recompute import Policy, apply  # noqa: E402
+from megatron_k3.parallel.recompute import Policy  # noqa: E402
 from megatron_k3.planning.measure import LiveTensorMemory  # noqa: E402
 
 VARIANTS = {
@@ -38,17 +38,6 @@ VARIANTS = {
     "none + tiles": (Policy("none"), -1),
     "full + tiles + offload": (Policy("full", offload_bytes=1 << 40), -1),
 }
-
-
-def build(a, policy: Policy, tile: int):
-    run, _, _ = compose_config([f"model={a.model}"])
-    cfg = run.model
-    torch.manual_seed(0)
-    model = causal_lm_class(cfg)(cfg)
-    model.train()
-    apply(model, policy)
-    tiling.apply(model, tile, cfg.moe_overflow)
-    return model, cfg
 
 
 def step(model, ids):
@@ -68,7 +57,7 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     models = {}
     for name, (policy, tile) in VARIANTS.items():
-        models[name] = build(a, policy, a.tile if tile < 0 else tile)
+        models[name] = wrapped_model([f"model={a.model}"], policy, a.tile if tile < 0 else tile)[:2]
     cfg = models["none"][1]
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
     grads = {}

@@ -152,6 +152,38 @@ def train_layout(rank, world, overrides, run_dir, base=FAST):
         shutdown()
 
 
+def wrapped_model(overrides, policy, tile: int = 0):
+    """One process's model of `overrides` (seed 0, train mode, its precision prepared) with the recomputation
+    `policy` (parallel.recompute.Policy) and `tile`-token tiling (parallel.tiling, 0: off) applied from outside, as
+    the Trainer applies them: (model, model config, what was wrapped)."""
+    from megatron_k3.config import compose_config
+    from megatron_k3.model import causal_lm_class
+    from megatron_k3.parallel import tiling
+    from megatron_k3.parallel.recompute import apply
+    from megatron_k3.precision import prepare_model_for_precision
+
+    run, _, _ = compose_config(list(overrides))
+    cfg = run.model
+    torch.manual_seed(0)
+    model = causal_lm_class(cfg)(cfg)
+    prepare_model_for_precision(model, run.precision, torch.device("cpu"))
+    model.train()
+    wrapped = apply(model, policy)
+    wrapped.update(tiling.apply(model, tile, cfg.moe_overflow))
+    return model, cfg, wrapped
+
+
+class ObservationCounter:
+    """Stands in for the MoE layers' balancers: counts Quantile Balancing's observations and the rows they bring."""
+
+    def __init__(self):
+        self.calls = self.rows = 0
+
+    def observe(self, scores_NE, bias_E, x_ND=None):
+        self.calls += 1
+        self.rows += scores_NE.shape[0]
+
+
 def train_layout_default_optimizer(rank, world, overrides, run_dir):
     """`train_layout` with the default optimizer (Per-Head Muon for matrices, AdamW for the rest)."""
     return train_layout(rank, world, overrides, run_dir, base=[a for a in FAST if not a.startswith("optim=")])

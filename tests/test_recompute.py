@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, full_params, norm_rel
+from helpers import FAST, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, ObservationCounter, full_params, norm_rel, wrapped_model
 
 from megatron_k3.parallel.recompute import Policy
 
@@ -31,30 +31,12 @@ POLICIES = [Policy("selective"), Policy("selective", ("core_attn", "moe_act")), 
             Policy("full", num_layers=2)]
 
 
-class _Counter:
-    def __init__(self):
-        self.calls = 0
-
-    def observe(self, *args):
-        self.calls += 1
-
-
 def _model_step(policy: Policy, extra: list):
-    from megatron_k3.config import compose_config
-    from megatron_k3.model import causal_lm_class
     from megatron_k3.model.decoder import DepthMix
     from megatron_k3.model.moe import StableLatentMoE
-    from megatron_k3.parallel.recompute import apply
-    from megatron_k3.precision import prepare_model_for_precision
 
-    run, _, _ = compose_config(TINY_MODEL + extra)
-    cfg = run.model
-    torch.manual_seed(0)
-    model = causal_lm_class(cfg)(cfg)
-    prepare_model_for_precision(model, run.precision, torch.device("cpu"))
-    model.train()
-    wrapped = apply(model, policy)
-    counter = _Counter()
+    model, cfg, wrapped = wrapped_model(TINY_MODEL + extra, policy)
+    counter = ObservationCounter()
     moes = [m for m in model.modules() if isinstance(m, StableLatentMoE)]
     mixes = [m for m in model.modules() if isinstance(m, DepthMix)]
     for m in moes:

@@ -20,37 +20,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_MODEL, max_abs_rel
+from helpers import TINY_MODEL, ObservationCounter, max_abs_rel, wrapped_model
 
 from megatron_k3.parallel.recompute import Policy
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 
 
-class _Counter:
-    def __init__(self):
-        self.calls = self.rows = 0
-
-    def observe(self, scores_NE, bias_E, x_ND=None):
-        self.calls += 1
-        self.rows += scores_NE.shape[0]
-
-
 def _step(policy: Policy, tile: int = 0, extra=()):
-    from megatron_k3.config import compose_config
-    from megatron_k3.model import causal_lm_class
     from megatron_k3.model.moe import StableLatentMoE
-    from megatron_k3.parallel import tiling
-    from megatron_k3.parallel.recompute import apply
 
-    run, _, _ = compose_config(TINY_MODEL + list(extra))
-    cfg = run.model
-    torch.manual_seed(0)
-    model = causal_lm_class(cfg)(cfg)
-    model.train()
-    apply(model, policy)
-    tiling.apply(model, tile, cfg.moe_overflow)
-    counter = _Counter()
+    model, cfg, _ = wrapped_model(TINY_MODEL + list(extra), policy, tile)
+    counter = ObservationCounter()
     moes = [m for m in model.modules() if isinstance(m, StableLatentMoE)]
     for m in moes:
         m.balance = counter

@@ -32,6 +32,12 @@ RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
 RECOMPUTE_MODULES = ("attn_res", "layernorm", "core_attn", "mlp_act", "moe_act")
 
 
+def recomputed_kinds(policy: str, modules) -> frozenset:
+    """The module kinds a policy rebuilds: under selective the given ones (empty: all of RECOMPUTE_MODULES), else
+    none (full recomputes whole layers, not kinds)."""
+    return frozenset(modules or RECOMPUTE_MODULES) if policy == "selective" else frozenset()
+
+
 def _require_ints(obj, prefix: str, keys, minimum: int) -> None:
     for k in keys:
         v = getattr(obj, k)

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.schema import RECOMPUTE_MODULES as MODULES
 from ..config.schema import RECOMPUTE_POLICIES as POLICIES
+from ..config.schema import recomputed_kinds
 from ..model.decoder import DecoderLayer, DepthMix, ResidualState
 from ..model.experts import GroupedExperts
 from ..model.kda import KimiDeltaAttention
@@ -78,9 +79,7 @@ class Policy:
     @property
     def selected(self) -> frozenset:
         """The module kinds recomputed under selective (empty for none and full)."""
-        if self.name != "selective":
-            return frozenset()
-        return frozenset(self.modules or MODULES)
+        return recomputed_kinds(self.name, self.modules)
 
 
 def _checkpointed(fn):

@@ -15,9 +15,8 @@ per micro-batch, concatenated (not tile by tile), the load counts and dropped as
 the balanced dispatch's statistics the tiles' loads summed (replica slots in use: the largest).
 
 Rules (ConfigError naming train.tile_tokens, checked when applied, before the first step): the tokens of a
-micro-batch on a device divide into tiles of `tile_tokens` (a multiple of tp when the routed branch splits its
-tokens over TP without sequence parallelism); the drop dispatcher is refused (its per-expert capacity would be per
-tile, dropping other assignments than the untiled layer).
+micro-batch on a device divide into tiles of `tile_tokens`; the drop dispatcher is refused (its per-expert capacity
+would be per tile, dropping other assignments than the untiled layer).
 """
 
 from __future__ import annotations
@@ -81,7 +80,6 @@ def _tiled_moe(moe, tile: int):
         if stats:
             bal.stats = (sum(st[0] for st in stats), max(st[1] for st in stats))
         return torch.cat(outs, 1).view(B, T, -1)
-    run.tiles = tile
     return run
 
 
@@ -120,7 +118,6 @@ def _tiled_head(model, tile: int):
         if seq is not None:
             loss = seq.shard.global_mean(loss, count)
         return CausalLMOutput(logits=None, loss=loss, cache=None)
-    run.tiles = tile
     return run
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.schema import RECOMPUTE_MODULES
+from ..config.schema import recomputed_kinds
 from ..layout import Problem, has_moe, rules, stage_layers
 
 __all__ = ["Layout", "planner_problems", "stage_layers", "group_span"]
@@ -33,9 +33,7 @@ class Layout:
     @property
     def recomputed(self) -> frozenset:
         """The module kinds selective recomputation rebuilds (empty unless recompute == "selective")."""
-        if self.recompute != "selective":
-            return frozenset()
-        return frozenset(self.recompute_modules or RECOMPUTE_MODULES)
+        return recomputed_kinds(self.recompute, self.recompute_modules)
 
     def full_layers(self, a: int, b: int) -> range:
         """The layers of stage [a, b) that full recomputation checkpoints whole (none unless recompute == "full")."""

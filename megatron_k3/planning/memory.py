@@ -36,7 +36,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..config.schema import RECOMPUTE_MODULES
+from ..config.schema import recomputed_kinds
 from ..layout import replica_slots
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
@@ -353,10 +353,7 @@ def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1, recomputed
     patches = v.merge_size * features
     block, tower, proj = vision_terms(cfg, w.kernels, vision_image_patches(cfg, w.seq_length, w.image_share))
     nbytes = {"a": w.act_bytes, "f": 4, "i": 8}
-    if recompute != "selective":
-        rec = frozenset()
-    else:
-        rec = frozenset(RECOMPUTE_MODULES) if recomputed is None else recomputed
+    rec = recomputed_kinds(recompute, ()) if recomputed is None else recomputed
 
     def per(terms, mods=frozenset()):
         return sum(t.per_token * nbytes[t.dtype] for t in terms if kept(t, mods))

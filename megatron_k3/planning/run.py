@@ -159,9 +159,10 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
                     f"{base / GB:.4g} GB with the drop dispatcher), over cluster.device_memory_gb="
                     f"{run.cluster.device_memory_gb}: {fix}"))
         parts = ", ".join(f"{k} {v:.1f}" for k, v in worst.breakdown_gb().items())
-        fits = [rc for rc in ("selective", "full") if rc != recompute and _largest_stage(run, world, rc, w) <= capacity
-                and ("none", "selective", "full").index(rc) > ("none", "selective", "full").index(recompute)]
-        fix = (f"train.recompute={fits[0]} fits ({_largest_stage(run, world, fits[0], w) / GB:.1f} GB)" if fits else
+        order = ("none", "selective", "full")
+        more = ((rc, _largest_stage(run, world, rc, w)) for rc in order[order.index(recompute) + 1:])
+        fits = [(rc, gb) for rc, gb in more if gb <= capacity][:1]
+        fix = (f"train.recompute={fits[0][0]} fits ({fits[0][1] / GB:.1f} GB)" if fits else
                f"no recomputation fits this layout; tools/plan.py model={run.model.name} cluster={run.cluster.name} "
                "--search lists layouts that fit")
         key = "train.recompute" if fits else "parallel"

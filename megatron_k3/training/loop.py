@@ -141,9 +141,8 @@ class Trainer:
             log.info("train.compile: %d decoder layers compiled (%s), cache %s", n, t.compile_backend,
                      os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         lay = plan_layout(run, self.world, self.recompute)
-        offload = int(t.offload_buffer_gb * 1e9) if self.recompute == "full" else 0
         wrapped = recompute.apply(self.model, recompute.Policy(self.recompute, lay.recompute_modules,
-                                                               lay.recompute_num_layers, offload))
+                                                               lay.recompute_num_layers, int(lay.offload_bytes)))
         wrapped.update(tiling.apply(self.model, t.tile_tokens, run.model.moe_overflow))
         if wrapped and self.rank == 0:
             log.info("train.recompute=%s, train.tile_tokens=%d: %s", self.recompute, t.tile_tokens,
