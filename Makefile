@@ -14,7 +14,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: install install-test train test test-fast test-compile lint bench clean
+.PHONY: install install-test train sft test test-fast test-compile lint bench clean
 
 # what training needs (requirements.txt = pyproject's dependencies), the package in editable mode: make train
 $(STAMP): requirements.txt pyproject.toml
@@ -35,7 +35,7 @@ install-test: $(TEST_STAMP)
 
 # the whole suite: unit tests, multi-process gloo worlds, training runs, the README's commands (~16 minutes on 2 cores)
 test: install-test
-	$(XDIST) -m "not compile" $(PYTEST_ARGS)
+	$(XDIST) -m "not compile" --durations=40 $(PYTEST_ARGS)
 
 # the inner loop: everything not marked slow (no multi-process worlds, no training runs; under 3 minutes)
 test-fast: install-test
@@ -52,6 +52,21 @@ lint: install-test
 
 train: install
 	$(PY) -m megatron_k3.train $(ARGS)
+
+# supervised fine-tuning of the tiny K3 on the embedded chat set (docs/sft.md): the newest `make train` checkpoint
+# (or FROM=...) in the released K3 layout (MXFP4 experts), its exact-match on held-out conversations, SFT with MX QAT
+# from those weights (train=sft data=chat precision=mx_qat), the exported K3 directory's exact-match. ARGS: overrides.
+SFT_DIR ?= runs/sft
+EVAL_N ?= 60
+sft: install
+	@FROM=$${FROM:-$$(ls -td runs/*/checkpoints 2>/dev/null | grep -v '^$(SFT_DIR)/' | head -1)}; \
+	test -n "$$FROM" || { echo "make sft: no checkpoint to start from: run make train first, or give FROM=DIR"; exit 2; }; \
+	set -ex -o pipefail; rm -rf $(SFT_DIR); \
+	$(PY) tools/convert_checkpoint.py $$FROM $(SFT_DIR)/base --to-hf; \
+	$(PY) tools/chat.py $(SFT_DIR)/base --eval $(EVAL_N) | tee $(SFT_DIR)/exact_match_before.json; \
+	$(PY) -m megatron_k3.train train=sft data=chat precision=mx_qat model=from_checkpoint checkpoint.load=$(SFT_DIR)/base \
+	  checkpoint.dir=$(SFT_DIR)/checkpoints checkpoint.export_hf=$(SFT_DIR)/final hydra.run.dir=$(SFT_DIR)/run $(ARGS); \
+	$(PY) tools/chat.py $(SFT_DIR)/final --eval $(EVAL_N) | tee $(SFT_DIR)/exact_match_after.json
 
 bench: install-test
 	$(PY) bench/kda.py

@@ -55,6 +55,14 @@ def _help():
         print(textwrap.fill(", ".join(keys), width=116, initial_indent=f"  {group}: ", subsequent_indent="    "))
 
 
+def _checkpoint_model(path):
+    """model=from_checkpoint: the ModelConfig of Hugging Face directory `path` (interop, which imports torch: only
+    when the run asks for it)."""
+    from megatron_k3.interop import checkpoint_model_config
+
+    return checkpoint_model_config(path)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     overrides, flags = _parse_argv(argv)
@@ -63,7 +71,7 @@ def main(argv=None) -> int:
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        run, cfg, hydra_node = compose_run_config(overrides, world_size=world)
+        run, cfg, hydra_node = compose_run_config(overrides, world_size=world, model_reader=_checkpoint_model)
     except ConfigError as e:  # every rank composes the same config: rank 0 says it once
         return report_error(e, 2, every_rank=False)
     if "--cfg" in flags:

@@ -233,6 +233,37 @@ def resume_with(rank, world, path, overrides):
         shutdown()
 
 
+def straight_and_resumed(rank, world, overrides, ckpt_dir):
+    """N + M steps straight, and N steps, a save, a resume (checkpoint.load=auto) and M more: (straight losses,
+    resumed losses, both runs' full-size parameters, both runs' router selection biases)."""
+    from megatron_k3.training.engine import shutdown
+
+    common = overrides + [f"checkpoint.dir={ckpt_dir}"]
+    try:
+        t = make_trainer(world, common)
+        straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
+        straight_params = full_params(t)
+        bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
+    finally:
+        shutdown()
+    try:
+        t = make_trainer(world, common)
+        first = [t.train_step()[0]["loss"] for _ in range(N)]
+        t.save()
+    finally:
+        shutdown()
+    try:
+        t = make_trainer(world, common + ["checkpoint.load=auto"])
+        t.maybe_resume()
+        assert t.step == N
+        second = [t.train_step()[0]["loss"] for _ in range(M)]
+        resumed_params = full_params(t)
+        resumed_bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
+    finally:
+        shutdown()
+    return straight, first + second, straight_params, resumed_params, bias, resumed_bias
+
+
 # ---------------------------------------------------------------------------------------------- command-line runs
 
 

@@ -168,7 +168,7 @@ def test_dry_run_covers_the_model_and_matches_the_planner():
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["world"] == 8 and len(rep["ranks"]) == 8
-    assert rep["covered_params"] == rep["total_params"] == 4472396 and rep["covered_equals_total"]
+    assert rep["covered_params"] == rep["total_params"] == 4488780 and rep["covered_equals_total"]
     for e in rep["ranks"]:
         assert e["params"] == e["planned_params"]
         assert e["experts"] == 8  # 16 experts over ep=2

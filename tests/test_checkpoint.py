@@ -20,38 +20,9 @@ import pickle
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import STATIC, M, N, full_params, gather_states, make_trainer, resume_with, same
+from helpers import STATIC, N, full_params, gather_states, make_trainer, resume_with, same, straight_and_resumed
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
-
-
-def _resume(rank, world, overrides, ckpt_dir):
-    from megatron_k3.training.engine import shutdown
-
-    common = overrides + [f"checkpoint.dir={ckpt_dir}"]
-    try:
-        t = make_trainer(world, common)
-        straight = [t.train_step()[0]["loss"] for _ in range(N + M)]
-        straight_params = full_params(t)
-        bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
-    finally:
-        shutdown()
-    try:
-        t = make_trainer(world, common)
-        first = [t.train_step()[0]["loss"] for _ in range(N)]
-        t.save()
-    finally:
-        shutdown()
-    try:
-        t = make_trainer(world, common + ["checkpoint.load=auto"])
-        t.maybe_resume()
-        assert t.step == N
-        second = [t.train_step()[0]["loss"] for _ in range(M)]
-        resumed_params = full_params(t)
-        resumed_bias = [m.gate.e_score_correction_bias.clone() for m in t.moe]
-    finally:
-        shutdown()
-    return straight, first + second, straight_params, resumed_params, bias, resumed_bias
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -63,7 +34,7 @@ def _resume(rank, world, overrides, ckpt_dir):
 ], ids=["one-process", "tp2", "ep2", "ep2-balanced", "dp2-zero1"])
 def test_resume_is_bitwise_under_every_layout(tmp_path, world, overrides):
     for rank, (straight, resumed, p_straight, p_resumed, bias, r_bias) in enumerate(
-            run_distributed(_resume, world, overrides, str(tmp_path), timeout=300)):
+            run_distributed(straight_and_resumed, world, overrides, str(tmp_path), timeout=300)):
         assert straight == resumed, (rank, straight, resumed)
         bad = [n for n in p_straight if not torch.equal(p_straight[n], p_resumed[n])]
         assert not bad, (rank, bad[:5])

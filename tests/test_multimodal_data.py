@@ -365,7 +365,7 @@ def test_multimodal_needs_a_vision_model_and_room_for_the_media_ids():
         DataConfig(name="multimodal", image_max_patches=0).validate()
     with pytest.raises(ConfigError, match="data.paths"):
         run = RunConfig(model=vl, data=DataConfig(name="multimodal", paths=["/nonexistent/x.jsonl"]))
-        build_multimodal_datasets(run, [(1.0, "/nonexistent/x.jsonl")], byte_encode, 257, 0)
+        build_multimodal_datasets(run, [(1.0, "/nonexistent/x.jsonl")], byte_encode, media_tokens_for(vl, 257), 0)
 
 
 def test_data_multimodal_builds_with_the_embedded_tokenizer(monkeypatch):

@@ -152,6 +152,50 @@ def test_export_import_is_bit_exact(tiny, autocast):
         assert not torch.equal(fresh(ids).logits, ref)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (so -0 differs from +0), for fp32 and bf16."""
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def _every_block_form(gen) -> tuple:
+    """MXFP4 blocks of every form a checkpoint can hold: per top code 0..7 (either sign; 0 gives all-zero blocks, -0
+    among them) and E8M0 scale 0..252 (the largest whose 6 * 2^(s - 127) fits fp32 and bf16), four random blocks
+    whose other codes lie at or below the top. Returns (weight_packed [rows, 16], weight_scale [rows, 1])."""
+    top = torch.arange(8).repeat_interleave(253 * 4)
+    scale = torch.arange(253).repeat_interleave(4).repeat(8)
+    mags = (torch.rand(len(top), 32, generator=gen) * (top + 1).unsqueeze(1)).long()  # in [0, top]
+    mags[torch.arange(len(top)), torch.randint(0, 32, (len(top),), generator=gen)] = top
+    codes = mags | (torch.randint(0, 2, mags.shape, generator=gen) << 3)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed, scale.to(torch.uint8).unsqueeze(1)
+
+
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_qat_weights_of_imported_mxfp4_experts_are_the_imported_values(tmp_path, scale_mode):
+    """From the first SFT step (precision=mx_qat on a K3 checkpoint's experts) the fake-quantised weights are the
+    imported ones bit for bit, in fp32 and in bf16 (mx_qat's module weights), with either scale mode: a K3 directory
+    written by an independent MXFP4 encoder (tests/k3_reference.py, NeMo's ceil rule) and every block form. Our
+    quantiser maps every MXFP4 value set to itself, though not always to the same codes (a block encoded with top
+    code 3 is 6 at half the scale for us; export keeps the imported bytes: interop.k3_experts)."""
+    import k3_reference as ref
+
+    from megatron_k3.interop import load_hf
+
+    ref.write_checkpoint(tmp_path, ref.random_checkpoint(seed=4))
+    model = load_hf(tmp_path)
+    weights = [getattr(m, n).detach() for m in model.modules() if isinstance(m, GroupedExperts)
+               for n in ("w1", "w2", "w3")]
+    packed, scale = _every_block_form(torch.Generator().manual_seed(0))
+    weights.append(dequantize_k3_weight(packed, scale))  # as import decodes them
+    ours = quantize_k3_weight(weights[-1], scale_mode)
+    assert not torch.equal(ours[0], packed) and not torch.equal(ours[1], scale)  # other codes for the same values
+    qat = ExpertQAT(weight_scale_mode=scale_mode)
+    for w in weights:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert _same_bits(qat.weight(w.to(dtype)), w.to(dtype))
+
+
 def test_k3_layout_decodes_by_hand():
     """weight_packed / weight_scale decoded with the K3 rule written out: low nibble = even column, bit 3 = sign,
     w = LUT[code] * 2^(scale - 127) with one scale per 32 input columns."""

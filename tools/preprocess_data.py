@@ -60,7 +60,8 @@ def parse_args(argv):
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input files")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (Hugging Face tokenizers)")
+    tok.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (Hugging Face tokenizers), or a K3 "
+                     "directory (tiktoken.model + tokenizer_config.json: the released tokenizer)")
     tok.add_argument("--train-bpe", type=int, metavar="VOCAB_SIZE",
                      help="train a byte-level BPE of this size on the inputs; saved as PREFIX.tokenizer.json")
     p.add_argument("--json-key", default="text", help="key of the text in each JSON line (default: text)")
@@ -86,8 +87,8 @@ def parse_args(argv):
     for f in args.input:
         if not os.path.isfile(f):
             p.error(f"input file not found: {f}" if not os.path.isdir(f) else f"input is a directory, not a file: {f}")
-    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
-        p.error(f"tokenizer file not found: {args.tokenizer}")
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        p.error(f"tokenizer file or directory not found: {args.tokenizer}")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         p.error(f"output directory is not a directory: {out_dir}")

@@ -4,6 +4,11 @@
 composes the whole run and validates it for a world of `world` ranks; `compose_config(overrides)` composes without
 the run's validation (for tools such as the planner that check a layout themselves). Every mistake Hydra or
 OmegaConf reports is reduced to one `ConfigError` line naming the key the user typed.
+
+`model=from_checkpoint` has no shapes of its own: the composed run's model is read from `checkpoint.load`'s
+config.json (a Kimi K3 or Kimi Linear Hugging Face directory) by the `model_reader` the caller passes (the entry
+point passes megatron_k3.interop's, which this layer may not import), before anything reads `run.model`. Only the
+runtime model keys (RUNTIME_MODEL_KEYS but the name) may be set beside it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from typing import Iterable
 from omegaconf import OmegaConf
 
 from ..errors import ConfigError, one_line
-from .schema import ModelConfig, RunConfig, VisionConfig
+from .schema import RUNTIME_MODEL_KEYS, ModelConfig, RunConfig, VisionConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # megatron_k3/conf (the repository's conf/ links to it)
+FROM_CHECKPOINT = "from_checkpoint"  # model=from_checkpoint: the shapes of checkpoint.load's config.json
+# the model keys model=from_checkpoint accepts beside it: those that change no tensor (config.schema's `runtime`)
+CHECKPOINT_MODEL_KEYS = tuple(k for k in RUNTIME_MODEL_KEYS if k != "name")
 
 
 def _apply_overrides(cfg, overrides: Iterable[str], prefix: str):
@@ -54,7 +62,8 @@ def _omegaconf_value(e):
 
 
 def available_models() -> list:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+    """The model configs with shapes of their own (conf/model/*.yaml but from_checkpoint)."""
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != FROM_CHECKPOINT)
 
 
 def model_config_from_dict(d: dict, prefix: str = "model") -> ModelConfig:
@@ -78,6 +87,9 @@ def load_model_config(name: str, overrides: Iterable[str] = ()) -> ModelConfig:
     """Compose `conf/model/<name>.yaml` onto the ModelConfig schema, apply `key=value` overrides
     (with or without a leading `model.`), validate, and return the dataclass. Starts no run."""
     path = CONF_DIR / "model" / f"{name}.yaml"
+    if name == FROM_CHECKPOINT:
+        raise ConfigError("model", name, "its shapes come from checkpoint.load's config.json: compose a run "
+                          f"(model={name} checkpoint.load=DIR); available here: {', '.join(available_models())}")
     if not path.is_file():
         raise ConfigError("model", name, f"no file {path}; available: {', '.join(available_models())}")
     schema = OmegaConf.structured(ModelConfig)
@@ -95,16 +107,17 @@ def _register_schema():
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
-def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1):
+def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1, model_reader=None):
     """Compose conf/config.yaml with Hydra (schema-checked), apply command-line overrides, validate.
     Returns (RunConfig, the composed DictConfig without `hydra`, the hydra node). Raises ConfigError
-    with a one-line message on any mistake."""
-    run, cfg, hydra_node = compose_config(overrides)
+    with a one-line message on any mistake. `model_reader(path) -> ModelConfig`: reads a Hugging Face
+    directory's config.json, for model=from_checkpoint (module docstring)."""
+    run, cfg, hydra_node = compose_config(overrides, model_reader)
     run.validate(world_size)
     return run, cfg, hydra_node
 
 
-def compose_config(overrides: Iterable[str] = ()):
+def compose_config(overrides: Iterable[str] = (), model_reader=None):
     """`compose_run_config` without the run's validation (the layout is not known yet): for tools such as
     the planner that check a layout themselves. Key names and types are still checked by the schema."""
     from hydra import compose, initialize_config_dir  # hydra is imported by the composing tools only
@@ -126,7 +139,45 @@ def compose_config(overrides: Iterable[str] = ()):
         raise _one_line_error(e, overrides) from None
     finally:
         GlobalHydra.instance().clear()
+    if hydra_node.runtime.choices.get("model") == FROM_CHECKPOINT:
+        run.model = model_from_checkpoint(run, overrides, model_reader)
+        with open_dict(cfg):
+            cfg.model = OmegaConf.structured(run.model)  # what --cfg prints and the run directory records
     return run, cfg, hydra_node
+
+
+def model_from_checkpoint(run: RunConfig, overrides: Iterable[str], model_reader) -> ModelConfig:
+    """model=from_checkpoint: the ModelConfig of `checkpoint.load`'s config.json, read by `model_reader`, with the
+    runtime keys as composed (CHECKPOINT_MODEL_KEYS, the only model keys that may be given). One ConfigError line
+    for an empty checkpoint.load, a path without config.json, a config.json our model cannot hold (its key and
+    file), or a model key given beside it."""
+    load = run.checkpoint.load
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.startswith("model.") and key[len("model."):] not in CHECKPOINT_MODEL_KEYS:
+            raise ConfigError(key, o.split("=", 1)[1] if "=" in o else None,
+                              f"model={FROM_CHECKPOINT} takes the model's shapes from checkpoint.load's config.json; "
+                              f"beside it only these model keys may be set: {', '.join(CHECKPOINT_MODEL_KEYS)}")
+    if load in ("", "auto"):
+        raise ConfigError("checkpoint.load", load, f"model={FROM_CHECKPOINT} needs checkpoint.load=DIR, a Kimi K3 or "
+                          "Kimi Linear Hugging Face directory (config.json and safetensors weights)")
+    config_json = Path(load) / "config.json"
+    if not config_json.is_file():
+        where = "no such directory" if not Path(load).exists() else f"no {config_json}"
+        raise ConfigError("checkpoint.load", load, f"model={FROM_CHECKPOINT} needs a Kimi K3 or Kimi Linear Hugging "
+                          f"Face directory: {where}")
+    if model_reader is None:
+        raise ConfigError("model", FROM_CHECKPOINT, "this tool composes without a checkpoint reader; use "
+                          "megatron_k3.train or pass model_reader=megatron_k3.interop.checkpoint_model_config")
+    try:
+        cfg = model_reader(load)
+    except ConfigError as e:  # a config.json key: named with the file
+        key = e.key.replace("config.json", str(config_json), 1) if e.key.startswith("config.json") else e.key
+        raise ConfigError(key, e.value, e.valid) from None
+    except (ValueError, OSError) as e:
+        raise ConfigError("checkpoint.load", load, one_line(e)) from None
+    runtime = {k: getattr(run.model, k) for k in CHECKPOINT_MODEL_KEYS}
+    return dataclasses.replace(cfg, name=FROM_CHECKPOINT, **runtime).validate("model")
 
 
 def _one_line_error(e: Exception, overrides) -> ConfigError:
@@ -226,5 +277,6 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(cfg, **changes).validate()
 
 
-__all__ = ["CONF_DIR", "available_models", "model_config_from_dict", "load_model_config", "compose_config",
-           "compose_run_config", "replace", "schema_keys", "split_tool_args"]
+__all__ = ["CONF_DIR", "FROM_CHECKPOINT", "CHECKPOINT_MODEL_KEYS", "available_models", "model_config_from_dict",
+           "load_model_config", "compose_config", "compose_run_config", "model_from_checkpoint", "replace",
+           "schema_keys", "split_tool_args"]

@@ -423,6 +423,13 @@ class TrainConfig:
     # tokens per tile of the per-token parts (MoE dispatch and experts, shared experts, LM head and loss;
     # megatron_k3.parallel.tiling); 0: untiled. Must divide the tokens a device holds per micro-batch
     tile_tokens: int = 0
+    # how a step's loss averages its tokens: token (the mean over every loss token of the global batch, Megatron's
+    # --calculate-per-token-loss: a conversation's gradient does not depend on the micro-batch or rank it falls in),
+    # micro_batch (each micro-batch's mean, then their mean), auto (token for data=chat, else micro_batch)
+    loss_average: str = "auto"
+    # > 0: passes over the training split (train.steps is then derived from the dataset's samples per epoch and
+    # train.global_batch_size; docs/sft.md); 0: train.steps as given
+    epochs: float = 0.0
 
     def validate(self, prefix: str = "train") -> "TrainConfig":
         _require_ints(self, prefix, ("steps", "micro_batch_size", "global_batch_size", "seq_length",
@@ -437,6 +444,9 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips,
                               "must be an integer >= 1")
         _require_choice(self, prefix, "device", ("auto", "cpu", "cuda"))
+        _require_choice(self, prefix, "loss_average", ("auto", "token", "micro_batch"))
+        if not isinstance(self.epochs, (int, float)) or not 0 <= self.epochs < float("inf"):
+            raise ConfigError(f"{prefix}.epochs", self.epochs, "passes over the training split, >= 0 (0: train.steps)")
         _require_choice(self, prefix, "compile_backend", ("inductor", "aot_eager", "eager"))
         if not isinstance(self.compile, bool):
             raise ConfigError(f"{prefix}.compile", self.compile, "must be true or false")
@@ -469,21 +479,23 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """data=embedded, indexed or multimodal (docs/data.md)."""
-    # embedded (the Python standard library, no download), indexed (Megatron .bin/.idx) or multimodal (image-text)
+    """data=embedded, indexed, multimodal or chat (docs/data.md, docs/sft.md)."""
+    # embedded (the Python standard library, no download), indexed (Megatron .bin/.idx), multimodal (image-text) or
+    # chat (conversations in K3's chat format, the loss on the assistant's tokens; docs/sft.md)
     name: str = "embedded"
-    # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]; multimodal: JSONL files in the same forms
-    # (empty: the embedded procedurally drawn image-text set)
+    # indexed: [weight, prefix, weight, prefix, ...] or [prefix, ...]; multimodal, chat: JSONL files in the same forms
+    # (empty: the embedded procedurally drawn image-text set; the embedded chat set)
     paths: list = field(default_factory=list)
     split: str = "98,2,0"  # train,valid,test proportions over contiguous document ranges (Megatron style)
-    # indexed: the tokenizer.json the data was made with (checks model.vocab_size); multimodal: one to use instead of
-    # the embedded BPE
+    # indexed: the tokenizer.json the data was made with (checks model.vocab_size); multimodal, chat: one to use
+    # instead of the embedded BPE: a tokenizer.json, or a K3 directory (tiktoken.model + tokenizer_config.json)
     tokenizer: str = ""
     cache_dir: str = ""  # embedded, multimodal: where the tokenizer and token cache live ('' = <repo>/.cache)
     tokenizer_vocab_size: int = 8192  # embedded, multimodal: BPE vocabulary trained on the corpus
     reset_at_document_boundaries: bool = True  # KDA state, conv and MLA attention restart per document
     # multimodal: a document with a missing/unreadable image, markers that do not match its media, video frames of
-    # different sizes or media longer than a sample: skip (logged, left out) or stop (an error naming file:line)
+    # different sizes or media longer than a sample; chat: a conversation the format rejects or longer than a sample
+    # (docs/sft.md): skip (logged, left out) or stop (an error naming file:line)
     on_bad_sample: str = "skip"
     # multimodal: an image or video frame of more patches (model.vision.patch_size squares) is scaled down to about
     # this many (the released processor's in_patch_limit), and to at most image_max_side_patches per side
@@ -491,8 +503,8 @@ class DataConfig:
     image_max_side_patches: int = 512
 
     def validate(self, prefix: str = "data") -> "DataConfig":
-        if self.name not in ("embedded", "indexed", "multimodal"):
-            raise ConfigError(prefix, self.name, "valid: embedded, indexed, multimodal")
+        if self.name not in ("embedded", "indexed", "multimodal", "chat"):
+            raise ConfigError(prefix, self.name, "valid: embedded, indexed, multimodal, chat")
         if self.name == "indexed" and not self.paths:
             raise ConfigError(f"{prefix}.paths", list(self.paths),
                               "data=indexed needs Megatron .bin/.idx prefixes: [prefix, ...] or [weight, prefix, ...]")

@@ -8,12 +8,13 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from .conversations import build_chat_datasets
 from .corpus import EmbeddedCorpus
 from .dataset import BlendedDataset, IndexedDocuments, PackedDataset, split_documents
 from .indexed import IndexedDataset, IndexedDatasetError
-from .media_tokens import tokenizer_encoder
+from .media_tokens import media_tokens_of, tokenizer_encoder
 from .multimodal import build_multimodal_datasets
-from .tokenizer import EOD_TOKEN, load_tokenizer
+from .tokenizer import EOD_TOKEN, eod_id, load_tokenizer
 
 __all__ = ["build_data"]
 
@@ -63,19 +64,35 @@ def _multimodal(run: RunConfig, rank: int):
                           "(e.g. model=k3_vl_tiny)")
     if d.tokenizer:
         tok = _user_tokenizer(d.tokenizer)
-        eod = tok.token_to_id(EOD_TOKEN)
+        eod = tok.token_to_id(getattr(tok, "eod_token", EOD_TOKEN))  # the release's tokenizer ends with [EOS]
     else:
         corpus = _embedded_corpus(d, rank)
         tok, eod = corpus.tokenizer(), corpus.eod_id
     paths = _parse_paths(d.paths) if d.paths else []
-    return build_multimodal_datasets(run, paths, tokenizer_encoder(tok), tok.get_vocab_size(), eod, report=rank == 0)
+    tokens = media_tokens_of(run.model, tok, pad=run.model.vision.placeholder_token_id + 3)
+    return build_multimodal_datasets(run, paths, tokenizer_encoder(tok), tokens, eod, report=rank == 0)
+
+
+def _chat(run: RunConfig, rank: int):
+    """data=chat: the embedded tokenizer with K3's control tokens (or data.tokenizer: a tokenizer.json, a K3
+    directory) and the JSONL files of data.paths (none: the embedded chat set)."""
+    d = run.data
+    tok = _user_tokenizer(d.tokenizer) if d.tokenizer else _embedded_corpus(d, rank).tokenizer()
+    try:
+        pad = eod_id(tok)
+    except ValueError:
+        pad = 0  # padding's labels are ignored: any id the model has
+    paths = _parse_paths(d.paths) if d.paths else []
+    return build_chat_datasets(run, paths, tok, pad, report=rank == 0)
 
 
 def build_data(run: RunConfig, rank: int):
-    """(train dataset, valid dataset) for data=embedded, indexed or multimodal."""
+    """(train dataset, valid dataset) for data=embedded, indexed, multimodal or chat."""
     d, T, seed = run.data, run.train.seq_length, run.train.seed
     if d.name == "multimodal":
         return _multimodal(run, rank)
+    if d.name == "chat":
+        return _chat(run, rank)
     if d.name == "embedded":
         corpus = _embedded_corpus(d, rank)
         vocab, sources = corpus.vocab_size, [(1.0, corpus.documents)]

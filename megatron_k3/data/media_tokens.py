@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 
-__all__ = ["MediaTokens", "media_tokens_for", "tokenizer_encoder"]
+__all__ = ["MediaTokens", "media_tokens_for", "media_tokens_of", "tokenizer_encoder"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,18 @@ def media_tokens_for(model, text_vocab: int) -> MediaTokens:
                           f"must be > {t.pad}: data=multimodal uses {t.placeholder} (placeholder), {t.begin} "
                           f"<|media_begin|>, {t.end} <|media_end|> and {t.pad} <|pad|>")
     return t
+
+
+def media_tokens_of(model, tokenizer, pad: int) -> MediaTokens:
+    """The media ids of a vision model with `tokenizer`: the tokenizer's own `<|media_pad|>` (the model's
+    placeholder), `<|media_begin|>`, `<|media_end|>` and `<|pad|>` (else `pad`) when it names them with that
+    placeholder (the release's tokenizer, the BPEs of data/tokenizer.py), else `media_tokens_for`'s ids above its
+    vocabulary."""
+    sp = getattr(tokenizer, "special_tokens", {})
+    if sp.get("<|media_pad|>") == model.vision.placeholder_token_id and "<|media_begin|>" in sp \
+            and "<|media_end|>" in sp and model.vision.enabled:
+        return MediaTokens(sp["<|media_pad|>"], sp["<|media_begin|>"], sp["<|media_end|>"], sp.get("<|pad|>", pad))
+    return media_tokens_for(model, tokenizer.get_vocab_size())
 
 
 def tokenizer_encoder(tok) -> Callable:

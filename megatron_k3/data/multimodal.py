@@ -28,7 +28,7 @@ from ..errors import BadDocument, ConfigError, DataError
 from .dataset import BlendedDataset, Sample, split_documents
 from .documents import JsonlDocuments, media_of
 from .drawings import SyntheticDocuments
-from .media_tokens import MediaTokens, media_tokens_for
+from .media_tokens import MediaTokens
 from .pixels import MediaProcessor
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _PACK_WINDOW = 64  # open samples a document may go into (first fit)
 _LOGGED_BAD = 100  # bad documents logged one by one per dataset; the rest are counted in the summary line
 
-__all__ = ["MultimodalDataset", "build_multimodal_datasets"]
+__all__ = ["MultimodalDataset", "build_multimodal_datasets", "jsonl_sources", "media_processor", "split_sources"]
 
 
 # ----------------------------------------------------------------------------------------------------------- dataset
@@ -69,13 +69,16 @@ class _Documents:
 
     def __init__(self):
         self.ids, self.tokens, self.tok_off, self.keep_len, self.keep_media = [], [], [0], [], []
-        self.grids, self.media_off = [], [0]
+        self.grids, self.media_off, self.masks = [], [0], []
 
     def add(self, i: int, doc) -> None:
-        """Document i as `_tokens_of` returned it (None: left out)."""
+        """Document i as `_tokens_of` returned it (None: left out), with its per-token loss mask when it has one
+        (data=chat: 1 where the token is a label to learn)."""
         if doc is None:
             return
-        out, cut, kept_media, grids, n_media = doc
+        out, cut, kept_media, grids, n_media = doc[:5]
+        if len(doc) > 5:
+            self.masks.append(np.asarray(doc[5][:cut], dtype=bool))
         self.ids.append(int(i))
         self.tokens.append(np.asarray(out, dtype=np.int64))
         self.tok_off.append(self.tok_off[-1] + len(out))
@@ -157,8 +160,7 @@ class MultimodalDataset:
                 except BadDocument as e:
                     self._bad(i, str(e))
                     structs.append(None)
-            flat = [t for s in structs if s is not None for t in s[0]]
-            encoded = iter(self.encode(flat) if flat else [])
+            encoded = self._encoded(structs)
             for i, s in zip(ids, structs):
                 if s is not None:
                     docs.add(i, self._tokens_of(i, *s, encoded))
@@ -174,6 +176,13 @@ class MultimodalDataset:
         self.keep_media = np.asarray(docs.keep_media, dtype=np.int64)
         self.grids = np.asarray(docs.grids, dtype=np.int64).reshape(-1, 3)
         self._media_off = np.asarray(docs.media_off, dtype=np.int64)
+        self._masks = np.concatenate(docs.masks) if docs.masks else None  # over the kept tokens, document by document
+        self._mask_off = np.concatenate([[0], np.cumsum(self.keep_len)]).astype(np.int64)
+
+    def _encoded(self, structs: list):
+        """The token ids of a batch of `_structure` results' text pieces, in order (an iterator)."""
+        flat = [t for s in structs if s is not None for t in s[0]]
+        return iter(self.encode(flat) if flat else [])
 
     def _tokens_of(self, i: int, pieces: list, media: list, encoded):
         """Document i's tokens (its text pieces' ids from `encoded`, each medium's begin, placeholders and end after
@@ -243,7 +252,7 @@ class MultimodalDataset:
 
     def sample(self, c: int) -> Sample:
         """Sample number c of the run (0-based, over all epochs)."""
-        cap, ps = self.seq_length + 1, self.processor.patch_size
+        cap, ps = self.seq_length + 1, getattr(self.processor, "patch_size", 0)
         tokens = np.full(cap, self.tokens.pad, dtype=np.int64)
         starts, patches, grids, pos = [], [], [], 0
         for d in self.documents_of(c):
@@ -256,48 +265,76 @@ class MultimodalDataset:
             pos += n
         if pos < cap:
             starts.append(pos)  # the padding is a segment of its own
+        if self.processor is None:  # data=chat for a text model: no media
+            return Sample(tokens, np.asarray(starts, dtype=np.int64), loss_mask=self._loss_mask(c, tokens))
         return Sample(tokens, np.asarray(starts, dtype=np.int64),
                       pixel_values=(np.concatenate(patches) if patches else np.zeros((0, 3, ps, ps), np.float32)),
                       grid_thws=np.asarray(grids, dtype=np.int64).reshape(-1, 3),
-                      loss_mask=~np.isin(tokens[1:], self._ignore))
+                      loss_mask=self._loss_mask(c, tokens))
+
+    def _loss_mask(self, c: int, tokens: np.ndarray) -> np.ndarray:
+        """[T] aligned with the labels tokens[1:]: the documents' own masks when they have them (data=chat), else
+        every token but the media tokens and padding."""
+        if self._masks is None:
+            return ~np.isin(tokens[1:], self._ignore)
+        keep = np.zeros(len(tokens), dtype=bool)
+        pos = 0
+        for d in self.documents_of(c):
+            n = int(self.keep_len[d])
+            keep[pos: pos + n] = self._masks[self._mask_off[d]: self._mask_off[d] + n]
+            pos += n
+        return keep[1:]
 
 
 # ------------------------------------------------------------------------------------------------------------ build
 
-def build_multimodal_datasets(run, paths: list, encode: Callable, text_vocab: int, eod_id: int | None,
-                              report: bool = True) -> tuple:
-    """(train, valid) for data=multimodal: `paths` [(weight, JSONL path)] (empty: the embedded default), split by
-    data.split, blended by weight when there are several files."""
+def media_processor(run) -> MediaProcessor:
+    """The pixel preprocessing of a vision-language run (data.image_max_patches, image_max_side_patches)."""
     d, v = run.data, run.model.vision
-    tokens = media_tokens_for(run.model, text_vocab)
     mh, mw = (int(x) for x in v.merge_kernel_size)
     side = d.image_max_side_patches
     if -(-side // max(mh, mw)) * max(mh, mw) > v.rope_max_grid:
         raise ConfigError("data.image_max_side_patches", side, f"padded to the merge kernel it must stay <= "
                           f"model.vision.rope_max_grid={v.rope_max_grid}")
-    processor = MediaProcessor(v.patch_size, (mh, mw), d.image_max_patches, side, v.pos_emb_time)
-    if paths:
-        sources = []
-        for w, p in paths:
-            try:
-                sources.append((w, JsonlDocuments(p)))
-            except OSError as e:
-                raise ConfigError("data.paths", p, f"cannot read the JSONL file: {e.strerror or e}") from None
-    else:
-        sources = [(1.0, SyntheticDocuments())]
+    return MediaProcessor(v.patch_size, (mh, mw), d.image_max_patches, side, v.pos_emb_time)
+
+
+def build_multimodal_datasets(run, paths: list, encode: Callable, tokens: MediaTokens, eod_id: int | None,
+                              report: bool = True) -> tuple:
+    """(train, valid) for data=multimodal: `paths` [(weight, JSONL path)] (empty: the embedded default), split by
+    data.split, blended by weight when there are several files; `tokens` the media ids (media_tokens.py)."""
+    d = run.data
+    processor = media_processor(run)
+    sources = jsonl_sources(paths, JsonlDocuments) if paths else [(1.0, SyntheticDocuments())]
+    return split_sources(run, sources, lambda src, ids, name: MultimodalDataset(
+        src, ids, run.train.seq_length, run.train.seed, encode=encode, eod_id=eod_id, media_tokens=tokens,
+        processor=processor, on_bad_sample=d.on_bad_sample, name=name, report=report))
+
+
+def jsonl_sources(paths: list, kind) -> list:
+    """[(weight, kind(path))] for data.paths [(weight, JSONL path)]; a file that cannot be read is a ConfigError."""
+    out = []
+    for w, p in paths:
+        try:
+            out.append((w, kind(p)))
+        except OSError as e:
+            raise ConfigError("data.paths", p, f"cannot read the JSONL file: {e.strerror or e}") from None
+    return out
+
+
+def split_sources(run, sources: list, make: Callable) -> tuple:
+    """(train, valid): each source's documents split by data.split, `make(source, ids, name)` a dataset of each
+    part, blended by weight when there are several sources."""
     out = []
     for split in ("train", "valid"):
         parts = []
         for w, src in sources:
-            ids = split_documents(len(src), d.split)[split]
+            ids = split_documents(len(src), run.data.split)[split]
             if not len(ids):
-                raise ConfigError("data.split", d.split, f"leaves no documents for the {split} split of "
+                raise ConfigError("data.split", run.data.split, f"leaves no documents for the {split} split of "
                                   f"{src.name} ({len(src)} documents)")
             try:
-                parts.append((w, MultimodalDataset(
-                    src, ids, run.train.seq_length, run.train.seed, encode=encode, eod_id=eod_id,
-                    media_tokens=tokens, processor=processor, on_bad_sample=d.on_bad_sample,
-                    name=f"{src.name} ({split} split)", report=report)))
+                parts.append((w, make(src, ids, f"{src.name} ({split} split)")))
             except ValueError as e:
                 if isinstance(e, ConfigError):
                     raise

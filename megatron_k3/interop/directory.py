@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,13 +22,22 @@ from safetensors import safe_open
 
 from ..config import RUNTIME_MODEL_KEYS
 from ..errors import one_line
+from . import k3_layout
 from .family import FAMILIES, family
+
+log = logging.getLogger(__name__)
 
 LAYOUTS = tuple(FAMILIES)  # ("kimi_linear", "k3")
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes, transformers' historical default ("5GB")
+# What a directory holds besides the model: the tokenizer and chat files an export takes along from the directory the
+# run started from (checkpoint.export_hf). generation_config.json is the release's default sampling and stop ids.
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.json",
+                   "generation_config.json")
+TOKENIZER_GLOBS = ("tokenization_*.py", "*.jinja")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -92,21 +103,56 @@ def config_differences(model_cfg, checkpoint_cfg) -> dict:
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
-def detect_layout(config: dict) -> str:
-    """'k3' or 'kimi_linear' from a config.json. K3's text config also says model_type 'kimi_linear', so K3 is
-    recognised by its nested text_config, model_type 'kimi_k3', or the K3-only keys."""
+def detect_layout(config: dict, where=CONFIG) -> str:
+    """'k3' or 'kimi_linear' from a config.json (`where`: its path, for the error). K3's text config also says
+    model_type 'kimi_linear', so K3 is recognised by its nested text_config, model_type 'kimi_k3', or the K3-only
+    keys."""
     if config.get("model_type") == "kimi_k3" or isinstance(config.get("text_config"), dict):
         return "k3"
     if config.get("model_type") == "kimi_linear":
         k3_only = ("routed_expert_hidden_size", "attn_res_block_size", "activation_situ_beta", "latent_moe_use_norm")
         return "k3" if any(config.get(k) is not None for k in k3_only) else "kimi_linear"
-    raise ValueError(f"{CONFIG}: model_type {config.get('model_type')!r} is neither a Kimi Linear nor a Kimi K3 "
-                     f"checkpoint; pass layout= one of {LAYOUTS}")
+    raise ValueError(f"{where}: model_type {config.get('model_type')!r} is neither a Kimi Linear ('kimi_linear') nor "
+                     f"a Kimi K3 ('kimi_k3') checkpoint; pass layout= one of {LAYOUTS}")
 
 
-def config_from_hf(config: dict, layout: str):
-    """config.json -> our ModelConfig for the given layout."""
-    return family(layout).config_to(config)
+def config_from_hf(config: dict, layout: str, vision: bool = True):
+    """config.json -> our ModelConfig for the given layout; vision=False: the text model (a vision_config ignored)."""
+    return family(layout).config_to(config, vision)
+
+
+def read_config_json(path) -> dict:
+    """The config.json of directory `path` as a dict; MissingShardError (a FileNotFoundError) without one,
+    CheckpointReadError when it is not a JSON object."""
+    f = Path(path) / CONFIG
+    if not f.is_file():
+        raise MissingShardError(f"{path}: no {CONFIG} (not a Hugging Face directory)")
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointReadError(f"{f}: not readable as JSON ({one_line(e)})") from None
+    if not isinstance(config, dict):
+        raise CheckpointReadError(f"{f}: not a JSON object")
+    return config
+
+
+def read_model_config(path, layout: str = "auto", vision: bool | None = None) -> tuple:
+    """(our ModelConfig, layout) of the Hugging Face directory `path`, from its config.json. `vision`: True = the
+    vision-language model (ValueError without a `vision_config`), False = the text model, None = as the directory
+    holds: vision-language where config.json has a `vision_config` and the directory the tower's tensors; a
+    `vision_config` without them (NeMo writes one around a text-only K3) gives the text model, with one log line."""
+    config = read_config_json(path)
+    if layout == "auto":
+        layout = detect_layout(config, Path(path) / CONFIG)
+    declared = family(layout).declares_vision(config)
+    if vision is None and declared:
+        vision = any(k.startswith(k3_layout.FOREIGN_PREFIXES) for k in checkpoint_keys(path))
+        if not vision:
+            log.info("%s: %s has a vision_config but the directory holds no vision-tower tensors: the text model",
+                     path, CONFIG)
+    if vision and not declared:
+        raise ValueError(f"{path}: vision=True but {CONFIG} has no vision_config")
+    return config_from_hf(config, layout, bool(vision)), layout
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -203,6 +249,18 @@ def checkpoint_keys(path) -> dict:
     return read_index(Path(path))[0]
 
 
+def copy_tokenizer_files(src, dst) -> list:
+    """Copy the tokenizer and chat files of Hugging Face directory `src` (TOKENIZER_FILES, TOKENIZER_GLOBS: the
+    K3 release's tiktoken.model, tokenizer_config.json, tokenization_kimi.py, chat template, ...) into `dst`, byte
+    for byte; returns the names copied (none where `src` has none)."""
+    src, dst = Path(src), Path(dst)
+    names = sorted({p.name for g in TOKENIZER_GLOBS for p in src.glob(g)} | set(TOKENIZER_FILES))
+    names = [n for n in names if (src / n).is_file()]
+    for name in names:
+        shutil.copyfile(src / name, dst / name)
+    return names
+
+
 def dtype_of(d):
     """A dtype from its name ("bfloat16", "bf16", ...) or as given; None stays None."""
     if d is None or isinstance(d, torch.dtype):
@@ -217,7 +275,8 @@ def dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
-__all__ = ["LAYOUTS", "CONFIG", "SINGLE", "INDEX", "DEFAULT_MAX_SHARD_SIZE", "ConfigMismatchError",
-           "CheckpointReadError", "MissingShardError", "config_differences", "detect_layout", "config_from_hf",
+__all__ = ["LAYOUTS", "CONFIG", "SINGLE", "INDEX", "DEFAULT_MAX_SHARD_SIZE", "TOKENIZER_FILES", "TOKENIZER_GLOBS",
+           "ConfigMismatchError", "CheckpointReadError", "MissingShardError", "config_differences", "detect_layout",
+           "config_from_hf", "read_config_json", "read_model_config", "copy_tokenizer_files",
            "write_checkpoint", "read_checkpoint", "read_index", "checkpoint_keys", "dtype_of", "dtype_name",
            "own_storage"]

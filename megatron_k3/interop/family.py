@@ -32,8 +32,8 @@ class CheckpointFamily:
     def moe_layers(self, cfg) -> list:
         return [i for i, f in enumerate(cfg.ffn_types()) if f == "moe"]
 
-    def config_to(self, config: dict):
-        """config.json -> our ModelConfig."""
+    def config_to(self, config: dict, vision: bool = True):
+        """config.json -> our ModelConfig; vision=False: the text model (a vision_config ignored)."""
         raise NotImplementedError
 
     def config_dict(self, cfg, dtype: torch.dtype) -> dict:
@@ -62,6 +62,10 @@ class CheckpointFamily:
         reader skips them)."""
         return False
 
+    def declares_vision(self, config: dict) -> bool:
+        """Whether config.json describes a vision tower."""
+        return False
+
     def plain_names(self, cfg, actual: dict) -> dict:
         """{our name: (its checkpoint name without the prefix, how it is stored: "same" or `a_log`)}."""
         return {ours: (key, self.a_log if ours.endswith(".A_log") else "same") for ours, key, _, _ in self.pairs(cfg)}
@@ -85,8 +89,8 @@ class _K3(CheckpointFamily):
     def pairs(self, cfg) -> list:
         return k3_layout.pairs(cfg)
 
-    def config_to(self, config: dict):
-        return k3_layout.k3_config_to(config)
+    def config_to(self, config: dict, vision: bool = True):
+        return k3_layout.k3_config_to(config, vision)
 
     def config_dict(self, cfg, dtype: torch.dtype) -> dict:
         return k3_layout.k3_config_dict(cfg, str(dtype).replace("torch.", ""))
@@ -106,6 +110,9 @@ class _K3(CheckpointFamily):
     def reads_vision(self, cfg) -> bool:
         return cfg.vision.enabled
 
+    def declares_vision(self, config: dict) -> bool:
+        return isinstance(config.get("vision_config"), dict)
+
     def expert_form(self, expert_prefix: str, actual: dict) -> str:
         return "dense" if f"{expert_prefix}.0.w1.weight" in actual else "mxfp4"
 
@@ -117,8 +124,8 @@ class _KimiLinear(CheckpointFamily):
     def pairs(self, cfg) -> list:
         return kimi_linear.pairs(cfg)
 
-    def config_to(self, config: dict):
-        return kimi_linear.hf_config_to(config)
+    def config_to(self, config: dict, vision: bool = True):
+        return kimi_linear.hf_config_to(config)  # Kimi Linear has no vision tower
 
     def config_dict(self, cfg, dtype: torch.dtype) -> dict:
         return dict(kimi_linear.hf_config_dict(cfg), dtype=str(dtype).replace("torch.", ""))

@@ -10,7 +10,6 @@ the tensors into the model (interop.sharded_load), which also serves the ranks o
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from ..model import causal_lm_class
 from ..model.experts import GroupedExperts
 from . import kimi_linear
 from .directory import (
-    CONFIG,
     DEFAULT_MAX_SHARD_SIZE,
     LAYOUTS,
     ConfigMismatchError,
@@ -29,6 +27,7 @@ from .directory import (
     detect_layout,
     dtype_of,
     read_checkpoint,
+    read_model_config,
     write_checkpoint,
 )
 from .family import family
@@ -41,29 +40,26 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------------ model API
 def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None):
     """A K3ForCausalLM with the weights of a Hugging Face directory, or a K3ForConditionalGeneration where the K3
-    directory has a vision tower (config.json `vision_config`). `config`: the ModelConfig the caller expects (its
-    non-architectural knobs, e.g. moe_overflow, are kept); it must agree with config.json, or ConfigMismatchError
-    names every differing key. Without it the model is built from config.json. `vision`: None = as the directory
-    (or `config`) says; False = the text model only, the vision tensors skipped with one log line.
+    directory has a vision tower (config.json `vision_config` and the tower's tensors). `config`: the ModelConfig
+    the caller expects (its non-architectural knobs, e.g. moe_overflow, are kept); it must agree with config.json,
+    or ConfigMismatchError names every differing key. Without it the model is built from config.json. `vision`:
+    None = as `config`, else as the directory holds (directory.read_model_config: a vision_config without vision
+    tensors loads the text model); False = the text model only, the vision config ignored and the vision tensors
+    skipped with one log line.
 
     The tensors stream into the model (interop.sharded_load.load_hf_sharded: a memory map per shard file, never a whole
     state dict in memory); a Kimi Linear directory in transformers' in-memory naming is read whole."""
     path = Path(path)
-    if not (path / CONFIG).is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG}")
-    hf_config = json.loads((path / CONFIG).read_text())
-    if layout == "auto":
-        layout = detect_layout(hf_config)
-    file_cfg = config_from_hf(hf_config, layout)
-    if vision is False:
-        file_cfg.vision = type(file_cfg.vision)()  # the text model of a vision-language directory
+    if vision is None and config is not None:
+        vision = config.vision.enabled
+    file_cfg, layout = read_model_config(path, layout, vision)
     if config is not None:
         diffs = config_differences(config, file_cfg)
         if diffs:
             raise ConfigMismatchError(path, diffs)
     cfg = config or file_cfg
     if vision and not cfg.vision.enabled:
-        raise ValueError(f"{path}: vision=True but {CONFIG} has no vision_config")
+        raise ValueError(f"{path}: vision=True but the given model config has no vision tower")
     model = causal_lm_class(cfg)(cfg, init=False)
     if family(layout).naming_problem(checkpoint_keys(path)):  # transformers' in-memory naming: read whole
         _, tensors = read_checkpoint(path)
@@ -73,6 +69,12 @@ def load_hf(path, layout: str = "auto", config=None, vision: bool | None = None)
         n = load_hf_sharded(model, path, layout, group=None).tensors
     log.info("loaded %s (%s layout, %d tensors)", path, layout, n)
     return model
+
+
+def checkpoint_model_config(path):
+    """The ModelConfig load_hf builds for Hugging Face directory `path` (directory.read_model_config): what
+    model=from_checkpoint composes (config.compose takes this function as its model reader)."""
+    return read_model_config(path)[0]
 
 
 def save_hf(model, path, layout: str = "k3", dtype=None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
@@ -101,5 +103,5 @@ def save_hf(model, path, layout: str = "k3", dtype=None, max_shard_size: int = D
     return Path(path)
 
 
-__all__ = ["load_hf", "save_hf", "read_checkpoint", "write_checkpoint", "detect_layout", "config_from_hf",
-           "config_differences", "ConfigMismatchError", "LAYOUTS"]
+__all__ = ["load_hf", "save_hf", "checkpoint_model_config", "read_checkpoint", "write_checkpoint", "detect_layout",
+           "config_from_hf", "config_differences", "ConfigMismatchError", "LAYOUTS"]

@@ -282,9 +282,10 @@ def _check_k3_config(d: dict, t: dict):
     return heads, n, lac, full, extra
 
 
-def k3_config_to(d: dict) -> ModelConfig:
+def k3_config_to(d: dict, vision: bool = True) -> ModelConfig:
     """A Kimi K3 config.json (nested or text-only) -> our ModelConfig. Raises ConfigError naming the key for
-    anything our model cannot represent."""
+    anything our model cannot represent. vision=False: the text model, its `vision_config` ignored (not checked:
+    NeMo writes the released one, placeholder id 163605, around a tiny text-only K3 of a smaller vocabulary)."""
     t = text_config_of(d)
     heads, n, lac, full, extra = _check_k3_config(d, t)
     lb = lac.get("gate_lower_bound")
@@ -333,7 +334,7 @@ def k3_config_to(d: dict) -> ModelConfig:
         attn_res=block is not None,
         attn_res_block_size=block or 12,
     )
-    if isinstance(d.get("vision_config"), dict):
+    if vision and isinstance(d.get("vision_config"), dict):
         cfg.vision = vision_config_to(dict(d["vision_config"], **(
             {"media_placeholder_token_id": d["media_placeholder_token_id"]}
             if "media_placeholder_token_id" in d else {})), cfg.hidden_size)

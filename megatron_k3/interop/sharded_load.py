@@ -285,7 +285,7 @@ def load_hf_sharded(model, path, layout: str = "auto", group="auto", device=None
             raise MissingShardError(f"{path / CONFIG}: (config): no {CONFIG}")
         hf_config = json.loads((path / CONFIG).read_text())
         fam = family(detect_layout(hf_config) if layout == "auto" else layout)
-        diffs = config_differences(model.cfg, fam.config_to(hf_config))
+        diffs = config_differences(model.cfg, fam.config_to(hf_config, vision=model.cfg.vision.enabled))
         if diffs:
             raise ConfigMismatchError(path, diffs)
         weight_map, where = read_index(path)

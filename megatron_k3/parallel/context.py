@@ -340,8 +340,12 @@ class ContextParallelLoss(nn.Module):
         self.ignore_index = inner.ignore_index
 
     def forward(self, logits_NV, labels_N):
+        count = (labels_N != self.ignore_index).sum()
+        # a rank whose share of the sequence has no label to learn (a chat's long prompt) contributes nothing: its
+        # mean over no tokens is 0/0, whose NaN would reach every rank through the sum
         loss = self.inner(logits_NV, labels_N)
-        return self.seq.shard.global_mean(loss, (labels_N != self.ignore_index).sum())
+        loss = torch.where(count > 0, loss, torch.zeros_like(loss))
+        return self.seq.shard.global_mean(loss, count)
 
 
 def apply_context_parallel(model: K3ForCausalLM, cp: Group) -> K3ForCausalLM:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import CONF_DIR, ConfigError, compose_config
+from ..interop import checkpoint_model_config
 from .candidates import Layout
 from .flops import DEFAULT_IMAGE_SHARE
 from .memory import GB, Workload, balanced_slots, training_memory
@@ -31,14 +32,14 @@ def compose_for_planning(overrides, optimizer: str | None = None):
             optimizer = optimizer or "muon"
             continue
         keep.append(o)
-    run, _, _ = compose_config(keep)
+    run, _, _ = compose_config(keep, checkpoint_model_config)  # model=from_checkpoint reads it
     run.cluster.validate("cluster")
     run.model.validate("model")
     given = {o.split("=", 1)[0] for o in keep}
     if run.cluster.device_kind == "gpu":
         extra = [x for x, k in (("train=pretrain", "train"), ("precision=bf16", "precision")) if k not in given]
         if extra:
-            run, _, _ = compose_config(extra + keep)
+            run, _, _ = compose_config(extra + keep, checkpoint_model_config)
     return run, optimizer or run.optim.name, given
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,6 +73,8 @@ class _Step:
     applied: bool = True  # the optimizer step was taken (a non-finite global norm skips it)
     norm0: float | None = None  # the gradient norm under ZeRO-0 (DeepSpeed reports none)
     nonfinite: list | None = None  # the samples of the last micro-batch whose loss was not finite
+    weights: list | None = None  # train.loss_average=token: each micro-batch's loss weight (_loss_weights)
+    loss_tokens: int = 0  # the global batch's loss tokens (labels not ignored)
 
 
 class Trainer:
@@ -97,6 +101,8 @@ class Trainer:
             compile_regions.check_backend(t.compile_backend, self.device)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
+        self._steps_from_epochs()
+        self.token_loss = t.loss_average == "token" or (t.loss_average == "auto" and run.data.name == "chat")
         # a layout the planner puts over the device's memory is refused here, on every rank, before any allocation;
         # train.recompute=auto becomes the least recomputation the planner says fits
         self.recompute = resolve_recompute(run, self.world)
@@ -147,6 +153,16 @@ class Trainer:
         if wrapped and self.rank == 0:
             log.info("train.recompute=%s, train.tile_tokens=%d: %s", self.recompute, t.tile_tokens,
                      ", ".join(f"{k} {v}" for k, v in wrapped.items()))
+
+    def _steps_from_epochs(self) -> None:
+        """train.epochs > 0: train.steps becomes the steps of that many passes over the training split (the same
+        number on every rank and on resume: the split and the packing are fixed by the data and train.seed)."""
+        t = self.run.train
+        if t.epochs:
+            t.steps = max(1, math.ceil(t.epochs * len(self.train_ds) / t.global_batch_size))
+            if self.rank == 0:
+                log.info("train.epochs=%g: %d samples per epoch, global batch %d: train.steps=%d", t.epochs,
+                         len(self.train_ds), t.global_batch_size, t.steps)
 
     @property
     def step(self) -> int:
@@ -218,8 +234,24 @@ class Trainer:
             return out
         if not bool(torch.isfinite(out.loss.detach())):
             acc.nonfinite = samples
-        acc.loss_sum += out.loss.detach().double().cpu()
-        return out.loss
+        loss = out.loss if acc.weights is None else out.loss * acc.weights[micro]
+        acc.loss_sum += loss.detach().double().cpu()
+        return loss
+
+    def _loss_weights(self, acc: _Step) -> None:
+        """train.loss_average=token: the step's loss is the sum of every loss token's cross-entropy over the N loss
+        tokens of the global batch. A micro-batch's loss is its own tokens' mean, which DeepSpeed divides by the
+        micro-batches and data-parallel reduction by the ranks; so micro-batch m of n_m loss tokens is weighted
+        n_m * num_micro * dp / N (exactly 1 when every micro-batch holds as many). One all-reduce of N per step."""
+        T = self.run.train.seq_length
+        counts = [sum(T if s.loss_mask is None else int(np.count_nonzero(s.loss_mask)) for s in m)
+                  for m in acc.samples]
+        total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=self.device)
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        acc.loss_tokens = int(total.item())
+        scale = self.num_micro * self.dp / max(acc.loss_tokens, 1)
+        acc.weights = [c * scale for c in counts]
 
     def _backward_micro(self, micro: int, y, g):
         """The last stage back-propagates its loss, which DeepSpeed scales by 1/num_micro. An earlier stage
@@ -242,6 +274,8 @@ class Trainer:
             g["lr"] = lr
         acc = _Step(torch.zeros(len(self.routing.layer_ids), self.run.model.num_experts, dtype=torch.float64),
                     self._step_samples())
+        if self.token_loss:
+            self._loss_weights(acc)
         if getattr(self.model, "host_offload", None) is not None:  # every backward of the step before has run
             self.model.host_offload.reset()
 
@@ -291,6 +325,7 @@ class Trainer:
                "skipped_total": self.skips.total,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.pos.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+               **({"loss_tokens": acc.loss_tokens} if self.token_loss else {}),
                **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world,
                             acc.media_flops),
                "memory": memory_stats(self.device), **self.stats.collect()}

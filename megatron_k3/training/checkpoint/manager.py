@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ...annotations import full_shape
 from ...config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
 from ...errors import one_line
-from ...interop import load_hf_sharded, save_hf_sharded
+from ...interop import copy_tokenizer_files, load_hf_sharded, save_hf_sharded
 from ...parallel.agree import first_failure
 from . import directory as ckpt
 from .deepspeed_state import load_pieces, masters_from_module, owned_pieces, scalars_of
@@ -193,14 +193,39 @@ class CheckpointManager:
     def export_hf(self) -> Path:
         """`checkpoint.export_hf`: the model as a Hugging Face directory (interop.save_hf_sharded: each tensor
         written once, by the lowest rank holding it whole, tensor-parallel pieces gathered within their group
-        only, each block of experts quantised by its owner; one index, written by rank 0 last)."""
+        only, each block of experts quantised by its owner, blocks still exact at their imported MXFP4 scales
+        written as imported; one index, written by rank 0 last), with the tokenizer and chat files of the Hugging
+        Face directory the run started from (checkpoint.load), copied by rank 0. A failure is raised on every
+        rank."""
         c = self.run.checkpoint
         out = Path(c.export_hf)
         save_hf_sharded(self.model, out, c.export_layout, tp_group=self.ps.group("tp"),
                         dtype=getattr(torch, c.export_dtype))
+        copied = self._copy_tokenizer(out)
         if self.ranks.rank == 0:
-            log.info("exported %s (%s layout, %s)", out, c.export_layout, c.export_dtype)
+            log.info("exported %s (%s layout, %s)%s", out, c.export_layout, c.export_dtype,
+                     f"; copied {', '.join(copied)}" if copied else "; no tokenizer files copied (neither "
+                     "checkpoint.load nor data.tokenizer is a directory holding them)")
         return out
+
+    def _copy_tokenizer(self, out: Path) -> list:
+        """Rank 0 copies the tokenizer and chat files of `checkpoint.load`, where that is a Hugging Face directory,
+        else of `data.tokenizer` where that is a directory (the released tokenizer), into the export `out`
+        (interop.copy_tokenizer_files); returns their names. A failure is raised on every rank."""
+        load = self.run.checkpoint.load
+        if load in ("", "auto") or not ckpt.is_hf_directory(Path(load)):
+            load = self.run.data.tokenizer if Path(self.run.data.tokenizer or "/nonexistent").is_dir() else ""
+        copied, err = [], None
+        if self.ranks.rank == 0 and load:
+            try:
+                copied = copy_tokenizer_files(load, out)
+            except OSError as e:
+                err = one_line(e)
+        bad = first_failure(err)
+        if bad is not None:
+            raise CheckpointError(f"rank {bad[0]}: checkpoint.export_hf={out}: copying the tokenizer files of "
+                                  f"{load} failed: {bad[1]}")
+        return copied
 
     def _buffers(self) -> dict:
         """The module's persistent buffers (the router's bias and counts), which a checkpoint holds besides the

@@ -1,0 +1,82 @@
+"""Chat evaluation of a checkpoint in one process (tools/chat.py, make sft): load any checkpoint for inference,
+render a prompt in K3's chat format, greedy-decode the reply with the KDA / MLA cache, and the exact-match of held-out
+conversations' last assistant turn (docs/sft.md).
+
+Exact-match: the conversation without its last assistant turn is the prompt (the release's generation prompt,
+chat.encode_prompt); the model decodes until the end-of-message marker; the reply matches when its ids equal the
+ids the chat template renders for the reference turn (its think channel, response and tool calls, token for token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..data.chat import END_OF_MSG, encode_chat, encode_prompt
+from ..data.conversations import chat_options
+from ..interop import load_hf
+from ..model.generate import greedy
+from ..model.multimodal import causal_lm_class
+from . import checkpoint as ckpt
+
+__all__ = ["load_for_inference", "reply_ids", "target_ids", "exact_match"]
+
+
+def load_for_inference(path: str | Path) -> torch.nn.Module:
+    """The model of a Hugging Face / K3 directory, or of a training checkpoint (a step directory or a checkpoint
+    directory: its newest complete one), in fp32 and eval mode, in this process."""
+    path = Path(path)
+    if ckpt.is_hf_directory(path):
+        model = load_hf(path)
+    else:
+        try:
+            step = ckpt.resolve_load_path(str(path), path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{path}: {e}") from None
+        if step is None:
+            raise FileNotFoundError(f"{path}: no checkpoint there")
+        tensors, _, meta = ckpt.read_full(step, states=False)
+        cfg = ModelConfig(**meta["model"])
+        model = causal_lm_class(cfg)(cfg, init=False)
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if k in dict(model.named_parameters())]  # buffers may be absent: recomputed
+        if missing or unexpected:
+            raise ValueError(f"{step}: does not match its model config (missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]})")
+    return model.float().eval()
+
+
+def _split(conv: dict) -> tuple:
+    """(the messages before the last assistant turn, that turn)."""
+    msgs = conv["messages"]
+    last = max(k for k, m in enumerate(msgs) if m.get("role") == "assistant")
+    return msgs[:last], msgs[last]
+
+
+def target_ids(tokenizer, conv: dict) -> tuple:
+    """(prompt ids, the reference reply's ids) of a conversation's last assistant turn."""
+    before, turn = _split(conv)
+    kw = chat_options(conv)
+    prompt = encode_prompt(tokenizer, before, conv.get("tools"), **kw)
+    full, _ = encode_chat(tokenizer, before + [turn], conv.get("tools"), **kw)
+    if full[:len(prompt)] != prompt:
+        raise ValueError("the generation prompt is not a prefix of the rendered conversation")
+    return prompt, full[len(prompt):]
+
+
+def reply_ids(model, tokenizer, prompt: list, max_new_tokens: int = 64) -> list:
+    """The greedy reply to `prompt`, up to and including the end-of-message marker."""
+    return greedy(model, prompt, [tokenizer.token_to_id(END_OF_MSG)], max_new_tokens)
+
+
+def exact_match(model, tokenizer, conversations, max_new_tokens: int = 64) -> tuple:
+    """(the fraction of `conversations` whose last assistant turn the model reproduces exactly, per-conversation
+    rows (prompt ids, reference ids, reply ids))."""
+    rows = []
+    for conv in conversations:
+        prompt, ref = target_ids(tokenizer, conv)
+        rows.append((prompt, ref, reply_ids(model, tokenizer, prompt, max(max_new_tokens, len(ref)))))
+    hits = sum(reply == ref for _, ref, reply in rows)
+    return hits / max(len(rows), 1), rows
