@@ -58,6 +58,8 @@ train: install
 # from those weights (train=sft data=chat precision=mx_qat), the exported K3 directory's exact-match. ARGS: overrides.
 SFT_DIR ?= runs/sft
 EVAL_N ?= 60
+# the tiny model's SFT: three passes, a learning rate half pre-training's (train=sft's 3e-4 is for large models)
+SFT_ARGS ?= train.epochs=3 train.global_batch_size=8 optim.lr=1.5e-3 optim.min_lr=1.5e-4
 sft: install
 	@FROM=$${FROM:-$$(ls -td runs/*/checkpoints 2>/dev/null | grep -v '^$(SFT_DIR)/' | head -1)}; \
 	test -n "$$FROM" || { echo "make sft: no checkpoint to start from: run make train first, or give FROM=DIR"; exit 2; }; \
@@ -65,7 +67,8 @@ sft: install
 	$(PY) tools/convert_checkpoint.py $$FROM $(SFT_DIR)/base --to-hf; \
 	$(PY) tools/chat.py $(SFT_DIR)/base --eval $(EVAL_N) | tee $(SFT_DIR)/exact_match_before.json; \
 	$(PY) -m megatron_k3.train train=sft data=chat precision=mx_qat model=from_checkpoint checkpoint.load=$(SFT_DIR)/base \
-	  checkpoint.dir=$(SFT_DIR)/checkpoints checkpoint.export_hf=$(SFT_DIR)/final hydra.run.dir=$(SFT_DIR)/run $(ARGS); \
+	  checkpoint.dir=$(SFT_DIR)/checkpoints checkpoint.export_hf=$(SFT_DIR)/final hydra.run.dir=$(SFT_DIR)/run \
+	  $(SFT_ARGS) $(ARGS); \
 	$(PY) tools/chat.py $(SFT_DIR)/final --eval $(EVAL_N) | tee $(SFT_DIR)/exact_match_after.json
 
 bench: install-test

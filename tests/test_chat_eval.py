@@ -19,7 +19,7 @@ from megatron_k3.data.corpus import EmbeddedCorpus
 from megatron_k3.interop import save_hf
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.model.generate import greedy
-from megatron_k3.training.chat_eval import exact_match, load_for_inference, target_ids
+from megatron_k3.training.chat_eval import answer_ids, exact_match, load_for_inference, media_prompt, target_ids
 
 TINY = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "attn_res_block_size=2"]
 
@@ -71,8 +71,29 @@ def test_held_out_targets_and_a_perfect_reply():
         assert score == 1.0 and rows[0][2] == ref
         score, _ = exact_match(_Oracle(prompt + ref[:-2] + [5, 6]), tok, [conv])
         assert score == 0.0
+        answer = answer_ids(tok, ref, conv["thinking"])  # after the think channel: the response, the tool calls
+        assert tok.decode(answer).startswith("<|open|>response<|sep|>") if conv["thinking"] else answer == ref
+    assert any(chats.conversation(i)["thinking"] for i in range(6))
     answer = chats.conversation(0)["messages"][-1]["content"]
     assert decode_reply(tok, target_ids(tok, chats.conversation(0))[1], thinking=False) == answer
+
+
+def test_image_questions_decode_with_their_pixels_in_the_prefill():
+    """A vision-language model's held-out image question: the prompt holds one placeholder per feature row of its
+    image (as data=chat trains it) and the pixels go with the prefill."""
+    from megatron_k3.model import causal_lm_class
+
+    cfg = load_model_config("k3_vl_tiny", TINY)
+    torch.manual_seed(1)
+    model = causal_lm_class(cfg)(cfg).eval()
+    tok = EmbeddedCorpus(None, 8192, progress=False).tokenizer()
+    chats = EmbeddedChats(vision=True)
+    conv = chats.conversation(3)
+    prompt, media = media_prompt(model, tok, conv, chats.load)
+    rows = int(np.prod(media["grid_thws"][0].tolist())) // 4  # the 2 x 2 merge
+    assert prompt.count(cfg.vision.placeholder_token_id) == rows and media["pixel_values"].shape[0] == 4 * rows
+    score, got = exact_match(model, tok, [conv], max_new_tokens=3, load=chats.load)
+    assert score == 0.0 and len(got[0][2]) >= 1
 
 
 def test_chat_tool_decodes_a_reply_from_a_k3_directory(tmp_path):

@@ -22,7 +22,18 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, ObservationCounter, full_params, norm_rel, wrapped_model
+from helpers import (
+    FAST,
+    FULL_VOCAB,
+    PARAM_RTOL,
+    RTOL,
+    STATIC,
+    TINY_MODEL,
+    ObservationCounter,
+    full_params,
+    norm_rel,
+    wrapped_model,
+)
 
 from megatron_k3.parallel.recompute import Policy
 
@@ -161,7 +172,7 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
     (2, ["parallel.ep=2", "model.moe_overflow=dropless"], []),
     (2, ["parallel.ep=2", "model.moe_overflow=balanced"], [TILED]),
     (2, ["parallel.cp=2"], [TILED]),
-    (2, ["model=k3_vl_tiny", "data=multimodal", "parallel.tp=2"], []),  # the vision tower's blocks and attention
+    (2, ["model=k3_vl_tiny", "data=multimodal", "parallel.tp=2", FULL_VOCAB], []),  # the tower's blocks, attention
     (1, ["train.compile=true", "train.compile_backend=aot_eager"], []),
 ], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_dropless", "ep2_balanced", "cp2", "vision_tp2", "compiled_aot_eager"])
 def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):

@@ -11,7 +11,9 @@ K3's control tokens (the one data=chat trains with offline).
 
 --prompt renders the conversation (printed with its control tokens), greedy-decodes the reply with the KDA / MLA
 cache and prints it. --eval N decodes the last assistant turn of the first N conversations of the embedded chat
-set's held-out split (data=chat's default split) and prints one JSON line: the exact-match overall and per kind.
+set's held-out split (data=chat's default split; a vision-language model's includes the questions about drawn
+images, their pixels in the prefill) and prints one JSON line: the exact-match of the whole turn (think channel
+included), and of the answer (the response and tool calls) overall and per kind.
 Exit status: 0 done, 2 a bad argument or input (one line naming it).
 """
 
@@ -28,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_k3.config import ConfigError  # noqa: E402
 from megatron_k3.data.chat import decode_reply, encode_prompt  # noqa: E402
 from megatron_k3.data.chat_set import EmbeddedChats  # noqa: E402
+from megatron_k3.data.conversations import chat_options  # noqa: E402
 from megatron_k3.data.corpus import EmbeddedCorpus  # noqa: E402
 from megatron_k3.data.dataset import split_documents  # noqa: E402
 from megatron_k3.data.tokenizer import load_tokenizer  # noqa: E402
-from megatron_k3.training.chat_eval import exact_match, load_for_inference, reply_ids  # noqa: E402
+from megatron_k3.training.chat_eval import answer_ids, exact_match, load_for_inference, reply_ids  # noqa: E402
 
 SPLIT = "95,5,0"  # conf/data/chat.yaml's
 KINDS = ("arithmetic", "reverse", "tool call", "image")
@@ -49,15 +52,17 @@ def evaluate(model, tok, n: int, seed: int) -> dict:
     vision = bool(getattr(model.cfg.vision, "enabled", False))
     chats = EmbeddedChats(seed=seed, vision=vision)
     held_out = split_documents(len(chats), SPLIT)["valid"][:n]
-    if vision:  # the image questions need their pixels in the prefill: evaluated on the text kinds here
-        held_out = [i for i in held_out if i % 4 != 3]
     kinds = len(KINDS) if vision else 3
-    score, rows = exact_match(model, tok, [chats.conversation(int(i)) for i in held_out])
-    out = {"exact_match": round(score, 4), "conversations": len(rows)}
+    score, rows = exact_match(model, tok, [chats.conversation(int(i)) for i in held_out],
+                              load=chats.load if vision else None)
+    thinking = [chat_options(chats.conversation(int(i)))["thinking"] for i in held_out]
+    answers = [answer_ids(tok, ref, t) == answer_ids(tok, reply, t) for (_, ref, reply), t in zip(rows, thinking)]
+    out = {"exact_match": round(score, 4), "answer_match": round(sum(answers) / max(len(answers), 1), 4),
+           "conversations": len(rows)}
     for k in range(kinds):
-        hits = [ref == reply for i, (_, ref, reply) in zip(held_out, rows) if i % kinds == k]
+        hits = [a for i, a in zip(held_out, answers) if i % kinds == k]
         if hits:
-            out[KINDS[k]] = round(sum(hits) / len(hits), 4)
+            out[f"answer_match_{KINDS[k].replace(' ', '_')}"] = round(sum(hits) / len(hits), 4)
     return out
 
 

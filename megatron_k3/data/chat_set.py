@@ -1,10 +1,11 @@
 """The embedded chat set of data=chat (no download): conversations with checkable answers, drawn from (seed, index).
 
-Kinds, by index: arithmetic ("What is 37 + 58?" -> "95"), string reversal ("Reverse the letters of: kodeb" ->
-"bedok"), a tool call with typed arguments (get_weather(city, unit, days) in K3's tool-call form), and, for a
-vision-language model, a question about an embedded drawn image ("What is in this picture?" -> its caption, the
-drawings of data=multimodal). Some conversations think (a short reasoning in the think channel), most do not; every
-one ends with the assistant's answer, the part a held-out evaluation decodes and compares exactly (docs/sft.md).
+Kinds, by index: arithmetic on small numbers ("What is 17 - 8?" -> "9"), string reversal of 3 or 4 letters
+("Reverse the letters of: kode" -> "edok"), a tool call with typed arguments (get_weather(city, unit, days) in K3's
+tool-call form), and, for a vision-language model, a question about an embedded drawn image ("What is in this
+picture?" -> its caption, the drawings of data=multimodal). Some conversations think (a short reasoning in the think
+channel), most do not; every one ends with the assistant's answer, the part a held-out evaluation decodes and compares
+exactly (docs/sft.md).
 
 A source of conversations has len(), where(i), conversation(i) -> {"messages", "tools"?, "thinking"?,
 "thinking_effort"?} whose image parts name a handle ("drawing:<i>" here, a path in conversations.ChatJsonl, the file
@@ -66,14 +67,12 @@ class EmbeddedChats:
                 "thinking": thinking}
 
     def _arithmetic(self, u) -> dict:
-        a, b, op = int(u[0] * 100), int(u[1] * 100), "+-*"[int(u[2] * 3)]
-        if op == "*":
-            b = int(u[1] * 10)
+        a, b, op = int(u[0] * 20), int(u[1] * 10), "+-*"[int(u[2] * 3)]
         value = a + b if op == "+" else a - b if op == "-" else a * b
         return self._chat(f"What is {a} {op} {b}?", str(value), u, reasoning=f"{a} {op} {b} = {value}.")
 
     def _reverse(self, u) -> dict:
-        n = 3 + int(u[0] * 4)
+        n = 3 + int(u[0] * 2)
         word = "".join(_LETTERS[int(x * 26)] for x in u[1:1 + n])
         return self._chat(f"Reverse the letters of: {word}", word[::-1], u, reasoning=f"Backwards, {word} reads "
                           f"{' '.join(word[::-1])}.")

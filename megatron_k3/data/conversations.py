@@ -36,7 +36,7 @@ from .media_tokens import media_tokens_of
 from .multimodal import MultimodalDataset, jsonl_sources, media_processor, split_sources
 
 __all__ = ["ROLES", "ChatJsonl", "ChatDataset", "build_chat_datasets", "chat_options", "check_conversation",
-           "images_of"]
+           "expand_images", "images_of"]
 
 ROLES = ("system", "user", "assistant", "tool")
 _TOP = {"messages": list, "tools": list, "thinking": bool, "thinking_effort": (str, type(None))}
@@ -201,18 +201,21 @@ class ChatDataset(MultimodalDataset):
         return ids, len(ids), len(grids), grids, len(grids), np.asarray(mask, dtype=bool)
 
     def _expand_media(self, ids: list, mask: list, spans: list, grids: list) -> tuple:
-        """Each image's placeholder ids (its span) become begin, one placeholder per feature row, end (no label)."""
         if len(spans) != len(grids):
             raise BadDocument(f"{len(grids)} images but {len(spans)} image placeholders in the rendered chat")
-        mt, out, out_mask, prev = self.tokens, [], [], 0
-        for (start, end), grid in zip(spans, grids):
-            out += ids[prev:start]
-            out_mask += mask[prev:start]
-            run = [mt.begin] + [mt.placeholder] * self.processor.num_tokens(grid) + [mt.end]
-            out += run
-            out_mask += [0] * len(run)
-            prev = end
-        return out + ids[prev:], out_mask + mask[prev:]
+        return expand_images(ids, mask, spans, [self.processor.num_tokens(g) for g in grids], self.tokens)
+
+
+def expand_images(ids: list, mask: list, spans: list, rows: list, tokens) -> tuple:
+    """(ids, mask) with each image's placeholder ids (its [start, end) span) replaced by `<|media_begin|>`, one
+    placeholder per feature row (`rows` of each image) and `<|media_end|>` (MediaTokens `tokens`), none learned."""
+    out, out_mask, prev = [], [], 0
+    for (start, end), n in zip(spans, rows):
+        run = [tokens.begin] + [tokens.placeholder] * int(n) + [tokens.end]
+        out += ids[prev:start] + run
+        out_mask += mask[prev:start] + [0] * len(run)
+        prev = end
+    return out + ids[prev:], out_mask + mask[prev:]
 
 
 class _NoMedia:

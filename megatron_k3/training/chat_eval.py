@@ -5,23 +5,28 @@ conversations' last assistant turn (docs/sft.md).
 Exact-match: the conversation without its last assistant turn is the prompt (the release's generation prompt,
 chat.encode_prompt); the model decodes until the end-of-message marker; the reply matches when its ids equal the
 ids the chat template renders for the reference turn (its think channel, response and tool calls, token for token).
+The answer matches when the ids after the think channel do (`answer_ids`: the response and the tool calls).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..data.chat import END_OF_MSG, encode_chat, encode_prompt
-from ..data.conversations import chat_options
+from ..config import DataConfig, ModelConfig
+from ..data.chat import CLOSE, END_OF_MSG, SEP, encode_chat, encode_conversation, encode_prompt
+from ..data.conversations import chat_options, expand_images
+from ..data.media_tokens import media_tokens_of
+from ..data.multimodal import media_processor
 from ..interop import load_hf
 from ..model.generate import greedy
 from ..model.multimodal import causal_lm_class
 from . import checkpoint as ckpt
 
-__all__ = ["load_for_inference", "reply_ids", "target_ids", "exact_match"]
+__all__ = ["answer_ids", "load_for_inference", "media_prompt", "reply_ids", "target_ids", "exact_match"]
 
 
 def load_for_inference(path: str | Path) -> torch.nn.Module:
@@ -66,17 +71,48 @@ def target_ids(tokenizer, conv: dict) -> tuple:
     return prompt, full[len(prompt):]
 
 
-def reply_ids(model, tokenizer, prompt: list, max_new_tokens: int = 64) -> list:
-    """The greedy reply to `prompt`, up to and including the end-of-message marker."""
-    return greedy(model, prompt, [tokenizer.token_to_id(END_OF_MSG)], max_new_tokens)
+def media_prompt(model, tokenizer, conv: dict, load) -> tuple:
+    """(the generation prompt's ids with each image's run of placeholders, the media keyword arguments) of a
+    conversation for a vision-language model, preprocessed as data=chat trains (`load(handle)` -> a PIL image)."""
+    before, _ = _split(conv)
+    c = encode_conversation(tokenizer, before, conv.get("tools"), add_generation_prompt=True, **chat_options(conv))
+    if not c.image_spans:
+        return c.ids, {}
+    processor = media_processor(SimpleNamespace(data=DataConfig(), model=model.cfg))
+    patches, grids = zip(*(processor.chunk([load(h)]) for h in c.images))
+    ids, _ = expand_images(c.ids, c.loss_mask, c.image_spans, [processor.num_tokens(g) for g in grids],
+                           media_tokens_of(model.cfg, tokenizer, pad=0))
+    return ids, {"pixel_values": torch.from_numpy(np.concatenate(patches)),
+                 "grid_thws": torch.tensor(np.asarray(grids, dtype=np.int64))}
 
 
-def exact_match(model, tokenizer, conversations, max_new_tokens: int = 64) -> tuple:
+def reply_ids(model, tokenizer, prompt: list, max_new_tokens: int = 64, **media) -> list:
+    """The greedy reply to `prompt` (with its media), up to and including the end-of-message marker."""
+    return greedy(model, prompt, [tokenizer.token_to_id(END_OF_MSG)], max_new_tokens, **media)
+
+
+def answer_ids(tokenizer, ids: list, thinking: bool) -> list:
+    """A reply's ids after its think channel (the answer: the response and the tool calls), the whole reply when the
+    prompt opened the response channel (thinking off) or the think channel never closes."""
+    if not thinking:
+        return list(ids)
+    close, sep = tokenizer.token_to_id(CLOSE), tokenizer.token_to_id(SEP)
+    if close not in ids:
+        return list(ids)
+    k = ids.index(close)
+    return list(ids[ids.index(sep, k) + 1:]) if sep in ids[k:] else []
+
+
+def exact_match(model, tokenizer, conversations, max_new_tokens: int = 64, load=None) -> tuple:
     """(the fraction of `conversations` whose last assistant turn the model reproduces exactly, per-conversation
-    rows (prompt ids, reference ids, reply ids))."""
+    rows (prompt ids, reference ids, reply ids)); `load(handle)`: the images of a vision-language model's
+    conversations."""
     rows = []
     for conv in conversations:
         prompt, ref = target_ids(tokenizer, conv)
-        rows.append((prompt, ref, reply_ids(model, tokenizer, prompt, max(max_new_tokens, len(ref)))))
+        media = {}
+        if load is not None:
+            prompt, media = media_prompt(model, tokenizer, conv, load)
+        rows.append((prompt, ref, reply_ids(model, tokenizer, prompt, max(max_new_tokens, len(ref)), **media)))
     hits = sum(reply == ref for _, ref, reply in rows)
     return hits / max(len(rows), 1), rows
