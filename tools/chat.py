@@ -2,7 +2,7 @@
 """Talk to a checkpoint in K3's chat format, or measure its exact-match on held-out conversations (docs/sft.md).
 
     python tools/chat.py DIR --prompt "What is 12 + 30?" [--system TEXT] [--no-thinking] [--max-new-tokens N]
-    python tools/chat.py DIR --eval N [--seed S]
+    python tools/chat.py DIR --eval N [--seed S] [--out FILE]
 
 DIR: a Hugging Face / K3 directory (checkpoint.export_hf, tools/convert_checkpoint.py --to-hf, the release) or a
 training checkpoint (a step directory, or a checkpoint directory: its newest complete one). The tokenizer: DIR's
@@ -76,13 +76,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default="")
     ap.add_argument("--eval", type=int, default=0, metavar="N")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", metavar="FILE", help="--eval: also write the JSON line to FILE")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         model = load_for_inference(a.dir)
         tok = tokenizer_for(Path(a.dir), a.tokenizer)
         if a.eval:
-            print(json.dumps(evaluate(model, tok, a.eval, a.seed)))
+            line = json.dumps(evaluate(model, tok, a.eval, a.seed))
+            print(line)
+            if a.out:
+                Path(a.out).write_text(line + "\n")
             return 0
         if not a.prompt:
             raise ConfigError("--prompt", "", "give a user message, or --eval N")
