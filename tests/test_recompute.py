@@ -105,15 +105,15 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
 # ---------------------------------------------------------------------------------------------- the Trainer
 
 
-def _policies(rank, world, overrides, run_dir, extra=()):
-    """2 steps of FAST + overrides under train.recompute=none, selective and full, and each (name, overrides) of
+def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER):
+    """2 steps of FAST + overrides under each train.recompute policy of `policies`, and each (name, overrides) of
     `extra`: per variant (losses, loads, parameters after each step, router observations, the RNG state after)."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
     out = {}
-    variants = [(p, [f"train.recompute={p}"]) for p in POLICY_ORDER] + list(extra)
+    variants = [(p, [f"train.recompute={p}"]) for p in policies] + list(extra)
     for name, more in variants:
         run, _, _ = compose_run_config(FAST + overrides + more + ["train.steps=2"], world_size=world)
         try:
@@ -177,8 +177,11 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
 ], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_dropless", "ep2_balanced", "cp2", "vision_tp2", "compiled_aot_eager"])
 def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):
     """Also, per layout: sequence tiling (to rounding), activation offload under pp2 and the overlapped gradient
-    reduction at dp2 (bit for bit), each against the same layout's none."""
-    results = run_distributed(_policies, world, overrides, str(tmp_path), extra, timeout=900)
+    reduction at dp2 (bit for bit), each against the same layout's none. Compiled: none and selective (whose regions
+    are traced inside the compiled layer); full wraps the compiled layer and calls the same compiled code again,
+    which test_recompute_under_inductor checks bit for bit (make test-compile)."""
+    policies = POLICY_ORDER[:2] if "train.compile=true" in overrides else POLICY_ORDER
+    results = run_distributed(_policies, world, overrides, str(tmp_path), extra, policies, timeout=900)
     _assert_same(results, overrides, ("tiled",))
 
 
