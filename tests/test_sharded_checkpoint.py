@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, full_params, gather_states, make_trainer, resume_with, same
+from helpers import FAST, full_params, gather_dim, gather_states, make_trainer, resume_with, same
 
 from megatron_k3.training import checkpoint as ckpt
 from megatron_k3.training.checkpoint import shards
@@ -417,14 +417,18 @@ def test_a_run_starts_from_a_k3_layout_directory(tmp_path):
 
 
 def _train_and_export(rank, world, overrides, out):
+    """One step and checkpoint.export_hf: the module's parameters and the fp32 masters the export writes, whole."""
+    from megatron_k3.annotations import meta
     from megatron_k3.training.engine import shutdown
 
     os.makedirs(f"{out}_ckpt", exist_ok=True)  # the run directory
     try:
-        t = _trainer(world, overrides + [f"checkpoint.export_hf={out}", "checkpoint.export_dtype=float32",
-                                         f"checkpoint.dir={out}_ckpt"], steps=1)
+        t = _trainer(world, overrides + [f"checkpoint.export_hf={out}", f"checkpoint.dir={out}_ckpt"], steps=1)
         t.fit({})
-        return {k: v.clone() for k, v in full_params(t).items()}
+        params = dict(t.model.named_parameters())
+        masters = {n: gather_dim(v, meta(params[n]).tp_dim, t.ps.group("tp"), t.ps.size("tp"))
+                   if meta(params[n]).tp_dim is not None else v for n, v in t.checkpoints.export_masters().items()}
+        return {k: v.clone() for k, v in full_params(t).items()}, masters
     finally:
         shutdown()
 
@@ -432,23 +436,27 @@ def _train_and_export(rank, world, overrides, out):
 @pytest.mark.slow
 def test_the_finished_run_exports_the_k3_layout_from_every_rank(tmp_path):
     """checkpoint.export_hf: at the end of fit, each rank writes its part of a K3-layout directory (tp2 x ep2 on 4
-    ranks); read whole (an independent path) it holds the trained weights: bit for bit in float32, the routed
-    experts as their MXFP4 values."""
+    ranks, bf16 module weights); read whole (an independent path) it holds the trained weights: the bf16 ones bit
+    for bit, the ones the layout keeps in fp32 (KDA's conv, A_log, dt_bias, o_norm) as their fp32 masters (finer
+    than the bf16 module weights), the routed experts as their MXFP4 values."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.interop.hf import read_checkpoint
     from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
     from megatron_k3.interop.k3_layout import from_k3_state_dict
 
-    layout = ADAMW + ["parallel.tp=2", "parallel.ep=2"]
-    params = run_distributed(_train_and_export, 4, layout, str(tmp_path / "hf"), timeout=300)[0]
+    layout = ADAMW + ["parallel.tp=2", "parallel.ep=2", "precision=bf16"]
+    params, masters = run_distributed(_train_and_export, 4, layout, str(tmp_path / "hf"), timeout=300)[0]
     run, _, _ = compose_run_config(FAST + layout, world_size=4)
     config, tensors = read_checkpoint(tmp_path / "hf")
     assert config["model_type"] == "kimi_k3"
     got = from_k3_state_dict(tensors, run.model)
     assert sorted(params) == sorted(k for k in got if k in params) and len(params) > 50
+    assert {n.rsplit(".", 1)[-1] for n in masters} == {"A_log", "dt_bias", "o_norm", "q_conv1d", "k_conv1d", "v_conv1d"}
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())  # finer than bf16
     for n, p in params.items():
         want = torch.stack([dequantize_k3_weight(*quantize_k3_weight(w)) for w in p]) if ".mlp.experts." in n else p
-        assert torch.equal(got[n], want), n
+        want = masters.get(n, want)
+        assert torch.equal(got[n].float(), want), n
 
 
 def _failing_saves(rank, world, d):

@@ -62,6 +62,10 @@ class LoadReport:
     tensors: int = 0  # checkpoint tensors read (a packed expert matrix and its scales count as two)
     bytes_read: int = 0  # bytes of the slices read
     skipped: int = 0  # vision-tower tensors in the directory, not read
+    # {our name: this rank's slice as stored} for plain tensors stored wider than the module holds them (K3's fp32
+    # tensors under bf16 module weights): the fp32 masters are set from these, so the values never pass through
+    # the narrower dtype (tensors of that kind only: KDA's conv, A_log, dt_bias and o_norm in the K3 release)
+    wider: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ where tensors lie
@@ -157,13 +161,17 @@ class _Read:
     padding: tuple | None = None
 
 
-def _plan_reads(model, names: _Names) -> list:
-    """This rank's reads: one per plain tensor (its slice), one or two per local expert matrix."""
+def _plan_reads(model, names: _Names, wider: dict) -> list:
+    """This rank's reads: one per plain tensor (its slice), one or two per local expert matrix. A plain tensor
+    stored in a wider floating dtype than its parameter is also kept, as stored, in `wider` (LoadReport.wider)."""
     reads, pending = [], {}
 
-    def copy_into(dst):
+    def copy_into(dst, name=None):
         def apply(view):
-            dst.copy_(view.reshape(dst.shape))
+            view = view.reshape(dst.shape)
+            dst.copy_(view)
+            if name is not None and view.is_floating_point() and view.element_size() > dst.element_size():
+                wider[name] = view.clone()
         return apply
 
     for name, t in targets(model):
@@ -209,7 +217,7 @@ def _plan_reads(model, names: _Names) -> list:
             raise CheckpointReadError(f"{names.where}: {name}: our tensor has no {names.family.name} name")
         key, kind = names.plain[name]
         src = _source(names.name(key), kind, shape)
-        reads.append(_Read(src.key, src.shape, src.region(start, size), copy_into(t), padding=src.padding))
+        reads.append(_Read(src.key, src.shape, src.region(start, size), copy_into(t, name), padding=src.padding))
     return reads
 
 
@@ -297,11 +305,12 @@ def load_hf_sharded(model, path, layout: str = "auto", group="auto", device=None
         names.check_complete()
         if any(t.is_meta for _, t in targets(model)):
             model.materialize(device or "cpu", init=False)
-        for r in sorted(_plan_reads(model, names), key=lambda r: r.key):
+        wider = {}
+        for r in sorted(_plan_reads(model, names, wider), key=lambda r: r.key):
             by_file.setdefault(weight_map[r.key], []).append(r)
         for file, reads in sorted(by_file.items()):
             _check_file(path / file, reads)
-        report = LoadReport(fam.name, sorted(by_file), skipped=names.skipped)
+        report = LoadReport(fam.name, sorted(by_file), skipped=names.skipped, wider=wider)
     except Exception as e:  # noqa: BLE001 - agreed over the group, then raised on every rank
         err = e
     agree(err, group)

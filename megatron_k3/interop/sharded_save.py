@@ -34,7 +34,7 @@ from .parts import EXPERT, agree, gather_all, rank_and_size, resolve_group, targ
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_hf_sharded", "CheckpointWriteError"]
+__all__ = ["save_hf_sharded", "wider_than_module", "CheckpointWriteError"]
 
 
 class CheckpointWriteError(OSError):
@@ -85,7 +85,7 @@ class _Item:
     key: str
     nbytes: int
     produce: object  # () -> the tensor (gathering over tensor parallelism where needed)
-    split: torch.Tensor | None = None  # the tensor-parallel shard this item gathers, if any
+    split: tuple | None = None  # (the tensor-parallel shard this item gathers, its value or None), if any
 
 
 class _Gather:
@@ -94,9 +94,10 @@ class _Gather:
     def __init__(self, tp_group, writer: int, is_writer: bool):
         self.group, self.writer, self.is_writer = tp_group, writer, is_writer
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, t: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor | None:
+        """t made whole (on the writer; None elsewhere): `value`, where given, in place of t's own (same shape)."""
         m = meta(t)
-        local = t.detach().contiguous()
+        local = (t if value is None else value).detach().contiguous()
         if m.tp_dim is None:
             return local
         parts = [torch.empty_like(local) for _ in range(m.tp_size)] if self.is_writer else None
@@ -104,10 +105,34 @@ class _Gather:
         return torch.cat(parts, dim=m.tp_dim) if self.is_writer else None
 
 
+def _written_dtype(fam: CheckpointFamily, key: str, fwd, t: torch.Tensor, dt) -> tuple:
+    """(the whole tensor's shape as written, the dtype written) of our tensor t under checkpoint key `key`."""
+    shaped = torch.empty(full_shape(t), dtype=t.dtype, device="meta")
+    shaped = fwd(shaped) if fwd else shaped
+    return shaped.shape, fam.out_dtype(key, shaped.dtype, dt)
+
+
+def wider_than_module(model, layout: str = "k3", dtype=None) -> list:
+    """Names of the plain parameters that `save_hf_sharded(model, ..., layout, dtype=dtype)` writes in a wider
+    dtype than the module holds them (K3's fp32 tensors under bf16 module weights): their fp32 masters are what
+    should be written (`values`)."""
+    fam = family(layout)
+    dt = dtype_of(dtype) or fam.default_dtype
+    rules = {ours: (key, fwd) for ours, key, fwd, _ in fam.pairs(model.cfg)}
+    out = []
+    for name, p in model.named_parameters():
+        if name in rules and not EXPERT.fullmatch(name) and p.is_floating_point():
+            key, fwd = rules[name]
+            if _written_dtype(fam, key, fwd, p, dt)[1].itemsize > p.element_size():
+                out.append(name)
+    return out
+
+
 def _items(model, fam: CheckpointFamily, dt, mode, *, plain_writer: bool, expert_writer: bool,
-           gather: _Gather) -> list:
-    """What this rank writes: the plain (non-expert) tensors where it is their writer, its block of routed experts
-    where it is theirs, each as an _Item that produces the tensor when its file is written."""
+           gather: _Gather, values: dict) -> list:
+    """What this rank writes: the plain (non-expert) tensors where it is their writer (from `values` where it
+    holds them), its block of routed experts where it is theirs, each as an _Item that produces the tensor when
+    its file is written."""
     cfg = model.cfg
     rules = {ours: (key, fwd) for ours, key, fwd, _ in fam.pairs(cfg)}
     prefix = fam.prefix
@@ -140,17 +165,15 @@ def _items(model, fam: CheckpointFamily, dt, mode, *, plain_writer: bool, expert
                                        lambda w=t, el=el, out=out: w.detach()[el].to(out).contiguous()))
         elif not m and plain_writer:
             key, fwd = rules[name]
-            shaped = torch.empty(full_shape(t), dtype=t.dtype, device="meta")
-            shaped = fwd(shaped) if fwd else shaped
-            out = fam.out_dtype(key, shaped.dtype, dt)
+            shape, out = _written_dtype(fam, key, fwd, t, dt)
+            value = values.get(name)
 
-            def produce(t=t, fwd=fwd, out=out):
-                whole = gather(t)
+            def produce(t=t, fwd=fwd, out=out, value=value):
+                whole = gather(t, value)
                 return (fwd(whole) if fwd else whole).to(out).contiguous()
 
-            items.append(_Item(fam.checkpoint_name(key), math.prod(shaped.shape) *
-                               out.itemsize, produce,
-                               t if meta(t).tp_dim is not None else None))
+            items.append(_Item(fam.checkpoint_name(key), math.prod(shape) * out.itemsize, produce,
+                               (t, value) if meta(t).tp_dim is not None else None))
     return sorted(items, key=lambda it: it.key)
 
 
@@ -168,12 +191,15 @@ def _shards(items: list, max_shard_size: int) -> list:
 
 @torch.no_grad()
 def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=None,
-                    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, scale_mode: str | None = None, group="auto"):
+                    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, scale_mode: str | None = None, group="auto",
+                    values: dict | None = None):
     """Write the Hugging Face directory of the model whose parts the ranks of `group` hold (module docstring):
     the tensors and config.json that `save_hf(whole model, path, layout, dtype, max_shard_size, scale_mode)`
     writes. Call it on every rank of `group` ("auto": the default group when torch.distributed is initialised;
     None: this process alone, holding the whole model). `tp_group`: this rank's tensor-parallel group, needed
-    where the model is split by tensor parallelism. Returns the directory."""
+    where the model is split by tensor parallelism. `values`: {name: tensor of the parameter's shape} written in place
+    of plain parameters' own values (the fp32 masters of `wider_than_module(model, layout, dtype)`: a bf16 module
+    weight would round what the layout stores in fp32). Returns the directory."""
     fam = family(layout)
     path = Path(path)
     group = resolve_group(group)
@@ -192,8 +218,9 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
     mode = export_scale_mode(experts[0], scale_mode) if experts and fam.quantised_experts else None
     writer_global = global_ranks[plain_writer]
     gather = _Gather(tp_group, writer_global, rank == plain_writer)
+    values = values or {}
     items = _items(model, fam, dt, mode, plain_writer=rank == plain_writer, expert_writer=rank == expert_writer,
-                   gather=gather)
+                   gather=gather, values=values)
     shards = _shards(items, max_shard_size)
     counts = gather_all(len(shards), group)
     total = sum(counts)
@@ -204,9 +231,9 @@ def save_hf_sharded(model, path, layout: str = "k3", *, tp_group=None, dtype=Non
     # peers of the writer's tensor-parallel group send their shards, in the writer's order
     peer = rank != plain_writer and tp_group is not None and me.tp[1] > 1 and writer_global in me.tp_members
     if peer:
-        for it in _items(model, fam, dt, mode, plain_writer=True, expert_writer=False, gather=gather):
+        for it in _items(model, fam, dt, mode, plain_writer=True, expert_writer=False, gather=gather, values=values):
             if it.split is not None:
-                gather(it.split)
+                gather(*it.split)
     err, weight_map = _write_shards(path, files, shards)
     pieces = agree(err, group, (weight_map, sum(it.nbytes for it in items)), other=CheckpointWriteError)
     err = None

@@ -108,7 +108,10 @@ class _PlainStates:
 
     def full(self, p) -> tuple:
         st = self.opt.state.get(p, {})
-        return p.detach().float().cpu(), {k: st[k].detach().cpu() for k in self.elem if k in st}
+        return self.master(p), {k: st[k].detach().cpu() for k in self.elem if k in st}
+
+    def master(self, p) -> torch.Tensor:
+        return p.detach().float().cpu()
 
     def prepare_load(self, dense: list, states_of: dict, scalars: dict) -> None:
         _ensure_states(self.opt, {id(p): sorted(states_of.get(n, [])) for n, p in dense}, scalars, "dense")
@@ -191,7 +194,10 @@ class _ZeroPartitions:
             if dist.get_world_size(group) > 1:
                 dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
             states[MOMENTUM] = t.cpu()
-        return p.get_full_hp_param().detach().cpu(), states
+        return self.master(p), states
+
+    def master(self, p) -> torch.Tensor:
+        return p.get_full_hp_param().detach().cpu()
 
     def prepare_load(self, dense: list, states_of: dict, scalars: dict) -> None:
         keys_of = {}
@@ -346,11 +352,25 @@ def load_pieces(engine, named_params, index, scalars: dict, ps, experts=None) ->
 
 
 @torch.no_grad()
-def masters_from_module(engine, ps, experts=None) -> None:
+def masters_from_module(engine, ps, experts=None, exact: dict | None = None) -> None:
     """The fp32 masters set from the module's parameters (after weights were loaded into the module: pretrained
     weights streamed into each rank's shards): ZeRO's partitions from the parameters' values, the experts' masters
-    likewise. Optimizer states are left as they are (none, before the first step)."""
+    likewise; a dense parameter named in `exact` ({name: its value at this rank's shard, wider than the module's
+    dtype: interop.LoadReport.wider}) from that value instead, so a bf16 module weight does not round it.
+    Optimizer states are left as they are (none, before the first step)."""
     _dense_states(engine, ps).masters_from_module()
+    for name, p in engine.module.named_parameters():
+        if name in (exact or {}) and hasattr(p, "set_full_hp_param"):  # a ZeRO partition of a bf16 parameter
+            p.set_full_hp_param(exact[name].to(device=p.device, dtype=torch.float32))
     if experts is not None:
         for p, m in zip(experts.params, experts.masters):
             m.copy_(p.detach().float())
+
+
+def dense_masters(engine, ps, names) -> dict:
+    """{name: its fp32 master at this rank's tensor-parallel shard} for the dense parameters `names`: ZeRO's
+    partitions gathered over data parallel (a collective: every rank of the stage calls it with the same names),
+    else the parameter itself in fp32."""
+    dense_states = _dense_states(engine, ps)
+    wanted = set(names)
+    return {n: dense_states.master(p) for n, p in engine.module.named_parameters() if n in wanted}

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from ...annotations import full_shape
 from ...config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
 from ...errors import one_line
-from ...interop import copy_tokenizer_files, load_hf_sharded, save_hf_sharded
+from ...interop import copy_tokenizer_files, load_hf_sharded, save_hf_sharded, wider_than_module
 from ...parallel.agree import first_failure
 from . import directory as ckpt
-from .deepspeed_state import load_pieces, masters_from_module, owned_pieces, scalars_of
+from .deepspeed_state import dense_masters, load_pieces, masters_from_module, owned_pieces, scalars_of
 from .shards import CheckpointError, ShardIndex, merge_index, wait_for_ranks
 
 log = logging.getLogger("megatron_k3.train")
@@ -181,12 +181,14 @@ class CheckpointManager:
     def _load_pretrained(self, path: Path) -> None:
         """Weights of a Hugging Face directory (the released K3 checkpoint, or Kimi Linear), streamed into every
         rank's shards (interop.load_hf_sharded: each rank reads only its slices and dequantises only its
-        experts), then the fp32 masters from them; the run starts at step 0 with fresh optimizer states."""
+        experts), then the fp32 masters from them (from the values as stored where the checkpoint holds a tensor
+        wider than the module: K3's fp32 tensors under bf16 module weights); the run starts at step 0 with fresh
+        optimizer states."""
         try:
             report = load_hf_sharded(self.model, path)
         except (ValueError, OSError) as e:
             raise ConfigError("checkpoint.load", str(path), one_line(e)) from None
-        masters_from_module(self.engine, self.ps, self.experts)
+        masters_from_module(self.engine, self.ps, self.experts, exact=report.wider)
         log.info("rank %d: initialised from %s (%s layout): %d tensors, %.1f MB read from %d files",
                  self.ranks.rank, path, report.layout, report.tensors, report.bytes_read / 1e6, len(report.files))
 
@@ -195,18 +197,27 @@ class CheckpointManager:
         written once, by the lowest rank holding it whole, tensor-parallel pieces gathered within their group
         only, each block of experts quantised by its owner, blocks still exact at their imported MXFP4 scales
         written as imported; one index, written by rank 0 last), with the tokenizer and chat files of the Hugging
-        Face directory the run started from (checkpoint.load), copied by rank 0. A failure is raised on every
-        rank."""
+        Face directory the run started from (checkpoint.load), copied by rank 0. What the layout stores wider than
+        the module holds it (K3's fp32 tensors under bf16 module weights) is written from the fp32 masters
+        (`export_masters`). A failure is raised on every rank."""
         c = self.run.checkpoint
         out = Path(c.export_hf)
         save_hf_sharded(self.model, out, c.export_layout, tp_group=self.ps.group("tp"),
-                        dtype=getattr(torch, c.export_dtype))
+                        dtype=getattr(torch, c.export_dtype), values=self.export_masters())
         copied = self._copy_tokenizer(out)
         if self.ranks.rank == 0:
             log.info("exported %s (%s layout, %s)%s", out, c.export_layout, c.export_dtype,
                      f"; copied {', '.join(copied)}" if copied else "; no tokenizer files copied (neither "
                      "checkpoint.load nor data.tokenizer is a directory holding them)")
         return out
+
+    def export_masters(self) -> dict:
+        """{name: fp32 master at this rank's tensor-parallel shard} of the parameters `checkpoint.export_hf` writes
+        wider than the module holds them (interop.wider_than_module), gathered over data parallel: call on every
+        rank."""
+        c = self.run.checkpoint
+        names = wider_than_module(self.model, c.export_layout, getattr(torch, c.export_dtype))
+        return dense_masters(self.engine, self.ps, names)
 
     def _copy_tokenizer(self, out: Path) -> list:
         """Rank 0 copies the tokenizer and chat files of `checkpoint.load`, where that is a Hugging Face directory,
