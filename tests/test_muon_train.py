@@ -195,13 +195,15 @@ def test_bf16_parameters_train_every_parameter_under_zero_1_and_2(tmp_path, opti
                 assert abs(a - b) <= 1e-3 * b, (world, overrides, losses, ref_losses)
 
 
-def test_muon_with_bf16_parameters_needs_zero():
-    """DeepSpeed's ZeRO-0 bf16 optimizer hands the client optimizer flattened vectors, on which Muon cannot
-    find its matrices: refused at start-up; ZeRO-1/2 (tests/test_train.py runs bf16 with ZeRO-2) and fp32 run."""
+def test_bf16_parameters_need_zero():
+    """bf16 module weights keep their fp32 masters in ZeRO's partitions: ZeRO-0 is refused at start-up, naming the
+    key (DeepSpeed 0.19 would raise NotImplementedError inside deepspeed.initialize; its ZeRO-0 bf16 optimizer
+    would hand Muon flattened vectors anyway); ZeRO-1/2 (tests/test_train.py runs bf16 with ZeRO-2) and fp32 run."""
     from megatron_k3.config import ConfigError, compose_run_config
 
-    with pytest.raises(ConfigError) as e:
-        compose_run_config(["optim=muon", "precision=bf16", "parallel.zero_stage=0"])
-    assert e.value.key == "parallel.zero_stage"
-    compose_run_config(["optim=muon", "precision=bf16", "parallel.zero_stage=1"])
-    compose_run_config(["optim=adamw", "precision=bf16", "parallel.zero_stage=0"])
+    for overrides in (["optim=muon", "precision=bf16"], ["optim=adamw", "precision=mx_qat"]):
+        with pytest.raises(ConfigError) as e:
+            compose_run_config(overrides + ["parallel.zero_stage=0"])
+        assert e.value.key == "parallel.zero_stage" and "param_dtype=bf16" in str(e.value)
+        compose_run_config(overrides + ["parallel.zero_stage=1"])
+    compose_run_config(["optim=adamw", "precision=fp32", "parallel.zero_stage=0"])

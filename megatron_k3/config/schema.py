@@ -741,9 +741,10 @@ class RunConfig:
                               "i.e. on the first stage")
         if has_moe(m) and p.ep > 1 and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
-        if o.name == "muon" and p.zero_stage == 0 and pr.param_dtype == "bf16":
-            raise ConfigError("parallel.zero_stage", 0, "optim=muon with precision.param_dtype=bf16 needs ZeRO 1 or 2 "
-                              "(DeepSpeed's ZeRO-0 bf16 optimizer steps flattened vectors, not matrices)")
+        if p.zero_stage == 0 and pr.param_dtype == "bf16":
+            raise ConfigError("parallel.zero_stage", 0, f"precision.param_dtype=bf16 (precision={pr.name}) needs ZeRO "
+                              "1 or 2, whose partitions hold the fp32 masters (DeepSpeed 0.19 has no ZeRO-0 path for "
+                              "bf16 weights with fp32 gradient accumulation)")
         if pr.name == "mx_qat" and has_moe(m):
             for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
                          ("moe_intermediate_size", m.moe_intermediate_size)):
