@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, FULL_VOCAB, PARAM_RTOL, RTOL, TINY_MODEL, full_params, norm_rel, straight_and_resumed
+from helpers import FAST, FULL_VOCAB, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, full_params, norm_rel, straight_and_resumed
 
 from megatron_k3.config import compose_run_config
 from megatron_k3.data.build import build_data
@@ -207,14 +207,16 @@ def test_token_average_is_the_same_whatever_the_micro_batches_and_ranks(tmp_path
 
 @pytest.mark.slow
 def test_sft_layouts_equal_one_process_and_resume_mid_epoch_bitwise(tmp_path):
-    """data=chat under tp2 (+SP), pp2 and cp2 against one process (2 steps: losses, loss tokens, parameters; dp2:
-    the test above; the loss weights are applied outside the MoE, so ep adds nothing of its own), and a run saved
-    after 2 of its 5-step epoch's steps resumes bit for bit."""
+    """data=chat under tp2 (+SP), pp2, ep2 and cp2 against one process (2 steps: losses, loss tokens, parameters;
+    dp2: the test above), the layouts one after another in one 2-process world, and a run saved after 2 of its
+    5-step epoch's steps resumes bit for bit."""
     data = _chat_data(tmp_path)
     ref = _steps(0, 1, [("one", data)], str(tmp_path / "one"))["one"]
-    for name, more in (("tp2", ["parallel.tp=2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel.pp=2"]),
-                       ("cp2", ["parallel.cp=2"])):  # dp2: the test above; ep2 routes as for any data
-        ranks = run_distributed(_steps, 2, [(name, data + more)], str(tmp_path / name), timeout=300)
+    layouts = [(name, data + more) for name, more in (
+        ("tp2", ["parallel.tp=2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel.pp=2"]),
+        ("ep2", ["parallel.ep=2"] + STATIC), ("cp2", ["parallel.cp=2"]))]  # STATIC: ep2 drops nothing
+    ranks = run_distributed(_steps, 2, layouts, str(tmp_path / "layouts"), timeout=600)
+    for name, _ in layouts:
         loss, tokens, params = ranks[-1][name]  # pp: the loss on the last stage; each stage its own parameters
         for r in ranks:
             params = {**r[name][2], **params}
