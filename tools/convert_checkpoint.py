@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from megatron_k3.config import ConfigError, ModelConfig, load_model_config  # noqa: E402
 from megatron_k3.interop import load_hf, save_hf  # noqa: E402
-from megatron_k3.model import K3ForCausalLM  # noqa: E402
+from megatron_k3.model import causal_lm_class  # noqa: E402
 from megatron_k3.training import checkpoint as ckpt  # noqa: E402
 from megatron_k3.training.checkpoint import legacy  # noqa: E402
 
@@ -76,9 +76,9 @@ def _weights(src: Path, overrides: list):
 def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None,
           max_shard_size: int | None = None, overrides: list = ()) -> Path:
     """SRC's weights (a training checkpoint in any layout, or an unsharded weights file) as a Hugging Face
-    directory."""
+    directory (a vision-language model with its tower and projector)."""
     cfg, tensors = _weights(Path(src), list(overrides))
-    model = K3ForCausalLM(cfg, init=False)
+    model = causal_lm_class(cfg)(cfg, init=False)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k in dict(model.named_parameters())]
     if missing or unexpected:
