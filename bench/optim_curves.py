@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def run_one(optim: str, lr: float, steps: int, out: Path, extra: list) -> dict:
     run, cfg, _ = compose_run_config(overrides)
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a re-run trains afresh (checkpoint.load=auto resumes)
     trainer = Trainer(run, run_dir)
     opt_time = [0.0]
     opt = trainer.engine.optimizer  # ZeRO-0: the client optimizer itself

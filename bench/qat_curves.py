@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ def run_one(precision: str, steps: int, out: Path, extra: list) -> list:
     run, cfg, _ = compose_run_config(overrides)
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a re-run trains afresh (checkpoint.load=auto resumes)
     trainer = Trainer(run, run_dir)
     hooked = any(m.qat is not None for _, m in grouped_experts(trainer.model))
     if precision == "mx_qat" and not hooked:  # the loop does not call the hook yet: call it here (no new params,

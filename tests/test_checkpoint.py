@@ -290,3 +290,100 @@ def test_convert_tool_to_and_from_hugging_face(one_checkpoint, tmp_path):
         else:
             want = saved[n]
         assert torch.equal(p, want), n
+
+
+def _restarts(rank, world, d):
+    """The same command twice in one checkpoint.dir (4 steps, then 6), then a fresh start there
+    (checkpoint.load=none): (the second run's first step, the error the fresh run's first save raised, the warning it
+    logged at the start, the newest checkpoint's file corrupted: what resuming it raises)."""
+    from megatron_k3.training import checkpoint as ckpt
+    from megatron_k3.training.engine import shutdown
+
+    os.makedirs(f"{d}_run", exist_ok=True)
+
+    def run(steps, more=()):
+        try:
+            t = make_trainer(world, [f"checkpoint.dir={d}", "train.save_interval=2", *more], steps=steps,
+                             run_dir=f"{d}_run")
+            first = []
+            step = t.train_step
+            t.train_step = lambda: (first.append(t.pos.step), step())[1]
+            t.fit({})
+            return first[0]
+        finally:
+            shutdown()
+
+    run(4)
+    resumed_at = run(6)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda r: warned.append(r.getMessage())
+    logging.getLogger("megatron_k3.train").addHandler(handler)
+    try:
+        run(2, ["checkpoint.load=none"])
+        fresh_err = None
+    except ckpt.CheckpointError as e:
+        fresh_err = str(e)
+    f = ckpt.list_checkpoints(d)[-1] / "rank_00000.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return resumed_at, fresh_err, warned, resume_with(rank, world, "auto", [f"checkpoint.dir={d}"])
+
+
+def test_a_restart_never_destroys_a_run(tmp_path):
+    """checkpoint.load=auto by default: the same command run again in a directory holding its checkpoints resumes
+    (4 steps saving every 2, then the command with train.steps=6 starts at step 4), and no checkpoint is rewritten.
+    Starting fresh there needs checkpoint.load=none, which warns and never replaces another run's checkpoint (its
+    first save stops the run, naming it). A corrupted newest checkpoint names the file and the newest intact one."""
+    from megatron_k3.training import checkpoint as ckpt
+
+    d = tmp_path / "ckpt"
+    resumed_at, fresh_err, warned, corrupted = run_distributed(_restarts, 1, str(d), timeout=300)[0]
+    assert resumed_at == 4
+    assert [p.name for p in ckpt.list_checkpoints(d)] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert len({ckpt.run_of(p) for p in ckpt.list_checkpoints(d)}) == 1  # the resumed run kept the first's id
+    assert fresh_err is not None and "step_00000002 was written by another run" in fresh_err, fresh_err
+    assert any("checkpoint.load=none: starting fresh" in w and "step_00000006" in w for w in warned), warned
+    assert json.loads((d / "step_00000002" / "meta.json").read_text())["step"] == 2  # kept, not replaced
+    assert corrupted is not None and "step_00000006/rank_00000.safetensors" in corrupted, corrupted
+    assert f"the newest intact checkpoint is {d / 'step_00000004'}" in corrupted, corrupted
+
+
+def test_keep_last_prunes_only_the_runs_own_checkpoints(tmp_path):
+    """commit(keep_last=1) removes this run's older checkpoints, never another run's (nor one without a run id)."""
+    from megatron_k3.training import checkpoint as ckpt
+
+    for step, run_id in ((1, "other"), (2, None), (3, "mine"), (4, "other")):
+        p = tmp_path / f"step_{step:08d}"
+        p.mkdir()
+        (p / "meta.json").write_text(json.dumps({"step": step, "complete": True, "run_id": run_id}))
+    tmp, final = ckpt.begin(tmp_path, 5)
+    ckpt.commit(tmp, final, {"step": 5, "run_id": "mine"}, keep_last=1)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [f"step_{s:08d}" for s in (1, 2, 4, 5)]
+
+
+def test_convert_tool_writes_a_vision_language_checkpoint_with_its_tower(tmp_path):
+    """--to-hf of a vision-language training checkpoint (model.vision.enabled): the tower and projector go into the
+    K3 directory beside the text model, which load_hf reads back as K3ForConditionalGeneration, every tensor bit
+    for bit in float32 but the routed experts (their MXFP4 values)."""
+    import dataclasses
+
+    from megatron_k3.config import load_model_config
+    from megatron_k3.interop import load_hf
+    from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
+    from megatron_k3.model import K3ForConditionalGeneration
+    from megatron_k3.training import checkpoint as ckpt
+
+    cfg = load_model_config("k3_vl_tiny", ["num_layers=2"])
+    torch.manual_seed(0)
+    model = K3ForConditionalGeneration(cfg)
+    tensors = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    src = ckpt.save_checkpoint(tmp_path / "ckpt", 3, tensors, {}, {}, {"step": 3, "model": dataclasses.asdict(cfg)})
+    assert _convert_tool().main([str(src), str(tmp_path / "hf"), "--to-hf", "--dtype", "float32"]) == 0
+    back = load_hf(tmp_path / "hf")
+    assert isinstance(back, K3ForConditionalGeneration)
+    got = dict(back.named_parameters())
+    assert any(n.startswith("vision_tower.") for n in got) and sorted(got) == sorted(dict(model.named_parameters()))
+    for n, p in model.named_parameters():
+        want = torch.stack([dequantize_k3_weight(*quantize_k3_weight(w)) for w in p.detach()]) \
+            if ".mlp.experts." in n else p.detach()
+        assert torch.equal(got[n].float(), want), n

@@ -103,8 +103,8 @@ def test_from_checkpoint_errors_are_one_line_naming_the_key(tmp_path):
     (tmp_path / "silu" / "config.json").write_text(json.dumps(
         {"model_type": "kimi_k3", "text_config": dict(ref.TEXT_CONFIG, hidden_act="silu")}))
     cases = [
-        ([], "checkpoint.load=''"),
-        (["checkpoint.load=auto"], "checkpoint.load='auto'"),
+        ([], "checkpoint.load='auto'"),
+        (["checkpoint.load=none"], "checkpoint.load='none'"),
         ([f"checkpoint.load={tmp_path / 'none'}"], "no such directory"),
         ([f"checkpoint.load={tmp_path / 'plain'}"], f"no {tmp_path / 'plain' / 'config.json'}"),
         ([f"checkpoint.load={tmp_path / 'llama'}"], f"{tmp_path / 'llama' / 'config.json'}: model_type 'llama'"),

@@ -168,7 +168,7 @@ def test_command_runs(command, workspace, request):
         request.getfixturevalue("indexed_data")
         for prefix in ("data/web", "data/code"):
             assert (workspace / f"{prefix}.bin").stat().st_size > 0 and (workspace / f"{prefix}.idx").is_file()
-    elif "checkpoint.load=auto" in command:  # resume: 2 steps, then the same command resumes toward 3
+    elif command.endswith("hydra.run.dir=runs/my_run"):  # resume: 2 steps, then the same command resumes toward 3
         _trained(_run(command, workspace, " train.steps=2"), 2)
         out = _run(command, workspace, f" train.steps={STEPS}")
         _trained(out)

@@ -22,7 +22,7 @@ from typing import Iterable
 from omegaconf import OmegaConf
 
 from ..errors import ConfigError, one_line
-from .schema import RUNTIME_MODEL_KEYS, ModelConfig, RunConfig, VisionConfig
+from .schema import LOAD_FRESH, RUNTIME_MODEL_KEYS, ModelConfig, RunConfig, VisionConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # megatron_k3/conf (the repository's conf/ links to it)
 FROM_CHECKPOINT = "from_checkpoint"  # model=from_checkpoint: the shapes of checkpoint.load's config.json
@@ -158,7 +158,7 @@ def model_from_checkpoint(run: RunConfig, overrides: Iterable[str], model_reader
             raise ConfigError(key, o.split("=", 1)[1] if "=" in o else None,
                               f"model={FROM_CHECKPOINT} takes the model's shapes from checkpoint.load's config.json; "
                               f"beside it only these model keys may be set: {', '.join(CHECKPOINT_MODEL_KEYS)}")
-    if load in ("", "auto"):
+    if load in ("auto",) + LOAD_FRESH:
         raise ConfigError("checkpoint.load", load, f"model={FROM_CHECKPOINT} needs checkpoint.load=DIR, a Kimi K3 or "
                           "Kimi Linear Hugging Face directory (config.json and safetensors weights)")
     config_json = Path(load) / "config.json"

@@ -661,9 +661,10 @@ class LoggingConfig:
 
 
 # what `checkpoint.load` may name: checked for existence with the config, resolved by training/checkpoint/directory.py
-LOAD_FORMS = ("expected auto, '' (start fresh), a checkpoint (a directory with meta.json), a directory of "
-              "checkpoints (its newest complete step_*), or a Hugging Face directory (config.json and safetensors "
-              "weights)")
+LOAD_FORMS = ("expected auto (the newest complete checkpoint in checkpoint.dir, fresh when there is none), none (start "
+              "fresh), a checkpoint (a directory with meta.json), a directory of checkpoints (its newest complete "
+              "step_*), or a Hugging Face directory (config.json and safetensors weights)")
+LOAD_FRESH = ("none", "")  # checkpoint.load values that start fresh ('' as written before `none`)
 
 
 def _check_load_path(key: str, p: Path) -> None:
@@ -680,7 +681,9 @@ def _check_load_path(key: str, p: Path) -> None:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # '' = <run dir>/checkpoints
-    load: str = ""  # '' = start fresh; auto = newest complete checkpoint in dir; or a checkpoint path
+    # auto = the newest complete checkpoint in dir, fresh only when there is none (a restarted command resumes);
+    # none = start fresh (a save never replaces a checkpoint another run wrote); or a path (LOAD_FORMS)
+    load: str = "auto"
     keep_last: int = 3
     async_save: bool = False  # snapshot to host memory, write in a background thread while training goes on
     export_hf: str = ""  # at the end of the run, every rank writes its part of a Hugging Face directory here
@@ -688,7 +691,7 @@ class CheckpointConfig:
     export_dtype: str = "bfloat16"  # the non-expert tensors' dtype (the fp32 ones, conv / A_log / ..., stay fp32)
 
     def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
-        if self.load not in ("", "auto"):
+        if self.load not in ("auto",) + LOAD_FRESH:
             _check_load_path(_key(prefix, "load"), Path(self.load))
         _require_choice(self, prefix, "export_layout", ("k3", "kimi_linear"))
         _require_choice(self, prefix, "export_dtype", ("bfloat16", "float32"))
@@ -734,7 +737,7 @@ class RunConfig:
         return self
 
     def _validate_pairings(self) -> None:
-        m, p, o, pr = self.model, self.parallel, self.optim, self.precision
+        m, p, pr = self.model, self.parallel, self.precision
         if p.pp > 1 and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, f"with parallel.pp={p.pp} use ZeRO 1 or 2: DeepSpeed's "
                               "ZeRO-0 clipping counts replicated parameters on model-parallel rank 0 only, "
@@ -755,5 +758,5 @@ class RunConfig:
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
-           "RUNTIME_MODEL_KEYS", "LOAD_FORMS",
+           "RUNTIME_MODEL_KEYS", "LOAD_FORMS", "LOAD_FRESH",
            "parse_split"]

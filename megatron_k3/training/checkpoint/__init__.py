@@ -13,14 +13,18 @@ from .directory import (
     list_checkpoints,
     load_pickle_safely,
     load_tensors,
+    newest_intact,
     read_full,
     read_meta,
     resolve_load_path,
+    run_of,
     save_checkpoint,
+    unreadable_file,
 )
 from .manager import CheckpointManager, Position, Ranks
 from .shards import CheckpointError, RankPieces, ShardIndex
 
 __all__ = ["CheckpointManager", "Position", "Ranks", "CheckpointError", "RankPieces", "ShardIndex", "FORMAT_VERSION",
            "begin", "commit", "config_diff", "incomplete_checkpoints", "is_hf_directory", "list_checkpoints",
-           "load_pickle_safely", "load_tensors", "read_full", "read_meta", "resolve_load_path", "save_checkpoint"]
+           "load_pickle_safely", "load_tensors", "newest_intact", "read_full", "read_meta", "resolve_load_path",
+           "run_of", "save_checkpoint", "unreadable_file"]

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ...config.schema import LOAD_FORMS
+from ...config.schema import LOAD_FORMS, LOAD_FRESH
 from . import shards
 from .shards import CheckpointError
 
@@ -109,8 +109,17 @@ def begin(ckpt_dir: str | Path, step: int, unique: bool = True) -> tuple:
     return tmp, final
 
 
+def run_of(p: Path) -> str | None:
+    """The run id recorded in checkpoint p's meta.json (None: unreadable, or written before run ids)."""
+    try:
+        return json.loads((Path(p) / "meta.json").read_text()).get("run_id")
+    except (ValueError, OSError):
+        return None
+
+
 def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
-    """Write meta.json, rename the directory into place, update `latest`, prune old checkpoints."""
+    """Write meta.json, rename the directory into place, update `latest`, prune the oldest of this run's
+    checkpoints (meta["run_id"]) beyond keep_last: another run's are never removed."""
     ckpt_dir = final.parent
     meta = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time(), complete=True)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -127,8 +136,9 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int = 0) -> Path:
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, ckpt_dir / "latest")
     if keep_last > 0:
-        for old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            if old != final:  # never the one just committed (a directory holding later steps of an older run)
+        own = [p for p in list_checkpoints(ckpt_dir) if run_of(p) == meta.get("run_id")]
+        for old in own[:-keep_last]:
+            if old != final:  # never the one just committed
                 shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_dir.glob(".tmp-step_*"):  # saves that failed or were killed (reported at the start)
         shutil.rmtree(stale, ignore_errors=True)
@@ -222,9 +232,9 @@ def is_hf_directory(p: Path) -> bool:
 
 
 def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
-    """'' -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path (a
-    checkpoint, a checkpoint directory's newest, or a Hugging Face directory)."""
-    if not load:
+    """'none' (or '') -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path
+    (a checkpoint, a checkpoint directory's newest, or a Hugging Face directory)."""
+    if load in LOAD_FRESH:
         return None
     if load == "auto":
         found = list_checkpoints(ckpt_dir, warn=True)
@@ -241,6 +251,32 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
         raise FileNotFoundError(f"no meta.json, no complete step_* checkpoint inside and no Hugging Face config.json "
                                 f"with safetensors weights; {LOAD_FORMS}")
     return p
+
+
+def unreadable_file(path: Path) -> str | None:
+    """The first file of checkpoint `path` that cannot be read as written (meta.json, the index, a rank's
+    safetensors file: missing, truncated or corrupted header), as "<file>: <why>"; None when all open."""
+    try:
+        read_meta(path)
+        files = {c[0] for t in json.loads((path / shards.INDEX).read_text())["tensors"].values() for c in t["chunks"]}
+    except (CheckpointError, ValueError, KeyError, OSError) as e:
+        return f"{path}: {e}"
+    for name in sorted(files):
+        try:
+            with safe_open(str(path / name), framework="pt", device="cpu") as f:
+                f.keys()
+        except (SafetensorError, OSError, ValueError) as e:
+            return f"{path / name}: {e}"
+    return None
+
+
+def newest_intact(ckpt_dir: Path, before: Path) -> Path | None:
+    """The newest complete checkpoint in ckpt_dir other than `before` (and older, where `before` is a step
+    directory) whose files all open (`unreadable_file`)."""
+    step = before.name[len(_PREFIX):]
+    older = [p for p in list_checkpoints(ckpt_dir) if p.resolve() != before.resolve()
+             and (not step.isdigit() or int(p.name[len(_PREFIX):]) < int(step))]
+    return next((p for p in reversed(older) if unreadable_file(p) is None), None)
 
 
 def read_meta(path: str | Path, legacy: bool = False) -> dict:

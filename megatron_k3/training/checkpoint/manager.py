@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,9 @@ class CheckpointManager:
         """`ps`: the rank's parallel.state.ParallelState."""
         self.run, self.engine, self.experts, self.ps, self.dir = run, engine, experts, ps, ckpt_dir
         self.ranks = Ranks.of(ps)
+        # recorded in every checkpoint's meta.json (rank 0 writes it): a save replaces only a checkpoint of its own
+        # run, and keep_last prunes only its own. A resumed run takes over the id of the checkpoint it resumed.
+        self.run_id, self.resumed = uuid.uuid4().hex[:16], False
         self._thread, self._error = None, None
 
     @property
@@ -106,7 +110,8 @@ class CheckpointManager:
         path = self._what_to_load()
         if path is None:
             return None
-        saved, rng, nbytes = self._read_own(path)
+        saved, rng, nbytes = self._read_own_or_name_intact(path)
+        self.run_id, self.resumed = saved.get("run_id") or self.run_id, True
         log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", self.ranks.rank, nbytes[0] / 1e6, nbytes[1] / 1e6)
         self._restore_rng(rng, saved)
         self._log_changes(path, saved)
@@ -122,6 +127,11 @@ class CheckpointManager:
         if path is None:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.dir)
+            elif self.ranks.rank == 0 and ckpt.list_checkpoints(self.dir):
+                found = ckpt.list_checkpoints(self.dir)
+                log.warning("checkpoint.load=%s: starting fresh in %s, which holds %d checkpoint(s) of another run "
+                            "(%s ... %s): they are kept; a save onto one of their steps stops this run",
+                            self.run.checkpoint.load or "''", self.dir, len(found), found[0].name, found[-1].name)
             return None
         if not ckpt.is_hf_directory(path):
             return path
@@ -133,6 +143,17 @@ class CheckpointManager:
         log.info("checkpoint.load=%s holds pretrained weights and %s the run's own checkpoints: resuming from "
                  "the newest, %s", path, self.dir, own[-1])
         return own[-1]
+
+    def _read_own_or_name_intact(self, path: Path) -> tuple:
+        """`_read_own`; a checkpoint that cannot be read (a corrupted or truncated file, named) is raised with the
+        newest intact checkpoint beside it (directory.newest_intact), which checkpoint.load can name."""
+        try:
+            return self._read_own(path)
+        except ConfigError as e:
+            older = ckpt.newest_intact(path.parent, path) if path.name.startswith("step_") else None
+            hint = (f"; the newest intact checkpoint is {older}: checkpoint.load={older} resumes from it" if older
+                    else f"; {path.parent} holds no older intact checkpoint")
+            raise ConfigError(e.key, e.value, f"{e.valid}{hint}") from None
 
     def _read_own(self, path: Path) -> tuple:
         """(meta.json, the saved RNG states or None, (bytes read, checkpoint bytes)) after reading this rank's
@@ -312,6 +333,8 @@ class CheckpointManager:
         if r.rank == 0:
             meta_json["optimizer_scalars"] = {k: v for _, sc in gathered for k, v in sc.items()}
             rngs = [g[0] for g in gathered]
+        meta_json["run_id"] = self.run_id
+        _agree(self._foreign(pos.step) if r.rank == 0 else None, pos.step)  # before anything is written
         final = ckpt.begin(self.dir, pos.step, unique=False)[1] if r.rank == 0 else None
         dist.barrier()
         tmp = self.dir / f".tmp-step_{pos.step:08d}"
@@ -329,6 +352,20 @@ class CheckpointManager:
         self._thread = threading.Thread(target=self._write_async, args=([snap], tmp, final, meta_json, rngs),
                                         name=f"k3-checkpoint-{pos.step}", daemon=True)
         self._thread.start()
+
+    def _foreign(self, step: int) -> str | None:
+        """Why this run may not write checkpoint `step`, or None: a complete checkpoint of that step written by
+        another run (its meta.json's run id) is never replaced; one without a run id (written before them) only by
+        a run that resumed in this directory, not by one that started fresh (checkpoint.load=none)."""
+        final = self.dir / f"step_{step:08d}"
+        if final not in ckpt.list_checkpoints(self.dir):
+            return None
+        owner = ckpt.run_of(final)
+        if owner == self.run_id or (owner is None and self.resumed):
+            return None
+        return (f"{final} was written by another run ({f'run id {owner}' if owner else 'no run id'}); this run "
+                f"({self.run_id}, checkpoint.load={self.run.checkpoint.load or repr('')}) does not replace it: "
+                "resume that run (checkpoint.load=auto) or give this one another checkpoint.dir")
 
     def _write(self, pieces, tmp: Path, rngs) -> None:
         r = self.ranks
