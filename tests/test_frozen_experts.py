@@ -1,0 +1,76 @@
+"""Routed experts frozen in MXFP4 (ops.frozen_experts, issue 35's base): the packed encoding is the release's
+(interop.k3_experts' independent encoder and decoder agree byte for byte), 17 bytes per 32 parameters; the
+block-decoded forward and its input gradient equal the plain per-expert reference over the decoded weights (float64
+autograd) to fp32 rounding, whatever the block, and never decode more than `block` experts at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
+from megatron_k3.ops.frozen_experts import PackedExperts, frozen_experts_batched
+from megatron_k3.ops.grouped_gemm import experts_reference
+
+E, C, L, I = 5, 6, 64, 96
+
+
+def _experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1, w3 = (torch.randn(E, I, L, generator=g) * 0.1 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g) * 0.1
+    return [PackedExperts.encode(w) for w in (w1, w3, w2)], torch.randn(E, C, L, generator=g)
+
+
+def test_the_encoding_is_the_releases_and_costs_17_bytes_per_32_parameters():
+    (w1, _, _), _ = _experts()
+    for e in range(E):
+        packed, scale = quantize_k3_weight(w1.decode(e, e + 1)[0])
+        assert torch.equal(packed.view(torch.uint8), w1.packed[e]) and torch.equal(scale.view(torch.uint8), w1.scale[e])
+        assert torch.equal(dequantize_k3_weight(w1.packed[e], w1.scale[e]), w1.decode(e, e + 1)[0])
+    # from the format's definition: two E2M1 codes a byte, the even column low; bit 3 the sign; 2^(scale - 127)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    codes = torch.stack([w1.packed & 0xF, w1.packed >> 4], -1).reshape(E, I, L).long()
+    by_hand = e2m1[codes & 7] * (1 - 2 * (codes >> 3)) * torch.exp2(w1.scale.double() - 127).repeat_interleave(32, -1)
+    assert torch.equal(by_hand, w1.decode(dtype=torch.float64))
+    assert w1.nbytes / (E * I * L) == 17 / 32
+    assert torch.equal(w1.decode(dtype=torch.bfloat16).float(), w1.decode())  # exact in bf16
+
+
+class _Counting(PackedExperts):
+    def decode(self, start=0, stop=None, dtype=torch.float32):
+        _Counting.widest = max(_Counting.widest, (self.num_experts if stop is None else stop) - start)
+        return super().decode(start, stop, dtype)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_block_decoded_experts_equal_the_reference_and_decode_only_a_block(act):
+    (w1, w3, w2), x = _experts(1)
+    expert = torch.arange(E).repeat_interleave(C)
+    x64 = x.double().reshape(E * C, L).requires_grad_(True)
+    ref = experts_reference(x64, expert, *(w.decode(dtype=torch.float64) for w in (w1, w3, w2)), act)
+    dy = torch.randn_like(ref)
+    (ref * dy).sum().backward()
+    outs = []
+    for block in (1, 2, E):
+        _Counting.widest = 0
+        xb = x.clone().requires_grad_(True)
+        y = frozen_experts_batched(xb, *(_Counting(w.packed, w.scale) for w in (w1, w3, w2)), act, block=block)
+        (y * dy.float().reshape(E, C, L)).sum().backward()
+        assert _Counting.widest == block
+        err = (y.double().reshape(E * C, L) - ref).norm() / ref.norm()
+        gerr = (xb.grad.double().reshape(E * C, L) - x64.grad).norm() / x64.grad.norm()
+        assert err < 1e-6 and gerr < 1e-6, (block, err, gerr)  # fp32 against float64: rounding only
+        outs.append((y.detach(), xb.grad))
+    for y, g in outs[1:]:  # per-expert GEMMs: the block changes no number
+        assert torch.equal(y, outs[0][0]) and torch.equal(g, outs[0][1])
+
+
+def test_bad_shapes_are_named():
+    (w1, w3, w2), x = _experts()
+    with pytest.raises(ValueError, match="expected w1/w3"):
+        frozen_experts_batched(x[:, :, :32], w1, w3, w2, "situ")
+    with pytest.raises(ValueError, match="block=0"):
+        frozen_experts_batched(x, w1, w3, w2, "situ", block=0)
+    with pytest.raises(ValueError, match="not uint8"):
+        PackedExperts(w1.packed.float(), w1.scale)
