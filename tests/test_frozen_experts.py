@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
-from megatron_k3.ops.frozen_experts import PackedExperts, frozen_experts_batched
+from megatron_k3.ops.frozen_experts import ExpertAdapters, PackedExperts, frozen_experts_batched
 from megatron_k3.ops.grouped_gemm import experts_reference
 
 E, C, L, I = 5, 6, 64, 96
@@ -66,11 +66,56 @@ def test_block_decoded_experts_equal_the_reference_and_decode_only_a_block(act):
         assert torch.equal(y, outs[0][0]) and torch.equal(g, outs[0][1])
 
 
+R = 3
+
+
+def _adapters(seed, zero_b=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(E, R, L), (E, I, R), (E, R, L), (E, I, R), (E, R, I), (E, L, R)]
+    ts = [torch.randn(*sh, generator=g, dtype=dtype) * 0.1 for sh in shapes]
+    if zero_b:
+        ts[1::2] = [torch.zeros_like(t) for t in ts[1::2]]
+    return [t.requires_grad_(True) for t in ts]
+
+
+@pytest.mark.parametrize("block", [2, E])
+def test_adapters_equal_the_merged_reference_and_take_the_gradients(block):
+    """Per-expert LoRA terms beside the frozen matrices: the output and the gradients of x, every A and every B equal
+    float64 autograd through the merged weights w + scale * B A (rank 3, scale 2) to fp32 rounding; with B = 0 the
+    output is bit-identical to the frozen experts alone."""
+    (w1, w3, w2), x = _experts(2)
+    scale = 2.0
+    ab = _adapters(3)
+    xb = x.clone().requires_grad_(True)
+    y = frozen_experts_batched(xb, w1, w3, w2, "situ", block=block, adapters=ExpertAdapters(*ab, scale))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+    (y * dy).sum().backward()
+    ab64 = [t.detach().double().requires_grad_(True) for t in ab]
+    x64 = x.double().reshape(E * C, L).requires_grad_(True)
+    merged = [w.decode(dtype=torch.float64) + scale * torch.bmm(b, a)
+              for w, a, b in zip((w1, w3, w2), ab64[0::2], ab64[1::2])]
+    ref = experts_reference(x64, torch.arange(E).repeat_interleave(C), *merged, "situ")
+    (ref * dy.double().reshape(E * C, L)).sum().backward()
+    for name, got, want in [("y", y, ref), ("x", xb.grad, x64.grad)] + [
+            (n, t.grad, t64.grad) for n, t, t64 in zip(("a1", "b1", "a3", "b3", "a2", "b2"), ab, ab64)]:
+        got, want = got.double().reshape(want.shape), want.detach()
+        assert (got - want).norm() / want.norm() < 1e-6, (name, block)
+    zero = _adapters(5, zero_b=True)
+    with torch.no_grad():
+        base = frozen_experts_batched(x, w1, w3, w2, "situ", block=block)
+        assert torch.equal(frozen_experts_batched(x, w1, w3, w2, "situ", block=block,
+                                                  adapters=ExpertAdapters(*zero, scale)), base)
+
+
 def test_bad_shapes_are_named():
     (w1, w3, w2), x = _experts()
     with pytest.raises(ValueError, match="expected w1/w3"):
         frozen_experts_batched(x[:, :, :32], w1, w3, w2, "situ")
     with pytest.raises(ValueError, match="block=0"):
         frozen_experts_batched(x, w1, w3, w2, "situ", block=0)
+    with pytest.raises(ValueError, match=r"ExpertAdapters.b2: shape \(5, 64, 2\), expected \(5, 64, 3\)"):
+        ab = _adapters(0)
+        ab[5] = ab[5][:, :, :2]
+        frozen_experts_batched(x, w1, w3, w2, "situ", adapters=ExpertAdapters(*ab, 1.0))
     with pytest.raises(ValueError, match="not uint8"):
         PackedExperts(w1.packed.float(), w1.scale)

@@ -2,7 +2,9 @@
 local experts kept as its E2M1 codes, two to a byte, and one E8M0 scale per 32 inputs (0.53 bytes per parameter,
 `PackedExperts`), and the experts' forward over static [E, C, L] buffers (`frozen_experts_batched`) decoding only
 `block` experts at a time, in the forward and again in the backward, which computes the input's gradient only (a
-frozen base has none of its own). At no point are more than `block` experts' three matrices held decoded.
+frozen base has none of its own). At no point are more than `block` experts' three matrices held decoded. Per-expert
+low-rank adapters (`ExpertAdapters`: w + scale * B A for each of w1, w3, w2) run beside the frozen matrices as
+batched GEMMs through the rank-r intermediate, never merged, and take their gradients in the same backward.
 
 Legend as in ops.grouped_gemm: E local experts, C rows per expert, L expert width, I intermediate size.
 
@@ -21,7 +23,7 @@ import torch
 from .glu import glu_backward, glu_forward
 from .mx import dequantize_mx, pack_e2m1, quantize_mx, unpack_e2m1
 
-__all__ = ["PackedExperts", "frozen_experts_batched", "MX_BLOCK"]
+__all__ = ["PackedExperts", "ExpertAdapters", "frozen_experts_batched", "MX_BLOCK"]
 
 MX_BLOCK = 32  # inputs per E8M0 scale
 
@@ -69,49 +71,110 @@ def _blocks(num: int, block: int):
     return [(e, min(e + block, num)) for e in range(0, num, block)]
 
 
+@dataclass(frozen=True)
+class ExpertAdapters:
+    """Per-expert low-rank adapters of the three matrices: w_eff[e] = w[e] + scale * B[e] @ A[e], A [E, r, in] and
+    B [E, out, r] for w1, w3 (in = L, out = I) and w2 (in = I, out = L); run as batched GEMMs beside the frozen
+    ones, never merged."""
+    a1: torch.Tensor
+    b1: torch.Tensor
+    a3: torch.Tensor
+    b3: torch.Tensor
+    a2: torch.Tensor
+    b2: torch.Tensor
+    scale: float
+
+    def tensors(self) -> tuple:
+        return (self.a1, self.b1, self.a3, self.b3, self.a2, self.b2)
+
+
+def _lowrank(x, a, b, scale):
+    """(scale * (x a^T) b^T, x a^T): the adapter's term and its rank-r intermediate."""
+    t = torch.bmm(x, a.transpose(1, 2))
+    return torch.bmm(t, b.transpose(1, 2)).mul_(scale), t
+
+
+def _lowrank_backward(dy, x, t, a, b, scale):
+    """Gradients of scale * (x a^T) b^T: (dx term, da, db), t = x a^T."""
+    dt = torch.bmm(dy, b).mul_(scale)
+    return torch.bmm(dt, a), torch.bmm(dt.transpose(1, 2), x), torch.bmm(dy.transpose(1, 2), t).mul_(scale)
+
+
 class _FrozenExpertsBatched(torch.autograd.Function):
-    """y[e] = w2[e] act(w1[e] x[e], w3[e] x[e]) per expert over [E, C, L], the weights decoded block by block; the
-    backward gives x's gradient only."""
+    """y[e] = w2[e] act(w1[e] x[e], w3[e] x[e]) per expert over [E, C, L], the frozen weights decoded block by
+    block, plus the adapters' terms where given; the backward gives x's gradient and the adapters'."""
 
     @staticmethod
-    def forward(ctx, x_ECL, w1, w3, w2, act, beta_gate, beta_up, block):
+    def forward(ctx, x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, scale, *ab):
         E = x_ECL.shape[0]
         y = x_ECL.new_empty(E, x_ECL.shape[1], w2.shape[1])
         gates, ups = [], []
-        for a, b in _blocks(E, block):
-            x = x_ECL[a:b]
-            g = torch.bmm(x, w1.decode(a, b, x.dtype).transpose(1, 2))
-            u = torch.bmm(x, w3.decode(a, b, x.dtype).transpose(1, 2))
+        for lo, hi in _blocks(E, block):
+            x = x_ECL[lo:hi]
+            g = torch.bmm(x, w1.decode(lo, hi, x.dtype).transpose(1, 2))
+            u = torch.bmm(x, w3.decode(lo, hi, x.dtype).transpose(1, 2))
+            if ab:
+                g = g + _lowrank(x, ab[0][lo:hi], ab[1][lo:hi], scale)[0]
+                u = u + _lowrank(x, ab[2][lo:hi], ab[3][lo:hi], scale)[0]
             h, _ = glu_forward(g, u, act, beta_gate, beta_up)
-            y[a:b] = torch.bmm(h, w2.decode(a, b, x.dtype).transpose(1, 2))
+            y[lo:hi] = torch.bmm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2))
+            if ab:
+                y[lo:hi] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale)[0]
             gates.append(g)
             ups.append(u)
-        ctx.save_for_backward(torch.cat(gates), torch.cat(ups))
-        ctx.cfg = (w1, w3, w2, act, beta_gate, beta_up, block, x_ECL.dtype)
+        ctx.save_for_backward(x_ECL if ab else None, torch.cat(gates), torch.cat(ups), *ab)
+        ctx.cfg = (w1, w3, w2, act, beta_gate, beta_up, block, scale, x_ECL.dtype, len(ab))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        g_all, u_all = ctx.saved_tensors
-        w1, w3, w2, act, beta_gate, beta_up, block, dtype = ctx.cfg
+        x_all, g_all, u_all, *ab = ctx.saved_tensors
+        w1, w3, w2, act, beta_gate, beta_up, block, scale, dtype, n_ab = ctx.cfg
         dx = dy.new_empty(g_all.shape[0], g_all.shape[1], w1.shape[2], dtype=dtype)
-        for a, b in _blocks(g_all.shape[0], block):
-            g, u = g_all[a:b], u_all[a:b]
-            dh = torch.bmm(dy[a:b].to(dtype), w2.decode(a, b, dtype))
-            _, saved = glu_forward(g, u, act, beta_gate, beta_up)  # elementwise: cheaper to redo than to keep
-            dg, du = glu_backward(dh, saved, act, beta_gate, beta_up)
-            dx[a:b] = torch.bmm(dg.to(dtype), w1.decode(a, b, dtype)) + torch.bmm(du.to(dtype), w3.decode(a, b, dtype))
-        return dx, None, None, None, None, None, None, None
+        dab = [torch.zeros_like(t) for t in ab]
+        for lo, hi in _blocks(g_all.shape[0], block):
+            g, u, d = g_all[lo:hi], u_all[lo:hi], dy[lo:hi].to(dtype)
+            dh = torch.bmm(d, w2.decode(lo, hi, dtype))
+            h, saved = glu_forward(g, u, act, beta_gate, beta_up)  # elementwise: cheaper to redo than to keep
+            if ab:
+                _, t = _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale)
+                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, t, ab[4][lo:hi], ab[5][lo:hi], scale)
+                dh = dh + dh_ab
+            dg, du = (v.to(dtype) for v in glu_backward(dh, saved, act, beta_gate, beta_up))
+            dx[lo:hi] = torch.bmm(dg, w1.decode(lo, hi, dtype)) + torch.bmm(du, w3.decode(lo, hi, dtype))
+            if ab:
+                x = x_all[lo:hi]
+                for k, dz in ((0, dg), (2, du)):
+                    _, t = _lowrank(x, ab[k][lo:hi], ab[k + 1][lo:hi], scale)
+                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(dz, x, t, ab[k][lo:hi],
+                                                                                ab[k + 1][lo:hi], scale)
+                    dx[lo:hi] += dx_ab
+        return (dx, None, None, None, None, None, None, None, None, *dab)
 
 
 def frozen_experts_batched(x_ECL: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, act: str,
-                           beta_gate: float = 4.0, beta_up: float = 25.0, block: int = 8) -> torch.Tensor:
+                           beta_gate: float = 4.0, beta_up: float = 25.0, block: int = 8,
+                           adapters: ExpertAdapters | None = None) -> torch.Tensor:
     """The experts' output [E, C, L] of inputs [E, C, L] (C rows per expert, static), w1/w3 decoding to [E, I, L]
-    and w2 to [E, L, I]; at most `block` experts decoded at a time. Differentiable in x only."""
+    and w2 to [E, L, I]; at most `block` experts decoded at a time. Differentiable in x and in the `adapters`
+    (per-expert low-rank terms beside each frozen matrix), never in the frozen weights."""
     E, _, L = x_ECL.shape
     if not (w1.shape == w3.shape and w1.shape[0] == E and w1.shape[2] == L and w2.shape == (E, L, w1.shape[1])):
         raise ValueError(f"frozen_experts_batched: x {tuple(x_ECL.shape)}, w1 {w1.shape}, w3 {w3.shape}, "
                          f"w2 {w2.shape}: expected w1/w3 [E, I, L] and w2 [E, L, I] for E={E}, L={L}")
     if block < 1:
         raise ValueError(f"frozen_experts_batched: block={block} must be >= 1")
-    return _FrozenExpertsBatched.apply(x_ECL, w1, w3, w2, act, beta_gate, beta_up, block)
+    if adapters is None:
+        return _FrozenExpertsBatched.apply(x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, 0.0)
+    _check_adapters(adapters, E, L, w1.shape[1])
+    return _FrozenExpertsBatched.apply(x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, float(adapters.scale),
+                                       *adapters.tensors())
+
+
+def _check_adapters(ad: ExpertAdapters, E: int, L: int, I: int) -> None:
+    r = ad.a1.shape[1]
+    want = {"a1": (E, r, L), "b1": (E, I, r), "a3": (E, r, L), "b3": (E, I, r), "a2": (E, r, I), "b2": (E, L, r)}
+    for name, shape in want.items():
+        got = tuple(getattr(ad, name).shape)
+        if got != shape:
+            raise ValueError(f"ExpertAdapters.{name}: shape {got}, expected {shape} (E={E}, rank={r}, L={L}, I={I})")
