@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from megatron_k3.interop.k3_experts import dequantize_k3_weight, quantize_k3_weight
-from megatron_k3.ops.frozen_experts import ExpertAdapters, PackedExperts, frozen_experts_batched
+from megatron_k3.ops.frozen_experts import (
+    ExpertAdapters,
+    PackedExperts,
+    frozen_experts_batched,
+    frozen_experts_grouped,
+)
 from megatron_k3.ops.grouped_gemm import experts_reference
 
 E, C, L, I = 5, 6, 64, 96
@@ -69,9 +74,9 @@ def test_block_decoded_experts_equal_the_reference_and_decode_only_a_block(act):
 R = 3
 
 
-def _adapters(seed, zero_b=False, dtype=torch.float32):
+def _adapters(seed, zero_b=False, dtype=torch.float32, rank=R):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(E, R, L), (E, I, R), (E, R, L), (E, I, R), (E, R, I), (E, L, R)]
+    shapes = [(E, rank, L), (E, I, rank), (E, rank, L), (E, I, rank), (E, rank, I), (E, L, rank)]
     ts = [torch.randn(*sh, generator=g, dtype=dtype) * 0.1 for sh in shapes]
     if zero_b:
         ts[1::2] = [torch.zeros_like(t) for t in ts[1::2]]
@@ -105,6 +110,35 @@ def test_adapters_equal_the_merged_reference_and_take_the_gradients(block):
         base = frozen_experts_batched(x, w1, w3, w2, "situ", block=block)
         assert torch.equal(frozen_experts_batched(x, w1, w3, w2, "situ", block=block,
                                                   adapters=ExpertAdapters(*zero, scale)), base)
+
+
+@pytest.mark.parametrize("block,rank", [(1, 4), (2, 4), (E, 4), (2, 3)])
+def test_grouped_rows_with_an_empty_expert_equal_the_reference(block, rank):
+    """The dropless path: expert-sorted rows of uneven counts (expert 2 has none), grouped GEMMs per block of
+    experts (rank 3 in fp32: rows not 16-byte aligned for the native grouped GEMM, a per-expert loop instead),
+    adapters on: output and every gradient against float64 autograd through the merged weights."""
+    (w1, w3, w2), _ = _experts(6)
+    counts = torch.tensor([3, 1, 0, 4, 2])
+    expert = torch.arange(E).repeat_interleave(counts)
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(int(counts.sum()), L, generator=gen)
+    scale, ab = 0.5, _adapters(8, rank=rank)
+    zb = z.clone().requires_grad_(True)
+    y = frozen_experts_grouped(zb, counts.cumsum(0), w1, w3, w2, "situ", block=block,
+                               adapters=ExpertAdapters(*ab, scale))
+    dy = torch.randn(y.shape, generator=gen)
+    (y * dy).sum().backward()
+    ab64 = [t.detach().double().requires_grad_(True) for t in ab]
+    z64 = z.double().requires_grad_(True)
+    merged = [w.decode(dtype=torch.float64) + scale * torch.bmm(b, a)
+              for w, a, b in zip((w1, w3, w2), ab64[0::2], ab64[1::2])]
+    ref = experts_reference(z64, expert, *merged, "situ")
+    (ref * dy.double()).sum().backward()
+    for name, got, want in [("y", y, ref), ("z", zb.grad, z64.grad)] + [
+            (n, t.grad, t64.grad) for n, t, t64 in zip(("a1", "b1", "a3", "b3", "a2", "b2"), ab, ab64)]:
+        got, want = got.double().reshape(want.shape), want.detach()
+        assert (got - want).norm() / want.norm() < 1e-6, (name, block)
+    assert ab[0].grad[2].abs().sum() == 0 and ab[5].grad[2].abs().sum() == 0  # no rows, no gradient
 
 
 def test_bad_shapes_are_named():

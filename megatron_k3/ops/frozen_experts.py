@@ -10,8 +10,9 @@ Legend as in ops.grouped_gemm: E local experts, C rows per expert, L expert widt
 
 The encoding is the release's (interop.k3_experts reads and writes it): packed [E, O, K/2] uint8 with the even
 column in the low nibble, scale [E, O, K/32] uint8 (2^(s - 127)). Decoded values are exact in bf16 and fp32, so
-the result equals the grouped GEMMs over the decoded weights, block for block; the dropless (expert-sorted rows)
-path is not covered here: slicing its rows by expert block needs the offsets on the host.
+the result equals the GEMMs over the decoded weights, block for block. `frozen_experts_grouped` runs the same over
+expert-sorted rows (the dropless path) as grouped GEMMs per block; slicing the rows by expert block reads the
+offsets on the host, once per forward (the static path reads nothing).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .glu import glu_backward, glu_forward
+from .grouped_gemm import rows_mm, wgrad_mm
 from .mx import dequantize_mx, pack_e2m1, quantize_mx, unpack_e2m1
 
-__all__ = ["PackedExperts", "ExpertAdapters", "frozen_experts_batched", "MX_BLOCK"]
+__all__ = ["PackedExperts", "ExpertAdapters", "frozen_experts_batched", "frozen_experts_grouped", "MX_BLOCK"]
 
 MX_BLOCK = 32  # inputs per E8M0 scale
 
@@ -67,14 +69,10 @@ class PackedExperts:
         return dequantize_mx(unpack_e2m1(self.packed[start:stop]), self.scale[start:stop], "e2m1", MX_BLOCK, dtype)
 
 
-def _blocks(num: int, block: int):
-    return [(e, min(e + block, num)) for e in range(0, num, block)]
-
-
 @dataclass(frozen=True)
 class ExpertAdapters:
     """Per-expert low-rank adapters of the three matrices: w_eff[e] = w[e] + scale * B[e] @ A[e], A [E, r, in] and
-    B [E, out, r] for w1, w3 (in = L, out = I) and w2 (in = I, out = L); run as batched GEMMs beside the frozen
+    B [E, out, r] for w1, w3 (in = L, out = I) and w2 (in = I, out = L); run as per-expert GEMMs beside the frozen
     ones, never merged."""
     a1: torch.Tensor
     b1: torch.Tensor
@@ -88,68 +86,133 @@ class ExpertAdapters:
         return (self.a1, self.b1, self.a3, self.b3, self.a2, self.b2)
 
 
-def _lowrank(x, a, b, scale):
-    """(scale * (x a^T) b^T, x a^T): the adapter's term and its rank-r intermediate."""
-    t = torch.bmm(x, a.transpose(1, 2))
-    return torch.bmm(t, b.transpose(1, 2)).mul_(scale), t
+class _Spans:
+    """Where each block of experts lies in x: static [E, C, .] buffers (offs_E None), or expert-sorted rows [M, .]
+    split by offs_E, read on the host once (one sync: slicing rows by expert block needs the row counts)."""
+
+    def __init__(self, offs_E: torch.Tensor | None, num: int, block: int):
+        self.grouped = offs_E is not None
+        self.offs = offs_E
+        self.ends = offs_E.tolist() if self.grouped else None
+        self.blocks = []
+        for lo in range(0, num, block):
+            hi = min(lo + block, num)
+            rows = (0 if lo == 0 else self.ends[lo - 1], self.ends[hi - 1]) if self.grouped else (lo, hi)
+            self.blocks.append((lo, hi, slice(*rows)))
+
+    def local_offs(self, lo: int, hi: int, rows: slice):
+        """Block [lo, hi)'s row offsets within its rows: (device offsets, host row spans), or None (batched)."""
+        if not self.grouped:
+            return None
+        ends = [e - rows.start for e in self.ends[lo:hi]]
+        return self.offs[lo:hi] - rows.start, list(zip([0] + ends[:-1], ends))
 
 
-def _lowrank_backward(dy, x, t, a, b, scale):
+def _aligned(*ts) -> bool:
+    """Whether native grouped GEMMs take these operands: every row 16-byte aligned (e.g. an adapter of rank 3 in fp32
+    is not)."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
+
+
+def _mm(x, w, offs):
+    """Per expert x_e @ w[e]: batched (offs None), grouped, or a loop over the host spans where unaligned."""
+    if offs is None:
+        return torch.bmm(x, w)
+    if _aligned(x, w, w.transpose(1, 2)):
+        return rows_mm(x, w, offs[0])
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(offs[1])])
+
+
+def _wgrad(a, b, offs):
+    """Per expert a_e^T b_e -> [E, K, N]."""
+    if offs is None:
+        return torch.bmm(a.transpose(1, 2), b)
+    if _aligned(a, b):
+        return wgrad_mm(a, b, offs[0])
+    return torch.stack([a[i:j].t() @ b[i:j] for i, j in offs[1]])
+
+
+def _lowrank(x, a, b, scale, offs):
+    """(scale * (x a^T) b^T, x a^T) per expert: the adapter's term and its rank-r intermediate."""
+    t = _mm(x, a.transpose(1, 2), offs)
+    return _mm(t, b.transpose(1, 2), offs).mul_(scale), t
+
+
+def _lowrank_backward(dy, x, t, a, b, scale, offs):
     """Gradients of scale * (x a^T) b^T: (dx term, da, db), t = x a^T."""
-    dt = torch.bmm(dy, b).mul_(scale)
-    return torch.bmm(dt, a), torch.bmm(dt.transpose(1, 2), x), torch.bmm(dy.transpose(1, 2), t).mul_(scale)
+    dt = _mm(dy, b, offs).mul_(scale)
+    return _mm(dt, a, offs), _wgrad(dt, x, offs), _wgrad(dy, t, offs).mul_(scale)
 
 
-class _FrozenExpertsBatched(torch.autograd.Function):
-    """y[e] = w2[e] act(w1[e] x[e], w3[e] x[e]) per expert over [E, C, L], the frozen weights decoded block by
-    block, plus the adapters' terms where given; the backward gives x's gradient and the adapters'."""
+class _FrozenExperts(torch.autograd.Function):
+    """y = w2[e] act(w1[e] x, w3[e] x) per expert (static [E, C, L] buffers or expert-sorted rows), the frozen
+    weights decoded block by block, plus the adapters' terms where given; the backward gives x's gradient and the
+    adapters'."""
 
     @staticmethod
-    def forward(ctx, x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, scale, *ab):
-        E = x_ECL.shape[0]
-        y = x_ECL.new_empty(E, x_ECL.shape[1], w2.shape[1])
+    def forward(ctx, x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, scale, *ab):
+        spans = _Spans(offs_E, w1.num_experts, block)
+        y = x.new_empty(*x.shape[:-1], w2.shape[1])
         gates, ups = [], []
-        for lo, hi in _blocks(E, block):
-            x = x_ECL[lo:hi]
-            g = torch.bmm(x, w1.decode(lo, hi, x.dtype).transpose(1, 2))
-            u = torch.bmm(x, w3.decode(lo, hi, x.dtype).transpose(1, 2))
+        for lo, hi, rows in spans.blocks:
+            xb, offs = x[rows], spans.local_offs(lo, hi, rows)
+            g = _mm(xb, w1.decode(lo, hi, x.dtype).transpose(1, 2), offs)
+            u = _mm(xb, w3.decode(lo, hi, x.dtype).transpose(1, 2), offs)
             if ab:
-                g = g + _lowrank(x, ab[0][lo:hi], ab[1][lo:hi], scale)[0]
-                u = u + _lowrank(x, ab[2][lo:hi], ab[3][lo:hi], scale)[0]
+                g = g + _lowrank(xb, ab[0][lo:hi], ab[1][lo:hi], scale, offs)[0]
+                u = u + _lowrank(xb, ab[2][lo:hi], ab[3][lo:hi], scale, offs)[0]
             h, _ = glu_forward(g, u, act, beta_gate, beta_up)
-            y[lo:hi] = torch.bmm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2))
+            y[rows] = _mm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2), offs)
             if ab:
-                y[lo:hi] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale)[0]
+                y[rows] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale, offs)[0]
             gates.append(g)
             ups.append(u)
-        ctx.save_for_backward(x_ECL if ab else None, torch.cat(gates), torch.cat(ups), *ab)
-        ctx.cfg = (w1, w3, w2, act, beta_gate, beta_up, block, scale, x_ECL.dtype, len(ab))
+        ctx.save_for_backward(x if ab else None, torch.cat(gates), torch.cat(ups), *ab)
+        ctx.cfg = (spans, w1, w3, w2, act, beta_gate, beta_up, scale, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x_all, g_all, u_all, *ab = ctx.saved_tensors
-        w1, w3, w2, act, beta_gate, beta_up, block, scale, dtype, n_ab = ctx.cfg
-        dx = dy.new_empty(g_all.shape[0], g_all.shape[1], w1.shape[2], dtype=dtype)
+        spans, w1, w3, w2, act, beta_gate, beta_up, scale, dtype = ctx.cfg
+        dx = dy.new_empty(*g_all.shape[:-1], w1.shape[2], dtype=dtype)
         dab = [torch.zeros_like(t) for t in ab]
-        for lo, hi in _blocks(g_all.shape[0], block):
-            g, u, d = g_all[lo:hi], u_all[lo:hi], dy[lo:hi].to(dtype)
-            dh = torch.bmm(d, w2.decode(lo, hi, dtype))
+        for lo, hi, rows in spans.blocks:
+            g, u, d, offs = g_all[rows], u_all[rows], dy[rows].to(dtype), spans.local_offs(lo, hi, rows)
+            dh = _mm(d, w2.decode(lo, hi, dtype), offs)
             h, saved = glu_forward(g, u, act, beta_gate, beta_up)  # elementwise: cheaper to redo than to keep
             if ab:
-                _, t = _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale)
-                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, t, ab[4][lo:hi], ab[5][lo:hi], scale)
+                a, b = ab[4][lo:hi], ab[5][lo:hi]
+                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, _lowrank(h, a, b, scale, offs)[1], a, b,
+                                                                        scale, offs)
                 dh = dh + dh_ab
             dg, du = (v.to(dtype) for v in glu_backward(dh, saved, act, beta_gate, beta_up))
-            dx[lo:hi] = torch.bmm(dg, w1.decode(lo, hi, dtype)) + torch.bmm(du, w3.decode(lo, hi, dtype))
+            dx[rows] = _mm(dg, w1.decode(lo, hi, dtype), offs) + _mm(du, w3.decode(lo, hi, dtype), offs)
             if ab:
-                x = x_all[lo:hi]
+                xb = x_all[rows]
                 for k, dz in ((0, dg), (2, du)):
-                    _, t = _lowrank(x, ab[k][lo:hi], ab[k + 1][lo:hi], scale)
-                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(dz, x, t, ab[k][lo:hi],
-                                                                                ab[k + 1][lo:hi], scale)
-                    dx[lo:hi] += dx_ab
-        return (dx, None, None, None, None, None, None, None, None, *dab)
+                    a, b = ab[k][lo:hi], ab[k + 1][lo:hi]
+                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(
+                        dz, xb, _lowrank(xb, a, b, scale, offs)[1], a, b, scale, offs)
+                    dx[rows] += dx_ab
+        return (dx, None, None, None, None, None, None, None, None, None, *dab)
+
+
+def _run(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, what):
+    if block < 1:
+        raise ValueError(f"{what}: block={block} must be >= 1")
+    if adapters is None:
+        return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, 0.0)
+    _check_adapters(adapters, w1.num_experts, w1.shape[2], w1.shape[1])
+    return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, float(adapters.scale),
+                                *adapters.tensors())
+
+
+def _check_weights(what: str, x, w1, w3, w2, E: int) -> None:
+    L = x.shape[-1]
+    if not (w1.shape == w3.shape and w1.shape[0] == E and w1.shape[2] == L and w2.shape == (E, L, w1.shape[1])):
+        raise ValueError(f"{what}: x {tuple(x.shape)}, w1 {w1.shape}, w3 {w3.shape}, w2 {w2.shape}: expected "
+                         f"w1/w3 [E, I, L] and w2 [E, L, I] for E={E}, L={L}")
 
 
 def frozen_experts_batched(x_ECL: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, act: str,
@@ -157,18 +220,18 @@ def frozen_experts_batched(x_ECL: torch.Tensor, w1: PackedExperts, w3: PackedExp
                            adapters: ExpertAdapters | None = None) -> torch.Tensor:
     """The experts' output [E, C, L] of inputs [E, C, L] (C rows per expert, static), w1/w3 decoding to [E, I, L]
     and w2 to [E, L, I]; at most `block` experts decoded at a time. Differentiable in x and in the `adapters`
-    (per-expert low-rank terms beside each frozen matrix), never in the frozen weights."""
-    E, _, L = x_ECL.shape
-    if not (w1.shape == w3.shape and w1.shape[0] == E and w1.shape[2] == L and w2.shape == (E, L, w1.shape[1])):
-        raise ValueError(f"frozen_experts_batched: x {tuple(x_ECL.shape)}, w1 {w1.shape}, w3 {w3.shape}, "
-                         f"w2 {w2.shape}: expected w1/w3 [E, I, L] and w2 [E, L, I] for E={E}, L={L}")
-    if block < 1:
-        raise ValueError(f"frozen_experts_batched: block={block} must be >= 1")
-    if adapters is None:
-        return _FrozenExpertsBatched.apply(x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, 0.0)
-    _check_adapters(adapters, E, L, w1.shape[1])
-    return _FrozenExpertsBatched.apply(x_ECL, w1, w3, w2, act, beta_gate, beta_up, block, float(adapters.scale),
-                                       *adapters.tensors())
+    (per-expert low-rank terms beside each frozen matrix), never in the frozen weights. No host read."""
+    _check_weights("frozen_experts_batched", x_ECL, w1, w3, w2, x_ECL.shape[0])
+    return _run(x_ECL, None, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_batched")
+
+
+def frozen_experts_grouped(z_ML: torch.Tensor, offs_E: torch.Tensor, w1: PackedExperts, w3: PackedExperts,
+                           w2: PackedExperts, act: str, beta_gate: float = 4.0, beta_up: float = 25.0, block: int = 8,
+                           adapters: ExpertAdapters | None = None) -> torch.Tensor:
+    """`frozen_experts_batched` over expert-sorted rows [M, L] (offs_E: the cumulative row count per local expert,
+    the dropless path), as grouped GEMMs per block of experts; reads offs_E on the host once per forward."""
+    _check_weights("frozen_experts_grouped", z_ML, w1, w3, w2, offs_E.shape[0])
+    return _run(z_ML, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_grouped")
 
 
 def _check_adapters(ad: ExpertAdapters, E: int, L: int, I: int) -> None:
