@@ -105,6 +105,11 @@ class _Gather:
         return torch.cat(parts, dim=m.tp_dim) if self.is_writer else None
 
 
+def _rules(fam: CheckpointFamily, cfg) -> dict:
+    """{our name of a plain tensor: (its checkpoint key, the forward mapping or None)}."""
+    return {ours: (key, fwd) for ours, key, fwd, _ in fam.pairs(cfg)}
+
+
 def _written_dtype(fam: CheckpointFamily, key: str, fwd, t: torch.Tensor, dt) -> tuple:
     """(the whole tensor's shape as written, the dtype written) of our tensor t under checkpoint key `key`."""
     shaped = torch.empty(full_shape(t), dtype=t.dtype, device="meta")
@@ -118,7 +123,7 @@ def wider_than_module(model, layout: str = "k3", dtype=None) -> list:
     should be written (`values`)."""
     fam = family(layout)
     dt = dtype_of(dtype) or fam.default_dtype
-    rules = {ours: (key, fwd) for ours, key, fwd, _ in fam.pairs(model.cfg)}
+    rules = _rules(fam, model.cfg)
     out = []
     for name, p in model.named_parameters():
         if name in rules and not EXPERT.fullmatch(name) and p.is_floating_point():
@@ -134,7 +139,7 @@ def _items(model, fam: CheckpointFamily, dt, mode, *, plain_writer: bool, expert
     holds them), its block of routed experts where it is theirs, each as an _Item that produces the tensor when
     its file is written."""
     cfg = model.cfg
-    rules = {ours: (key, fwd) for ours, key, fwd, _ in fam.pairs(cfg)}
+    rules = _rules(fam, cfg)
     prefix = fam.prefix
     items = []
     for name, t in model.state_dict(keep_vars=True).items():

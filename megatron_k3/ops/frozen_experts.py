@@ -101,47 +101,21 @@ class _Spans:
             self.blocks.append((lo, hi, slice(*rows)))
 
     def local_offs(self, lo: int, hi: int, rows: slice):
-        """Block [lo, hi)'s row offsets within its rows: (device offsets, host row spans), or None (batched)."""
-        if not self.grouped:
-            return None
-        ends = [e - rows.start for e in self.ends[lo:hi]]
-        return self.offs[lo:hi] - rows.start, list(zip([0] + ends[:-1], ends))
-
-
-def _aligned(*ts) -> bool:
-    """Whether native grouped GEMMs take these operands: every row 16-byte aligned (e.g. an adapter of rank 3 in fp32
-    is not)."""
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
-
-
-def _mm(x, w, offs):
-    """Per expert x_e @ w[e]: batched (offs None), grouped, or a loop over the host spans where unaligned."""
-    if offs is None:
-        return torch.bmm(x, w)
-    if _aligned(x, w, w.transpose(1, 2)):
-        return rows_mm(x, w, offs[0])
-    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(offs[1])])
-
-
-def _wgrad(a, b, offs):
-    """Per expert a_e^T b_e -> [E, K, N]."""
-    if offs is None:
-        return torch.bmm(a.transpose(1, 2), b)
-    if _aligned(a, b):
-        return wgrad_mm(a, b, offs[0])
-    return torch.stack([a[i:j].t() @ b[i:j] for i, j in offs[1]])
+        """Block [lo, hi)'s row offsets within its rows (device), or None (batched)."""
+        return self.offs[lo:hi] - rows.start if self.grouped else None
 
 
 def _lowrank(x, a, b, scale, offs):
-    """(scale * (x a^T) b^T, x a^T) per expert: the adapter's term and its rank-r intermediate."""
-    t = _mm(x, a.transpose(1, 2), offs)
-    return _mm(t, b.transpose(1, 2), offs).mul_(scale), t
+    """scale * (x a^T) b^T per expert: the adapter's term (rows_mm / wgrad_mm: batched with offs None, else
+    grouped)."""
+    return rows_mm(rows_mm(x, a.transpose(1, 2), offs), b.transpose(1, 2), offs).mul_(scale)
 
 
-def _lowrank_backward(dy, x, t, a, b, scale, offs):
-    """Gradients of scale * (x a^T) b^T: (dx term, da, db), t = x a^T."""
-    dt = _mm(dy, b, offs).mul_(scale)
-    return _mm(dt, a, offs), _wgrad(dt, x, offs), _wgrad(dy, t, offs).mul_(scale)
+def _lowrank_backward(dy, x, a, b, scale, offs):
+    """Gradients of scale * (x a^T) b^T: (dx term, da, db); the rank-r intermediate x a^T made again."""
+    t = rows_mm(x, a.transpose(1, 2), offs)
+    dt = rows_mm(dy, b, offs).mul_(scale)
+    return rows_mm(dt, a, offs), wgrad_mm(dt, x, offs), wgrad_mm(dy, t, offs).mul_(scale)
 
 
 class _FrozenExperts(torch.autograd.Function):
@@ -156,15 +130,15 @@ class _FrozenExperts(torch.autograd.Function):
         gates, ups = [], []
         for lo, hi, rows in spans.blocks:
             xb, offs = x[rows], spans.local_offs(lo, hi, rows)
-            g = _mm(xb, w1.decode(lo, hi, x.dtype).transpose(1, 2), offs)
-            u = _mm(xb, w3.decode(lo, hi, x.dtype).transpose(1, 2), offs)
+            g = rows_mm(xb, w1.decode(lo, hi, x.dtype).transpose(1, 2), offs)
+            u = rows_mm(xb, w3.decode(lo, hi, x.dtype).transpose(1, 2), offs)
             if ab:
-                g = g + _lowrank(xb, ab[0][lo:hi], ab[1][lo:hi], scale, offs)[0]
-                u = u + _lowrank(xb, ab[2][lo:hi], ab[3][lo:hi], scale, offs)[0]
+                g = g + _lowrank(xb, ab[0][lo:hi], ab[1][lo:hi], scale, offs)
+                u = u + _lowrank(xb, ab[2][lo:hi], ab[3][lo:hi], scale, offs)
             h, _ = glu_forward(g, u, act, beta_gate, beta_up)
-            y[rows] = _mm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2), offs)
+            y[rows] = rows_mm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2), offs)
             if ab:
-                y[rows] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale, offs)[0]
+                y[rows] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale, offs)
             gates.append(g)
             ups.append(u)
         ctx.save_for_backward(x if ab else None, torch.cat(gates), torch.cat(ups), *ab)
@@ -179,21 +153,19 @@ class _FrozenExperts(torch.autograd.Function):
         dab = [torch.zeros_like(t) for t in ab]
         for lo, hi, rows in spans.blocks:
             g, u, d, offs = g_all[rows], u_all[rows], dy[rows].to(dtype), spans.local_offs(lo, hi, rows)
-            dh = _mm(d, w2.decode(lo, hi, dtype), offs)
+            dh = rows_mm(d, w2.decode(lo, hi, dtype), offs)
             h, saved = glu_forward(g, u, act, beta_gate, beta_up)  # elementwise: cheaper to redo than to keep
             if ab:
                 a, b = ab[4][lo:hi], ab[5][lo:hi]
-                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, _lowrank(h, a, b, scale, offs)[1], a, b,
-                                                                        scale, offs)
+                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, a, b, scale, offs)
                 dh = dh + dh_ab
             dg, du = (v.to(dtype) for v in glu_backward(dh, saved, act, beta_gate, beta_up))
-            dx[rows] = _mm(dg, w1.decode(lo, hi, dtype), offs) + _mm(du, w3.decode(lo, hi, dtype), offs)
+            dx[rows] = rows_mm(dg, w1.decode(lo, hi, dtype), offs) + rows_mm(du, w3.decode(lo, hi, dtype), offs)
             if ab:
                 xb = x_all[rows]
                 for k, dz in ((0, dg), (2, du)):
                     a, b = ab[k][lo:hi], ab[k + 1][lo:hi]
-                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(
-                        dz, xb, _lowrank(xb, a, b, scale, offs)[1], a, b, scale, offs)
+                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(dz, xb, a, b, scale, offs)
                     dx[rows] += dx_ab
         return (dx, None, None, None, None, None, None, None, None, None, *dab)
 

@@ -38,7 +38,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _spans(offs_E: torch.Tensor):
-    ends = offs_E.tolist()  # fallback for dtypes _grouped_mm lacks (e.g. float64 tests): a host sync is fine there
+    # fallback for dtypes _grouped_mm lacks (e.g. float64 tests) and rows it refuses: a host sync is fine there
+    ends = offs_E.tolist()
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -46,14 +47,20 @@ def _native(dtype) -> bool:
     return dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
 
 
+def _aligned(*ts) -> bool:
+    """Whether native grouped GEMMs take these operands: rows of a multiple of 16 bytes (a rank-3 LoRA
+    intermediate in fp32 is not; the experts' own widths always are)."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
+
+
 def _rows_mm(x: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    if _native(x.dtype):
+    if _native(x.dtype) and _aligned(x, w):
         return torch._grouped_mm(x, w, offs=offs_E.to(torch.int32))
     return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(_spans(offs_E))])
 
 
 def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    if _native(a.dtype):
+    if _native(a.dtype) and _aligned(a, b):
         return torch._grouped_mm(a.t(), b, offs=offs_E.to(torch.int32))
     return torch.stack([a[s:e].t() @ b[s:e] for s, e in _spans(offs_E)])
 

@@ -127,8 +127,7 @@ class CheckpointManager:
         if path is None:
             if self.run.checkpoint.load == "auto":
                 log.info("checkpoint.load=auto: no checkpoint in %s, starting fresh", self.dir)
-            elif self.ranks.rank == 0 and ckpt.list_checkpoints(self.dir):
-                found = ckpt.list_checkpoints(self.dir)
+            elif self.ranks.rank == 0 and (found := ckpt.list_checkpoints(self.dir)):
                 log.warning("checkpoint.load=%s: starting fresh in %s, which holds %d checkpoint(s) of another run "
                             "(%s ... %s): they are kept; a save onto one of their steps stops this run",
                             self.run.checkpoint.load or "''", self.dir, len(found), found[0].name, found[-1].name)
