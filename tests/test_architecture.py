@@ -22,6 +22,7 @@ LAYERS = [
     {"config"},
     {"model"},
     {"parallel", "data"},
+    {"peft"},
     {"optim", "precision", "interop"},
     {"planning"},
     {"training"},

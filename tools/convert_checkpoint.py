@@ -7,6 +7,8 @@ The one converter of the project.
     python tools/convert_checkpoint.py SRC OUT_DIR --to-hf [--layout k3|kimi_linear] [--dtype bfloat16|float32]
                                        [--max-shard-size BYTES] [model=NAME model.KEY=VALUE ...]
     python tools/convert_checkpoint.py HF_DIR DST --from-hf [--layout auto|k3|kimi_linear]
+    python tools/convert_checkpoint.py SRC OUT_DIR --to-peft
+    python tools/convert_checkpoint.py K3_DIR OUT_DIR --merge-lora ADAPTER_DIR
 
 Without --to-hf/--from-hf: SRC is a format-2 checkpoint; DST gets it in the sharded format (one writer), with its
 weights, optimizer states, scalars and RNG states, which any layout then loads (`checkpoint.load=DST`). A checkpoint
@@ -19,6 +21,11 @@ model named by `model=NAME` and overrides; OUT_DIR gets config.json and the tens
 --max-shard-size (megatron_k3.interop.hf). --from-hf: DST gets a checkpoint at step 0 holding the Hugging Face
 model's weights (fp32) and its model config, and no optimizer states, which `checkpoint.load=DST` starts a run
 from (fine-tuning).
+
+--to-peft: SRC is a peft=lora training checkpoint (adapters only, any layout); OUT_DIR gets them in the PEFT layout
+(adapter_config.json, adapter_model.safetensors), named as the K3 checkpoint names the modules they adapt.
+--merge-lora ADAPTER_DIR: SRC is the K3 directory the adapters were trained over; OUT_DIR gets it with the adapters
+merged (routed experts decoded, merged and encoded to MXFP4 again; megatron_k3.interop.peft_layout).
 
 SRC: a checkpoint (`.../checkpoints/step_00000100`) or a checkpoint directory (its newest complete checkpoint).
 DST: the checkpoint directory to write into; the result is DST/step_<same step>, committed atomically with
@@ -37,8 +44,12 @@ import dataclasses  # noqa: E402
 
 import torch  # noqa: E402
 
-from megatron_k3.config import ConfigError, ModelConfig, load_model_config  # noqa: E402
-from megatron_k3.interop import load_hf, save_hf  # noqa: E402
+from megatron_k3.config import ConfigError, ModelConfig, PeftConfig, load_model_config  # noqa: E402
+from megatron_k3.interop import (  # noqa: E402
+    load_hf,
+    peft_layout,  # noqa: E402
+    save_hf,
+)
 from megatron_k3.model import causal_lm_class  # noqa: E402
 from megatron_k3.training import checkpoint as ckpt  # noqa: E402
 from megatron_k3.training.checkpoint import legacy  # noqa: E402
@@ -70,7 +81,20 @@ def _weights(src: Path, overrides: list):
         raise ValueError(f"{src} is a training checkpoint, whose meta.json names its model: drop {overrides}")
     path = ckpt.resolve_load_path(str(src), src)
     model, _, meta = ckpt.read_full(path, states=False)
+    if "peft" in meta:
+        raise ValueError(f"{path} is a peft=lora checkpoint (adapters only): write them with --to-peft, then merge "
+                         "them into their base with --merge-lora")
     return ModelConfig(**meta["model"]), model
+
+
+def to_peft(src: str | Path, out: str | Path) -> Path:
+    """A peft=lora training checkpoint's adapters (any layout, merged to full size) as a PEFT directory."""
+    path = ckpt.resolve_load_path(str(src), Path(src))
+    tensors, _, meta = ckpt.read_full(path, states=False)
+    if "peft" not in meta:
+        raise ValueError(f"{path}: not a peft=lora checkpoint (its meta.json has no peft entry)")
+    config, adapters = peft_layout.to_peft(tensors, ModelConfig(**meta["model"]), PeftConfig(**meta["peft"]))
+    return peft_layout.save_peft(out, config, adapters)
 
 
 def to_hf(src: str | Path, out: str | Path, layout: str = "k3", dtype: str | None = None,
@@ -113,6 +137,9 @@ EXAMPLES = """examples:
   # a Hugging Face directory as a step-0 checkpoint (weights only), then a run from it
   python tools/convert_checkpoint.py /ckpt/kimi-linear runs/ft/checkpoints --from-hf
   python -m megatron_k3.train model=kimi_linear_48b checkpoint.load=runs/ft/checkpoints
+  # a peft=lora run's adapters as a PEFT directory, and merged into the K3 directory they were trained over
+  python tools/convert_checkpoint.py runs/lora/checkpoints /out/k3-lora-adapters --to-peft
+  python tools/convert_checkpoint.py /ckpt/k3 /out/k3-merged --merge-lora /out/k3-lora-adapters
 
 exit status: 0 done (the path written is printed), 2 a bad argument or input (one line naming it)."""
 
@@ -130,13 +157,17 @@ def main(argv=None) -> int:
                     "at step 0 with the weights only; the step resets to 0 and there are no optimizer states, so a "
                     "run loading it starts the LR schedule and the optimizer afresh (checkpoint.load=HF_DIR streams "
                     "the same weights into a run without converting)")
+    ap.add_argument("--to-peft", action="store_true", help="SRC is a peft=lora checkpoint: DST gets its adapters as "
+                    "a PEFT directory")
+    ap.add_argument("--merge-lora", default=None, metavar="ADAPTER_DIR", help="SRC is a K3 directory: DST gets it "
+                    "with the PEFT adapters of ADAPTER_DIR merged (experts encoded to MXFP4 again)")
     ap.add_argument("--layout", default=None, help="k3 | kimi_linear (--to-hf, default k3); auto (--from-hf)")
     ap.add_argument("--dtype", default=None, help="--to-hf: bfloat16 | float32 for the non-expert tensors")
     ap.add_argument("--max-shard-size", type=int, default=None, help="--to-hf: bytes per safetensors shard")
     a, overrides = ap.parse_known_args(argv)
     try:
-        if a.to_hf and a.from_hf:
-            raise ValueError("--to-hf and --from-hf exclude each other")
+        if sum(map(bool, (a.to_hf, a.from_hf, a.to_peft, a.merge_lora))) > 1:
+            raise ValueError("--to-hf, --from-hf, --to-peft and --merge-lora exclude each other")
         bad = [o for o in overrides if "=" not in o or not o.startswith("model")]
         if bad or (overrides and not a.to_hf):
             raise ValueError(f"unexpected arguments {bad or overrides}; model=NAME and model.KEY=VALUE go with --to-hf")
@@ -144,6 +175,10 @@ def main(argv=None) -> int:
             out = to_hf(a.src, a.dst, a.layout or "k3", a.dtype, a.max_shard_size, overrides)
         elif a.from_hf:
             out = from_hf(a.src, a.dst, a.layout or "auto")
+        elif a.to_peft:
+            out = to_peft(a.src, a.dst)
+        elif a.merge_lora:
+            out = peft_layout.merge_lora(a.src, a.merge_lora, a.dst)
         else:
             out = convert(a.src, a.dst)
     except (ckpt.CheckpointError, ConfigError, FileNotFoundError, KeyError, ValueError) as e:

@@ -23,6 +23,7 @@ from .schema import (
                       MoEConfig,
                       OptimConfig,
                       ParallelConfig,
+                      PeftConfig,
                       PrecisionConfig,
                       RunConfig,
                       TrainConfig,
@@ -33,6 +34,6 @@ from .schema import (
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
-           "ConfigError", "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict", "available_models",
-           "CONF_DIR", "replace", "compose_run_config", "compose_config", "parse_split", "schema_keys",
-           "split_tool_args"]
+           "PeftConfig", "ConfigError", "RUNTIME_MODEL_KEYS", "load_model_config", "model_config_from_dict",
+           "available_models", "CONF_DIR", "replace", "compose_run_config", "compose_config", "parse_split",
+           "schema_keys", "split_tool_args"]

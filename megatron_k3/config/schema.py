@@ -660,6 +660,46 @@ class LoggingConfig:
         return self
 
 
+PEFT_TARGETS = ("kda", "mla", "mlp", "shared_experts", "latent", "experts", "lm_head")  # megatron_k3.peft.KINDS
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (megatron_k3.peft, docs/peft.md): `peft=lora` freezes the base (routed experts
+    kept as MXFP4 codes) and trains low-rank adapters on `targets`."""
+    name: str = "none"  # none | lora
+    rank: int = 8
+    alpha: float = 16.0  # the adapter's term is scaled by alpha / rank
+    # module kinds (PEFT_TARGETS), or kind.child for one projection (kda.q_proj); the router is never a target
+    targets: list = field(default_factory=lambda: ["kda", "mla", "mlp", "shared_experts", "experts"])
+    init: str = "kaiming"  # A: kaiming (PEFT's default, U(+-1/sqrt(in))) | gaussian (std 1/rank); B starts at zero
+    # the frozen base: a K3 Hugging Face directory; '' = checkpoint.load where that is one (recorded in every
+    # checkpoint, so a resumed run re-reads the same base), else the initialised model with its experts in MXFP4
+    base: str = ""
+    expert_block: int = 8  # routed experts decoded at a time inside the expert GEMMs
+
+    @property
+    def enabled(self) -> bool:
+        return self.name == "lora"
+
+    def validate(self, prefix: str = "peft") -> "PeftConfig":
+        if self.name not in ("none", "lora"):
+            raise ConfigError(prefix, self.name, "valid: none, lora")
+        _require_choice(self, prefix, "init", ("kaiming", "gaussian"))
+        _require_ints(self, prefix, ("rank", "expert_block"), 1)
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ConfigError(f"{prefix}.alpha", self.alpha, "must be a number > 0")
+        if self.enabled and not self.targets:
+            raise ConfigError(f"{prefix}.targets", self.targets, f"name at least one of {', '.join(PEFT_TARGETS)}")
+        for t in self.targets:
+            if str(t).partition(".")[0] not in PEFT_TARGETS:
+                raise ConfigError(f"{prefix}.targets", t, f"no such module kind; valid: {', '.join(PEFT_TARGETS)} "
+                                  "(kind.child names one projection, e.g. kda.q_proj)")
+        if self.base and not (Path(self.base) / "config.json").is_file():
+            raise ConfigError(f"{prefix}.base", self.base, "not a Hugging Face directory (no config.json)")
+        return self
+
+
 # what `checkpoint.load` may name: checked for existence with the config, resolved by training/checkpoint/directory.py
 LOAD_FORMS = ("expected auto (the newest complete checkpoint in checkpoint.dir, fresh when there is none), none (start "
               "fresh), a checkpoint (a directory with meta.json), a directory of checkpoints (its newest complete "
@@ -712,6 +752,7 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def validate(self, world_size: int = 1) -> "RunConfig":
         """Every group's own check, then the layout on `world_size` ranks, then the cross-group pairings."""
@@ -725,6 +766,7 @@ class RunConfig:
         self.logging.validate("logging")
         self.data.validate("data")
         self.checkpoint.validate("checkpoint")
+        self.peft.validate("peft")
         m, t, p = self.model, self.train, self.parallel
         problems = layout_problems(m, world_size, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, order=p.order,
                                    supernode_size=self.cluster.supernode_size,
@@ -734,7 +776,23 @@ class RunConfig:
         if problems:
             raise problems[0].error()
         self._validate_pairings()
+        if self.peft.enabled:
+            self._validate_peft()
         return self
+
+    def _validate_peft(self) -> None:
+        """What peft=lora cannot run with (the targets against the model: megatron_k3.peft.check_targets)."""
+        pr = self.precision
+        if pr.name.startswith("te_"):
+            raise ConfigError("precision", pr.name, "peft=lora runs under fp32, bf16 or mx_qat (TransformerEngine's "
+                              "linears take no adapters)")
+        if self.optim.name == "muon" and self.optim.qk_clip > 0:
+            raise ConfigError("optim.qk_clip", self.optim.qk_clip, "peft=lora freezes the attention weights QK-Clip "
+                              "rescales: set optim.qk_clip=0 (or optim=adamw)")
+        if self.checkpoint.export_hf:
+            raise ConfigError("checkpoint.export_hf", self.checkpoint.export_hf, "peft=lora trains adapters only: "
+                              "export them with tools/convert_checkpoint.py --to-peft (a PEFT directory), or merge "
+                              "them into the base with --merge-lora")
 
     def _validate_pairings(self) -> None:
         m, p, pr = self.model, self.parallel, self.precision
@@ -758,5 +816,5 @@ class RunConfig:
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
-           "RUNTIME_MODEL_KEYS", "LOAD_FORMS", "LOAD_FRESH",
+           "PeftConfig", "PEFT_TARGETS", "RUNTIME_MODEL_KEYS", "LOAD_FORMS", "LOAD_FRESH",
            "parse_split"]

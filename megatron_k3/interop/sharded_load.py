@@ -32,6 +32,8 @@ from safetensors import safe_open
 
 from ..annotations import full_shape, shard_offsets
 from ..errors import one_line
+from ..peft.experts import MATRICES, FrozenExperts
+from ..peft.lora import is_adapter
 from . import k3_layout
 from .directory import (
     CONFIG,
@@ -175,6 +177,8 @@ def _plan_reads(model, names: _Names, wider: dict) -> list:
         return apply
 
     for name, t in targets(model):
+        if is_adapter(name):  # peft=lora's adapters: not in a base checkpoint
+            continue
         start, size, shape = shard_offsets(t), tuple(t.shape), full_shape(t)
         m = EXPERT.fullmatch(name)
         if m:
@@ -218,7 +222,36 @@ def _plan_reads(model, names: _Names, wider: dict) -> list:
         key, kind = names.plain[name]
         src = _source(names.name(key), kind, shape)
         reads.append(_Read(src.key, src.shape, src.region(start, size), copy_into(t, name), padding=src.padding))
+    return reads + _frozen_expert_reads(model, names)
+
+
+def _frozen_expert_reads(model, names: _Names) -> list:
+    """peft=lora's frozen experts (peft.FrozenExperts): each local expert's MXFP4 codes and scales copied as stored
+    into the module's uint8 buffers, nothing decoded. A directory that stores the experts dense cannot be the
+    frozen MXFP4 base."""
+    reads = []
+    for name, fe in model.named_modules():
+        if not isinstance(fe, FrozenExperts):
+            continue
+        i = int(EXPERT.fullmatch(f"{name}.w1").group(1))
+        if names.experts.get(i, (None, None))[1] != "mxfp4":
+            raise CheckpointReadError(f"{names.where}: {names.experts.get(i, (name,))[0]}: peft=lora keeps the routed "
+                                      "experts frozen as MXFP4 codes; this directory stores them dense (convert it "
+                                      "with tools/convert_checkpoint.py --to-hf --layout k3 first)")
+        for n in MATRICES:
+            for kind in ("packed", "scale"):
+                buf = getattr(fe, f"{n}_{kind}")
+                for el in range(buf.shape[0]):
+                    key = names.name(names.expert_keys(i, fe.expert_offset + el, n)[kind])
+                    reads.append(_Read(key, tuple(buf.shape[1:]), (slice(0, buf.shape[1]), slice(0, buf.shape[2])),
+                                       _copy_to(buf[el]), u8=True))
     return reads
+
+
+def _copy_to(dst):
+    def apply(view):
+        dst.copy_(view)
+    return apply
 
 
 def _open(file: Path, first_key: str):

@@ -121,62 +121,72 @@ def _lowrank_backward(dy, x, a, b, scale, offs):
 class _FrozenExperts(torch.autograd.Function):
     """y = w2[e] act(w1[e] x, w3[e] x) per expert (static [E, C, L] buffers or expert-sorted rows), the frozen
     weights decoded block by block, plus the adapters' terms where given; the backward gives x's gradient and the
-    adapters'."""
+    adapters'. The gate and up GEMMs run as one against the block's decoded [w1; w3], as GateUpGLU runs them for
+    trained experts, so the base's terms are the same GEMMs and the result equals the bf16/fp32 experts' bit for
+    bit. `act_q` (precision=mx_qat: the MXFP8 activation quantiser, straight-through) is applied to h before the
+    down GEMM and its adapter, as GroupedExperts applies it."""
 
     @staticmethod
-    def forward(ctx, x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, scale, *ab):
+    def forward(ctx, x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, scale, act_q, *ab):
         spans = _Spans(offs_E, w1.num_experts, block)
         y = x.new_empty(*x.shape[:-1], w2.shape[1])
-        gates, ups = [], []
+        gus, I = [], w1.shape[1]
         for lo, hi, rows in spans.blocks:
             xb, offs = x[rows], spans.local_offs(lo, hi, rows)
-            g = rows_mm(xb, w1.decode(lo, hi, x.dtype).transpose(1, 2), offs)
-            u = rows_mm(xb, w3.decode(lo, hi, x.dtype).transpose(1, 2), offs)
+            w13 = torch.cat([w1.decode(lo, hi, x.dtype), w3.decode(lo, hi, x.dtype)], 1)
+            gu = rows_mm(xb, w13.transpose(1, 2), offs)
+            del w13
             if ab:
-                g = g + _lowrank(xb, ab[0][lo:hi], ab[1][lo:hi], scale, offs)
-                u = u + _lowrank(xb, ab[2][lo:hi], ab[3][lo:hi], scale, offs)
-            h, _ = glu_forward(g, u, act, beta_gate, beta_up)
+                gu[..., :I] += _lowrank(xb, ab[0][lo:hi], ab[1][lo:hi], scale, offs)
+                gu[..., I:] += _lowrank(xb, ab[2][lo:hi], ab[3][lo:hi], scale, offs)
+            h, _ = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)
+            if act_q is not None:
+                h = act_q(h)
             y[rows] = rows_mm(h, w2.decode(lo, hi, x.dtype).transpose(1, 2), offs)
             if ab:
                 y[rows] += _lowrank(h, ab[4][lo:hi], ab[5][lo:hi], scale, offs)
-            gates.append(g)
-            ups.append(u)
-        ctx.save_for_backward(x if ab else None, torch.cat(gates), torch.cat(ups), *ab)
-        ctx.cfg = (spans, w1, w3, w2, act, beta_gate, beta_up, scale, x.dtype)
+            gus.append(gu)
+        ctx.save_for_backward(x if ab else None, torch.cat(gus), *ab)
+        ctx.cfg = (spans, w1, w3, w2, act, beta_gate, beta_up, scale, x.dtype, act_q)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_all, g_all, u_all, *ab = ctx.saved_tensors
-        spans, w1, w3, w2, act, beta_gate, beta_up, scale, dtype = ctx.cfg
-        dx = dy.new_empty(*g_all.shape[:-1], w1.shape[2], dtype=dtype)
+        x_all, gu_all, *ab = ctx.saved_tensors
+        spans, w1, w3, w2, act, beta_gate, beta_up, scale, dtype, act_q = ctx.cfg
+        I = w1.shape[1]
+        dx = dy.new_empty(*gu_all.shape[:-1], w1.shape[2], dtype=dtype)
         dab = [torch.zeros_like(t) for t in ab]
         for lo, hi, rows in spans.blocks:
-            g, u, d, offs = g_all[rows], u_all[rows], dy[rows].to(dtype), spans.local_offs(lo, hi, rows)
+            gu, d, offs = gu_all[rows], dy[rows].to(dtype), spans.local_offs(lo, hi, rows)
             dh = rows_mm(d, w2.decode(lo, hi, dtype), offs)
-            h, saved = glu_forward(g, u, act, beta_gate, beta_up)  # elementwise: cheaper to redo than to keep
+            h, saved = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)  # cheaper to redo than keep
             if ab:
                 a, b = ab[4][lo:hi], ab[5][lo:hi]
-                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h, a, b, scale, offs)
+                dh_ab, dab[4][lo:hi], dab[5][lo:hi] = _lowrank_backward(d, h if act_q is None else act_q(h), a, b,
+                                                                        scale, offs)
                 dh = dh + dh_ab
-            dg, du = (v.to(dtype) for v in glu_backward(dh, saved, act, beta_gate, beta_up))
-            dx[rows] = rows_mm(dg, w1.decode(lo, hi, dtype), offs) + rows_mm(du, w3.decode(lo, hi, dtype), offs)
+            dgu = torch.cat([v.to(dtype) for v in glu_backward(dh, saved, act, beta_gate, beta_up)], -1)
+            w13 = torch.cat([w1.decode(lo, hi, dtype), w3.decode(lo, hi, dtype)], 1)
+            dx[rows] = rows_mm(dgu, w13, offs)
+            del w13
             if ab:
                 xb = x_all[rows]
-                for k, dz in ((0, dg), (2, du)):
+                for k, dz in ((0, dgu[..., :I]), (2, dgu[..., I:])):
                     a, b = ab[k][lo:hi], ab[k + 1][lo:hi]
-                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(dz, xb, a, b, scale, offs)
+                    dx_ab, dab[k][lo:hi], dab[k + 1][lo:hi] = _lowrank_backward(dz.contiguous(), xb, a, b, scale,
+                                                                                offs)
                     dx[rows] += dx_ab
-        return (dx, None, None, None, None, None, None, None, None, None, *dab)
+        return (dx, None, None, None, None, None, None, None, None, None, None, *dab)
 
 
-def _run(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, what):
+def _run(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, what, act_q):
     if block < 1:
         raise ValueError(f"{what}: block={block} must be >= 1")
     if adapters is None:
-        return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, 0.0)
+        return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, 0.0, act_q)
     _check_adapters(adapters, w1.num_experts, w1.shape[2], w1.shape[1])
-    return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, float(adapters.scale),
+    return _FrozenExperts.apply(x, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, float(adapters.scale), act_q,
                                 *adapters.tensors())
 
 
@@ -189,21 +199,22 @@ def _check_weights(what: str, x, w1, w3, w2, E: int) -> None:
 
 def frozen_experts_batched(x_ECL: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, act: str,
                            beta_gate: float = 4.0, beta_up: float = 25.0, block: int = 8,
-                           adapters: ExpertAdapters | None = None) -> torch.Tensor:
+                           adapters: ExpertAdapters | None = None, act_q=None) -> torch.Tensor:
     """The experts' output [E, C, L] of inputs [E, C, L] (C rows per expert, static), w1/w3 decoding to [E, I, L]
     and w2 to [E, L, I]; at most `block` experts decoded at a time. Differentiable in x and in the `adapters`
-    (per-expert low-rank terms beside each frozen matrix), never in the frozen weights. No host read."""
+    (per-expert low-rank terms beside each frozen matrix), never in the frozen weights. No host read. `act_q`: a
+    straight-through quantiser of the down GEMM's input (precision=mx_qat), or None."""
     _check_weights("frozen_experts_batched", x_ECL, w1, w3, w2, x_ECL.shape[0])
-    return _run(x_ECL, None, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_batched")
+    return _run(x_ECL, None, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_batched", act_q)
 
 
 def frozen_experts_grouped(z_ML: torch.Tensor, offs_E: torch.Tensor, w1: PackedExperts, w3: PackedExperts,
                            w2: PackedExperts, act: str, beta_gate: float = 4.0, beta_up: float = 25.0, block: int = 8,
-                           adapters: ExpertAdapters | None = None) -> torch.Tensor:
+                           adapters: ExpertAdapters | None = None, act_q=None) -> torch.Tensor:
     """`frozen_experts_batched` over expert-sorted rows [M, L] (offs_E: the cumulative row count per local expert,
     the dropless path), as grouped GEMMs per block of experts; reads offs_E on the host once per forward."""
     _check_weights("frozen_experts_grouped", z_ML, w1, w3, w2, offs_E.shape[0])
-    return _run(z_ML, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_grouped")
+    return _run(z_ML, offs_E, w1, w3, w2, act, beta_gate, beta_up, block, adapters, "frozen_experts_grouped", act_q)
 
 
 def _check_adapters(ad: ExpertAdapters, E: int, L: int, I: int) -> None:

@@ -51,7 +51,7 @@ from ..ops.grouped_gemm import weighted_combine
 from .mappings import all_to_all, all_to_all_overlapped
 
 __all__ = ["alias_plan", "streams", "pair_destinations", "slot_layout", "compute_capacity", "relay_block",
-           "BalancedDispatch", "balanced_layers", "flush_replica_gradients"]
+           "BalancedDispatch", "balanced_layers", "flush_replica_gradients", "exchanged"]
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -109,6 +109,14 @@ def alias_plan(ends_RE: torch.Tensor, M: int, S: int):
         mass = mass.index_add(0, g, -amt).index_add(0, r, amt)
         done = done.index_copy(0, r, done.index_select(0, r) | live)
     return given, donor, dstart, damt
+
+
+def exchanged(experts) -> list:
+    """[(tensors, trained)] that define a layer's local experts, one set per dtype, in the order replicas take them:
+    the experts' own `exchanged()` (peft.FrozenExperts: its MXFP4 codes and scales, then its adapters), else their
+    (w1, w3, w2)."""
+    f = getattr(experts, "exchanged", None)
+    return f() if f is not None else [((experts.w1, experts.w3, experts.w2), True)]
 
 
 def _unflatten(flat: torch.Tensor, ws) -> tuple:
@@ -196,16 +204,18 @@ class BalancedDispatch:
         owners (one all-to-all, the reverse of the first weight exchange) and are added to the experts' gradients;
         the cached exchange is dropped (the optimizer changes the weights next). Every rank of the EP group calls it
         at the same point (the trainer's gradient-accumulation boundary)."""
-        store, self._store = self._store, None
-        if store is None:
+        stores, self._store = self._store, None
+        if stores is None:
             return
         R, El = self.R, experts.num_local
-        ws = (experts.w1, experts.w3, experts.w2)
-        g = store.grad if store.grad is not None else torch.zeros_like(store)
-        back = all_to_all(g.contiguous(), self.group)  # [R relays * El, Pp/R]: slice x of each own expert from x
-        for w, gw in zip(ws, _unflatten(back.view(R, El, -1).transpose(0, 1).reshape(El, -1), ws)):
-            gw = gw.to(w.dtype)
-            w.grad = gw.clone() if w.grad is None else w.grad.add_(gw)
+        for (ws, trained), store in zip(exchanged(experts), stores):
+            if not trained:
+                continue
+            g = store.grad if store.grad is not None else torch.zeros_like(store)
+            back = all_to_all(g.contiguous(), self.group)  # [R relays * El, Pp/R]: slice x of each own expert from x
+            for w, gw in zip(ws, _unflatten(back.view(R, El, -1).transpose(0, 1).reshape(El, -1), ws)):
+                gw = gw.to(w.dtype)
+                w.grad = gw.clone() if w.grad is None else w.grad.add_(gw)
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         out = counts_E.new_empty(self.R * counts_E.numel())
@@ -213,40 +223,55 @@ class BalancedDispatch:
         return out.view(self.R, -1)
 
     def _replica_weights(self, experts, side):
-        """(replicas, side()): `replicas(rep_RS)` gives the (w1, w3, w2) [S, ...] of this rank's replica slots once the
-        plan names every rank's; the first exchange does not depend on the plan and runs while side() computes.
-        With `cache_weights` (training) the first exchange runs once per step (`flush` ends it)."""
-        R, El = self.R, experts.num_local
-        ws = (experts.w1, experts.w3, experts.w2)
-        P = sum(w[0].numel() for w in ws)
-        Pp = -(-P // R) * R
+        """(replicas, side()): `replicas(rep_RS)` gives the tensors of this rank's replica slots ([S, ...] each, in
+        the order of `exchanged(experts)`: (w1, w3, w2), or frozen experts' codes then adapters) once the plan names
+        every rank's; the first exchange does not depend on the plan and runs while side() computes. With
+        `cache_weights` (training) the first exchange runs once per step (`flush` ends it)."""
+        sets = exchanged(experts)
         cached = self.cache_weights and torch.is_grad_enabled()
         if cached and self._store is not None:
-            return self._replicas(self._store, ws, Pp), (side() if side is not None else None)
+            return self._replicas(self._store, sets), (side() if side is not None else None)
+        out, stores = None, []
+        for i, (ws, trained) in enumerate(sets):
+            send = self._send(ws, cached)
+            if cached:  # an fp32 leaf: every micro-batch's replica gradients accumulate in its .grad until `flush`
+                out = side() if side is not None and i == 0 else out
+                with torch.no_grad():
+                    got = all_to_all(send, self.group)
+                    store = got.float().requires_grad_(True) if trained else got
+            elif side is None or i > 0:
+                store = all_to_all(send, self.group)
+            else:
+                store, out = all_to_all_overlapped(send, self.group, side)
+            stores.append(store)
+        if cached:
+            self._store = stores
+        return self._replicas(stores, sets), out
+
+    def _send(self, ws, cached: bool) -> torch.Tensor:
+        """The first exchange's send buffer of one set of expert tensors: slice x of each own expert to rank x."""
+        R, El = self.R, ws[0].shape[0]
+        P = sum(w[0].numel() for w in ws)
+        Pp = -(-P // R) * R
         with torch.no_grad() if cached else contextlib.nullcontext():
             flat = torch.cat([w.reshape(El, -1) for w in ws], 1)  # [El, P]
             if Pp != P:
                 flat = torch.cat([flat, flat.new_zeros(El, Pp - P)], 1)
-            send = flat.view(El, R, Pp // R).transpose(0, 1).reshape(R * El, Pp // R)
-        if cached:  # an fp32 leaf: every micro-batch's replica gradients accumulate in its .grad until `flush`
-            out = None if side is None else side()
-            with torch.no_grad():
-                store = self._store = all_to_all(send, self.group).float().requires_grad_(True)
-        elif side is None:
-            store, out = all_to_all(send, self.group), None
-        else:
-            store, out = all_to_all_overlapped(send, self.group, side)
-        return self._replicas(store, ws, Pp), out
+            return flat.view(El, R, Pp // R).transpose(0, 1).reshape(R * El, Pp // R)
 
-    def _replicas(self, store, ws, Pp: int):
-        """`replicas(rep_RS)` from the store (slice `rank` of every expert of the layer, in global order [E, Pp/R])."""
+    def _replicas(self, stores, sets):
+        """`replicas(rep_RS)` from the stores (per set: slice `rank` of every expert of the layer, in global order
+        [E, Pp/R])."""
         R = self.R
 
         def replicas(rep_RS: torch.Tensor):
-            S = self.S
-            mine = store.index_select(0, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
-            got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)
-            return _unflatten(got, ws)
+            S, out = self.S, ()
+            for store, (ws, _) in zip(stores, sets):
+                Pp = store.shape[1] * R
+                mine = store.index_select(0, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
+                got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)
+                out += _unflatten(got, ws)
+            return out
         return replicas
 
     def __call__(self, z_NL, idx_Nk, weight_Nk, experts, side=None):

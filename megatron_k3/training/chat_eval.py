@@ -16,14 +16,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..config import DataConfig, ModelConfig
+from ..config import DataConfig, ModelConfig, PeftConfig
 from ..data.chat import CLOSE, END_OF_MSG, SEP, encode_chat, encode_conversation, encode_prompt
 from ..data.conversations import chat_options, expand_images
 from ..data.media_tokens import media_tokens_of
 from ..data.multimodal import media_processor
-from ..interop import load_hf
+from ..interop import load_hf, load_hf_sharded
 from ..model.generate import greedy
 from ..model.multimodal import causal_lm_class
+from ..peft import apply_lora
 from . import checkpoint as ckpt
 
 __all__ = ["answer_ids", "load_for_inference", "media_prompt", "reply_ids", "target_ids", "exact_match"]
@@ -31,26 +32,40 @@ __all__ = ["answer_ids", "load_for_inference", "media_prompt", "reply_ids", "tar
 
 def load_for_inference(path: str | Path) -> torch.nn.Module:
     """The model of a Hugging Face / K3 directory, or of a training checkpoint (a step directory or a checkpoint
-    directory: its newest complete one), in fp32 and eval mode, in this process."""
+    directory: its newest complete one), in fp32 and eval mode, in this process. A peft=lora checkpoint gives the
+    adapted model: its frozen base read from the directory the checkpoint records, the adapters unmerged."""
     path = Path(path)
     if ckpt.is_hf_directory(path):
-        model = load_hf(path)
-    else:
-        try:
-            step = ckpt.resolve_load_path(str(path), path)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"{path}: {e}") from None
-        if step is None:
-            raise FileNotFoundError(f"{path}: no checkpoint there")
-        tensors, _, meta = ckpt.read_full(step, states=False)
-        cfg = ModelConfig(**meta["model"])
-        model = causal_lm_class(cfg)(cfg, init=False)
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if k in dict(model.named_parameters())]  # buffers may be absent: recomputed
-        if missing or unexpected:
-            raise ValueError(f"{step}: does not match its model config (missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]})")
+        return load_hf(path).float().eval()
+    try:
+        step = ckpt.resolve_load_path(str(path), path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path}: {e}") from None
+    if step is None:
+        raise FileNotFoundError(f"{path}: no checkpoint there")
+    tensors, _, meta = ckpt.read_full(step, states=False)
+    cfg = ModelConfig(**meta["model"])
+    model = causal_lm_class(cfg)(cfg, init=False)
+    if "peft" in meta:
+        _adapted(model, meta, step)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    params = dict(model.named_parameters())
+    missing = [k for k in missing if k in params and params[k].requires_grad]  # buffers, a frozen base: read apart
+    if missing or unexpected:
+        raise ValueError(f"{step}: does not match its model config (missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]})")
     return model.float().eval()
+
+
+def _adapted(model, meta: dict, step: Path) -> None:
+    """peft=lora: `model` adapted as the run was (its PeftConfig from meta.json) and its frozen base read."""
+    peft = PeftConfig(**meta["peft"])
+    seed = int(meta.get("seed", 0))
+    if not peft.base:
+        model.materialize("cpu", seed=seed)  # the run's base was the initialised model of its seed
+    apply_lora(model, peft, seed=seed)
+    if peft.base:
+        load_hf_sharded(model, peft.base, group=None)
 
 
 def _split(conv: dict) -> tuple:

@@ -157,7 +157,7 @@ def build_optimizers(model, run: RunConfig, ps) -> tuple:
     kind over this rank's routed experts. `ps`: the rank's parallel.state.ParallelState."""
     o, p = run.optim, run.parallel  # optim=muon with ZeRO-0 and bf16 parameters: refused by RunConfig.validate
     tp = Group(ps.group("tp"), ps.size("tp"), ps.rank_in("tp"))
-    named = list(model.named_parameters())
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]  # frozen (peft=lora's base): none
     dense = [(n, q) for n, q in named if not is_expert_parallel(q)]
     expert = [(n, q) for n, q in named if is_expert_parallel(q)]
     optimizer = build_optimizer(model, o, params=dense, tp=tp, dp_group=ps.group("dp"),

@@ -32,7 +32,7 @@ from ..parallel.balanced import balanced_layers
 from ..planning.run import check_fits, resolve_recompute
 from ..planning.run import layout as plan_layout
 from ..precision import forward_context, prepare_model_for_precision
-from . import balancing, faults
+from . import adapters, balancing, faults
 from . import compile as compile_regions
 from . import engine as ds_engine
 from .checkpoint import CheckpointManager, Position
@@ -107,12 +107,7 @@ class Trainer:
         # train.recompute=auto becomes the least recomputation the planner says fits
         self.recompute = resolve_recompute(run, self.world)
         check_fits(run, self.world, self.recompute)
-        torch.manual_seed(t.seed)
-        # this rank's part only (its stage, shards and experts), built on the meta device and initialised in place
-        # from train.seed: the same weights in every layout (parallel.plan.build_model)
-        model = build_model(run.model, ParallelGroups.from_state(ps, run.parallel.sequence_parallel), self.device,
-                            seed=t.seed, redundant_experts=run.moe.slots(run.model, run.parallel))
-        prepare_model_for_precision(model, run.precision, self.device)
+        model = self._build_model(ps)
         # optim=adamw or muon over the dense parameters (ZeRO-1/2 Muon: optim/zero.py, attached by initialize);
         # routed experts under expert parallelism: their own optimizer, reduced over expert data parallel
         optimizer, self.experts = ds_engine.build_optimizers(model, run, ps)
@@ -122,8 +117,9 @@ class Trainer:
         self.model = self.engine.module
         self._wrap_layers()
         self.moe = self.model.moe_layers()
-        self.balancers = balancing.install(self.model, run.moe, ps.group("tp-dp-cp"),
-                                           t.global_batch_size * t.seq_length)
+        # peft=lora: the routers' selection bias is part of the frozen base (adapters only change): no balancing
+        self.balancers = [] if run.peft.enabled else balancing.install(self.model, run.moe, ps.group("tp-dp-cp"),
+                                                                         t.global_batch_size * t.seq_length)
         self.routing = RoutingStats(self.model)  # expert load, in the rows of every stage's MoE layers
         self.balanced_ep = bool(self.routing.layer_ids) and run.model.moe_overflow == "balanced" and run.parallel.ep > 1
         for b, _ in balanced_layers(self.model):  # moe.replica_exchange=step: once per step (engine.boundary_step)
@@ -136,6 +132,22 @@ class Trainer:
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(run, self.engine, self.experts, ps, self.ckpt_dir)
         self.start_time = time.time()
+
+    def _build_model(self, ps):
+        """This rank's part of the model (its stage, shards and experts), built on the meta device and initialised in
+        place from train.seed: the same weights in every layout (parallel.plan.build_model); its precision set up;
+        under peft=lora the base frozen (routed experts as MXFP4 codes) and adapters on the targets, the targets and
+        the base directory checked before anything is allocated (training/adapters.py)."""
+        run, t = self.run, self.run.train
+        if run.peft.enabled:
+            adapters.check(run)
+        torch.manual_seed(t.seed)
+        groups = ParallelGroups.from_state(ps, run.parallel.sequence_parallel)
+        model = build_model(run.model, groups, self.device, seed=t.seed,
+                            redundant_experts=run.moe.slots(run.model, run.parallel))
+        prepare_model_for_precision(model, run.precision, self.device)
+        self.peft = adapters.apply(model, run, groups, self.rank) if run.peft.enabled else None
+        return model
 
     def _wrap_layers(self) -> None:
         """train.compile: each decoder layer one compiled region (training/compile.py); then activation

@@ -253,6 +253,21 @@ def resolve_load_path(load: str, ckpt_dir: str | Path) -> Path | None:
     return p
 
 
+def peft_base_directory(run, saved: dict | None = None) -> tuple:
+    """peft=lora's frozen base: (the config key that names it, its path) or (None, None). peft.base, else
+    checkpoint.load where that is a Hugging Face directory, else the base a resumed checkpoint's meta.json records
+    (`saved`), so that a restarted command with checkpoint.load=auto reads the same base again."""
+    if run.peft.base:
+        return "peft.base", Path(run.peft.base)
+    load = run.checkpoint.load
+    if load not in ("auto", "none", "") and is_hf_directory(Path(load)):
+        return "checkpoint.load", Path(load)
+    recorded = ((saved or {}).get("peft") or {}).get("base")
+    if recorded:
+        return "peft.base", Path(recorded)
+    return None, None
+
+
 def unreadable_file(path: Path) -> str | None:
     """The first file of checkpoint `path` that cannot be read as written (meta.json, the index, a rank's
     safetensors file: missing, truncated or corrupted header), as "<file>: <why>"; None when all open."""

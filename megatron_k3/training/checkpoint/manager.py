@@ -26,6 +26,7 @@ from ...config import RUNTIME_MODEL_KEYS, ConfigError, ModelConfig, RunConfig
 from ...errors import one_line
 from ...interop import copy_tokenizer_files, load_hf_sharded, save_hf_sharded, wider_than_module
 from ...parallel.agree import first_failure
+from ...peft import is_adapter
 from . import directory as ckpt
 from .deepspeed_state import dense_masters, load_pieces, masters_from_module, owned_pieces, scalars_of
 from .shards import CheckpointError, ShardIndex, merge_index, wait_for_ranks
@@ -96,10 +97,17 @@ class CheckpointManager:
         # run, and keep_last prunes only its own. A resumed run takes over the id of the checkpoint it resumed.
         self.run_id, self.resumed = uuid.uuid4().hex[:16], False
         self._thread, self._error = None, None
+        self.peft_base = ""  # peft=lora: the directory the frozen base was read from ('' = the initialised model)
 
     @property
     def model(self):
         return self.engine.module
+
+    def _params(self) -> list:
+        """(name, parameter) a checkpoint holds: every parameter, or under peft=lora the adapters only (the frozen
+        base is re-read from its directory on every start)."""
+        named = self.model.named_parameters()
+        return [(n, p) for n, p in named if is_adapter(n)] if self.run.peft.enabled else list(named)
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> Position | None:
@@ -108,6 +116,8 @@ class CheckpointManager:
         tensors that its parameters, ZeRO fragments and experts hold (deepspeed_state.load_pieces)."""
         self.wait()
         path = self._what_to_load()
+        if self.run.peft.enabled:
+            self._load_base(path)
         if path is None:
             return None
         saved, rng, nbytes = self._read_own_or_name_intact(path)
@@ -136,7 +146,8 @@ class CheckpointManager:
             return path
         own = ckpt.list_checkpoints(self.dir)
         if not own:
-            self._load_pretrained(path)
+            if not self.run.peft.enabled:  # peft=lora reads the base in _load_base
+                self._load_pretrained(path)
             return None
         # a restart of a run that began from pretrained weights: its own newest checkpoint, not step 0 again
         log.info("checkpoint.load=%s holds pretrained weights and %s the run's own checkpoints: resuming from "
@@ -163,7 +174,7 @@ class CheckpointManager:
             saved = ckpt.read_meta(path)
             self._check_model_config(path, saved)
             index = ShardIndex(path)
-            named = list(self.model.named_parameters())
+            named = self._params()
             self._check_tensors(path, named, index)
             for name, b in self._buffers().items():
                 if name in index:
@@ -198,7 +209,24 @@ class CheckpointManager:
             log.warning("resuming with global_batch_size %s (checkpoint had %s)",
                         self.run.train.global_batch_size, saved.get("global_batch_size"))
 
-    def _load_pretrained(self, path: Path) -> None:
+    def _load_base(self, own: Path | None) -> None:
+        """peft=lora: the frozen base read into this rank's shards (training.adapters.base_directory: peft.base,
+        checkpoint.load's Hugging Face directory, or the base the resumed checkpoint `own` records), before the
+        adapters are read from `own`; with none, the initialised model stays the base (logged)."""
+        saved = ckpt.read_meta(own) if own is not None else None
+        key, base = ckpt.peft_base_directory(self.run, saved)
+        recorded = ((saved or {}).get("peft") or {}).get("base")
+        if recorded and base is not None and Path(recorded).resolve() != base.resolve() and self.ranks.rank == 0:
+            log.warning("%s=%s: the checkpoint %s trained its adapters over %s", key, base, own, recorded)
+        if base is None:
+            if self.ranks.rank == 0:
+                log.warning("peft=lora without a base directory (peft.base, or checkpoint.load=DIR): the adapters "
+                            "train over the initialised model (train.seed), its routed experts encoded to MXFP4")
+            return
+        self._load_pretrained(base, key)
+        self.peft_base = str(base.resolve())
+
+    def _load_pretrained(self, path: Path, key: str = "checkpoint.load") -> None:
         """Weights of a Hugging Face directory (the released K3 checkpoint, or Kimi Linear), streamed into every
         rank's shards (interop.load_hf_sharded: each rank reads only its slices and dequantises only its
         experts), then the fp32 masters from them (from the values as stored where the checkpoint holds a tensor
@@ -207,8 +235,9 @@ class CheckpointManager:
         try:
             report = load_hf_sharded(self.model, path)
         except (ValueError, OSError) as e:
-            raise ConfigError("checkpoint.load", str(path), one_line(e)) from None
-        masters_from_module(self.engine, self.ps, self.experts, exact=report.wider)
+            raise ConfigError(key, str(path), one_line(e)) from None
+        if not self.run.peft.enabled:  # the frozen base has no masters; the adapters keep theirs
+            masters_from_module(self.engine, self.ps, self.experts, exact=report.wider)
         log.info("rank %d: initialised from %s (%s layout): %d tensors, %.1f MB read from %d files",
                  self.ranks.rank, path, report.layout, report.tensors, report.bytes_read / 1e6, len(report.files))
 
@@ -260,7 +289,9 @@ class CheckpointManager:
 
     def _buffers(self) -> dict:
         """The module's persistent buffers (the router's bias and counts), which a checkpoint holds besides the
-        parameters."""
+        parameters (under peft=lora none: they belong to the frozen base)."""
+        if self.run.peft.enabled:  # peft=lora: the routers' bias is the frozen base's (no balancing runs)
+            return {}
         keys = set(self.model.state_dict())
         return {n: b for n, b in self.model.named_buffers() if n in keys}
 
@@ -317,7 +348,7 @@ class CheckpointManager:
         r = self.ranks
         self.wait(collective=True)
         async_ = self.run.checkpoint.async_save if blocking is None else not blocking
-        named = list(self.model.named_parameters())
+        named = self._params()
         pieces = owned_pieces(self.engine, named, self.ps, self.experts, self._buffers())
         meta_json = {"step": pos.step, "consumed_samples": pos.consumed, "tokens": pos.tokens,
                      "global_batch_size": self.run.train.global_batch_size, "seed": self.run.train.seed,
@@ -326,6 +357,8 @@ class CheckpointManager:
                      "zero_stage": self.run.parallel.zero_stage, "optimizer": self.run.optim.name,
                      "lr_schedule": "derived from step (optim.*)",
                      "model": dataclasses.asdict(self.run.model), "config": _plain(dataclasses.asdict(self.run))}
+        if self.run.peft.enabled:  # the adapters' shapes, and the frozen base a resumed run reads again
+            meta_json["peft"] = dict(_plain(dataclasses.asdict(self.run.peft)), base=self.peft_base)
         gathered = [None] * r.world if r.rank == 0 else None
         dist.gather_object((ckpt.rng_state(), scalars_of(self.engine, self.experts)), gathered, dst=0)
         rngs = None
