@@ -110,14 +110,20 @@ def text_report(rep: dict) -> list:
     for s, es in sorted(by_stage.items()):
         e = es[0]
         params = sorted({x["params"] for x in es})
-        ok = all(x["params"] == x["planned_params"] for x in es)
+        ok = all(x["params"] == x["planned_params"] and x["trainable_params"] == x["planned_trainable_params"]
+                 for x in es)
         span = f"layers {e['layers'][0]}-{e['layers'][-1]}" if e["layers"] else "no layers"
+        trained = sorted({x["trainable_params"] for x in es})
         lines.append(f"  stage {s}: {len(es)} rank(s), {span}, {e['experts']} experts per MoE layer, params "
-                     f"{'/'.join(f'{p:,}' for p in params)} vs planned {e['planned_params']:,} -> "
-                     f"{'equal' if ok else 'DIFFERENT'}")
+                     f"{'/'.join(f'{p:,}' for p in params)} vs planned {e['planned_params']:,}"
+                     + (f" (trainable {'/'.join(f'{p:,}' for p in trained)} vs planned "
+                        f"{e['planned_trainable_params']:,}, frozen apart)" if "adapter_params" in rep else "")
+                     + f" -> {'equal' if ok else 'DIFFERENT'}")
     if "covered_params" in rep:
+        what = ("(tools/param_count.py, + the LoRA adapters' {:,})".format(rep["adapter_params"])
+                if "adapter_params" in rep else "(tools/param_count.py)")
         lines.append(f"covered by the union of the ranks' shards: {rep['covered_params']:,} elements; model total "
-                     f"(tools/param_count.py) {rep['total_params']:,} -> "
+                     f"{what} {rep['total_params']:,} -> "
                      f"{'equal' if rep['covered_equals_total'] else 'DIFFERENT'}")
         lines += [f"  {p}" for p in rep["coverage_problems"]]
     return lines

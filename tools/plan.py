@@ -58,7 +58,7 @@ from megatron_k3.planning.checkpoint import (  # noqa: E402
 )
 from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
-from megatron_k3.planning.params import count_parameters  # noqa: E402
+from megatron_k3.planning.params import count_parameters, peft_spec  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
 from megatron_k3.planning.run import compose_for_planning, layout  # noqa: E402
 
@@ -106,7 +106,7 @@ def checkpoint(run, plan, flags):
     """The checkpoint of a training plan's layout: size per rank, save / load time, sync vs async stall."""
     return checkpoint_plan(run.model, run.cluster, plan.layout, plan.workload.optimizer, storage(flags),
                            plan.step_time, run.train.save_interval, getattr(run.checkpoint, "async_save", None),
-                           plan.workload.zero_stage)
+                           plan.workload.zero_stage, plan.workload.peft)
 
 
 def compose(overrides, flags):
@@ -130,7 +130,7 @@ def main(argv):
     # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
                  int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
-                 run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce)
+                 run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce, peft_spec(run.peft))
     as_json = flags.get("--json", False)
     # --recompute, else train.recompute when given, else auto; the knobs from train.recompute_modules / _num_layers
     recompute = flags.get("--recompute") or (t.recompute if "train.recompute" in given else "auto")

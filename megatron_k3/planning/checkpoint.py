@@ -78,16 +78,18 @@ def _vision(cfg, mp) -> tuple:
     return mp.vision, 0
 
 
-def checkpoint_bytes(cfg, optimizer: str) -> float:
-    """The whole checkpoint, each byte once: fp32 masters + optimizer states of every parameter + buffers."""
-    mp = model_params(cfg, 1)
+def checkpoint_bytes(cfg, optimizer: str, peft: tuple = ()) -> float:
+    """The whole checkpoint, each byte once: fp32 masters + optimizer states of every parameter + buffers (peft=lora:
+    of the adapters, no buffer: the frozen base is not in it)."""
+    mp = model_params(cfg, 1, 1, peft)
     vision, frozen = _vision(cfg, mp)
     groups = [mp.embedding, mp.head, vision] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
     buffers = mp.embedding_buffer_bytes + mp.head_buffer_bytes + sum(lp.buffer_bytes for lp in mp.layers) + frozen
+    buffers = 0 if peft else buffers
     return sum(_bytes(g, optimizer) for g in groups) + buffers
 
 
-def _stage_dense(cfg, mp, a: int, b: int, first: bool, last: bool) -> tuple:
+def _stage_dense(cfg, mp, a: int, b: int, first: bool, last: bool, peft: tuple = ()) -> tuple:
     """(dense ParamGroup, persistent buffer bytes) of layers [a, b) on one TP rank, with the embedding (and the vision
     tower) / head."""
     dense = sum((lp.dense for lp in mp.layers[a:b]), ParamGroup())
@@ -98,21 +100,21 @@ def _stage_dense(cfg, mp, a: int, b: int, first: bool, last: bool) -> tuple:
         dense, buffers = dense + vision, buffers + frozen
     if last:
         dense, buffers = dense + mp.head, buffers + mp.head_buffer_bytes
-    return dense, buffers
+    return dense, 0 if peft else buffers
 
 
-def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1) -> list:
+def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1, peft: tuple = ()) -> list:
     """Bytes each rank writes, as (stage, bytes per rank, number of such ranks), the ranks of each stage grouped by
     what they write: the one that writes the buffers; under ZeRO-1/2 the other ranks of TP rank 0 (they write the
     TP-replicated tensors) and the other TP ranks'; under ZeRO-0 the rest, all alike."""
-    mp, one = model_params(cfg, lay.tp, lay.ep), model_params(cfg, 1)
+    mp, one = model_params(cfg, lay.tp, lay.ep, peft), model_params(cfg, 1, 1, peft)
     stages = stage_layers(cfg, lay.pp)
     n_dense = lay.dp * lay.cp
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        dense_t, buffers = _stage_dense(cfg, mp, a, b, first, last)
-        dense_1, _ = _stage_dense(cfg, one, a, b, first, last)
+        dense_t, buffers = _stage_dense(cfg, mp, a, b, first, last, peft)
+        dense_1, _ = _stage_dense(cfg, one, a, b, first, last, peft)
         d_t, d_1 = _bytes(dense_t, optimizer), _bytes(dense_1, optimizer)
         replicated = (lay.tp * d_t - d_1) / (lay.tp - 1) if lay.tp > 1 else 0.0  # R: held whole by every TP rank
         sharded = d_t - replicated  # this TP rank's slice of the TP-split tensors
@@ -237,15 +239,15 @@ class CheckpointPlan:
 
 def checkpoint_plan(cfg, cluster, lay: Layout, optimizer: str, storage: Storage | None = None,
                     step_time: float | None = None, save_interval: int = 0, async_save: bool | None = None,
-                    zero_stage: int = 1) -> CheckpointPlan:
+                    zero_stage: int = 1, peft: tuple = ()) -> CheckpointPlan:
     """The checkpoint of `cfg` trained with `optimizer` and ZeRO `zero_stage` under `lay` on `cluster` (ValueError
-    for a bandwidth that is not a positive number)."""
+    for a bandwidth that is not a positive number); `peft` (params.peft_spec): the adapters' checkpoint."""
     storage = storage or Storage()
     for k in ("fs_gbps", "node_gbps", "host_copy_gbps"):
         v = getattr(storage, k)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"Storage.{k}={v!r}: must be a positive number of GB/s")
-    shares = rank_shares(cfg, lay, optimizer, zero_stage)
-    total = checkpoint_bytes(cfg, optimizer)
+    shares = rank_shares(cfg, lay, optimizer, zero_stage, peft)
+    total = checkpoint_bytes(cfg, optimizer, peft)
     return CheckpointPlan(optimizer, storage, total, shares, lay.world,
                           max(1, min(cluster.devices_per_node, lay.world)), step_time, save_interval, async_save)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .candidates import Layout, group_span, stage_layers
 from .flops import vision_tp_share
-from .memory import Workload, balanced_moe
+from .memory import Workload, balanced_moe, replica_bytes_per_param
 from .params import model_params
 
 __all__ = ["StepComm", "training_comm", "collective_time", "vision_tp_bytes"]
@@ -148,16 +148,20 @@ def _ep_bytes(cfg, lay: Layout, w: Workload, st: _Stage):
         rows = st.n_rank * cfg.top_k * cfg.expert_width * w.act_bytes * (lay.ep - 1) / lay.ep
         return n_moe * 2 * st.passes * rows, {}, {}
     forwards = st.passes - 1  # the forward, again under full recomputation (the replicas are exchanged again)
-    own = n_moe * bal.owner_exchange_bytes(w.weight_bytes)
+    wb, gb = replica_bytes_per_param(cfg, w), replica_bytes_per_param(cfg, w, grads=True)  # peft=lora: codes
+    own = n_moe * bal.owner_exchange_bytes(wb)
     per_micro = w.replica_exchange != "step"  # the owners' slices to the relays, out and their gradient back
     parts = {"tokens": n_moe * st.passes * bal.token_bytes(w.act_bytes),
              "metadata": n_moe * forwards * bal.metadata_bytes(),
-             "replica_weights": n_moe * forwards * bal.host_exchange_bytes(w.weight_bytes)
+             "replica_weights": n_moe * forwards * bal.host_exchange_bytes(wb)
              + (forwards * own if per_micro else 0.0),
-             "replica_grads": n_moe * bal.host_exchange_bytes(w.weight_bytes) + (own if per_micro else 0.0)}
+             "replica_grads": n_moe * bal.host_exchange_bytes(gb) + (own * gb / wb if per_micro else 0.0)}
     step = {}
-    if not per_micro:  # moe.replica_exchange=step: once per step (in fp32, the relay's store)
-        step = {"replica_weights": own * 4 / w.weight_bytes, "replica_grads": own * 4 / w.weight_bytes}
+    if not per_micro:  # moe.replica_exchange=step: once per step (in fp32, the relay's store; peft=lora: the codes
+        # as they are, the adapters in fp32)
+        g32 = n_moe * bal.owner_exchange_bytes(gb * 4 / w.weight_bytes)
+        step = {"replica_weights": own * 4 / w.weight_bytes if not w.peft else own * (wb - gb) / wb + g32,
+                "replica_grads": own * 4 / w.weight_bytes if not w.peft else g32}
     return sum(parts.values()), parts, step
 
 
@@ -179,7 +183,7 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     """Data parallelism, once per step: ({kind: bytes}, {kind: seconds}) for dp_grad_reduce, dp_param_gather and
     dp_muon_gather, over the dense (dp x cp) and expert (edp) groups."""
     start, end = st.stages[st.stage]
-    mp = model_params(cfg, lay.tp, lay.ep)
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
     dense = sum(lp.dense.total for lp in mp.layers[start:end])
     dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
     if st.first:
@@ -263,5 +267,5 @@ def vision_tp_bytes(cfg, lay: Layout, w: Workload) -> dict:
     if not cfg.freeze_vision:
         if lay.sp:  # the [B, T, K] features' gradient, gathered before each rank takes its rows
             out["feature_grad_gather"] = w.micro_batch_size * w.seq_length * K * a * frac
-        out["grad_all_reduce"] = 2 * model_params(cfg, lay.tp, lay.ep).vision.total * 4 * frac
+        out["grad_all_reduce"] = 2 * model_params(cfg, lay.tp, lay.ep, w.peft).vision.total * 4 * frac
     return out

@@ -34,6 +34,8 @@ from ..parallel import ParallelGroups, build_model, state, tiling
 from ..parallel.pipeline import pack, unpack
 from ..parallel.recompute import Policy
 from ..parallel.recompute import apply as apply_recompute
+from ..peft import FrozenExperts, apply_lora
+from ..peft.experts import MATRICES
 from .measure import LiveTensorMemory
 from .memory import GB, training_memory
 from .params import count_parameters
@@ -72,30 +74,60 @@ class RankBuild:
     coords: dict
     layers: list  # global indices of the decoder layers held
     experts: int  # routed experts per MoE layer held (0: no MoE layer on this rank)
-    params: int  # parameter elements held (a tied tensor once)
+    params: int  # parameter elements held (a tied tensor once; peft=lora: the frozen MXFP4 experts' too)
     blocks: dict = field(repr=False, default_factory=dict)  # name -> (full shape, offsets, shape)
+    trainable: int = 0  # elements that take gradients (peft=lora: the adapters)
 
-    def as_dict(self, planned: int | None = None) -> dict:
-        out = {**self.coords, "layers": self.layers, "experts": self.experts, "params": self.params}
+    def as_dict(self, planned: int | None = None, planned_trainable: int | None = None) -> dict:
+        out = {**self.coords, "layers": self.layers, "experts": self.experts, "params": self.params,
+               "trainable_params": self.trainable, "frozen_params": self.params - self.trainable}
         if planned is not None:
             out["planned_params"] = planned
+        if planned_trainable is not None:
+            out["planned_trainable_params"] = planned_trainable
         return out
 
 
+def _frozen_experts(model) -> dict:
+    """{name of the matrix: (full shape, offsets, shape)} of every frozen MXFP4 expert matrix (peft=lora), as the
+    decoded [E, O, K] tensor it stands for."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FrozenExperts):
+            for n in MATRICES:
+                E, O, K = m.packed(n).shape
+                out[f"{name}.{n}"] = ((m.num_experts, O, K), (m.expert_offset, 0, 0), (E, O, K))
+    return out
+
+
 def _read(model, coords) -> RankBuild:
-    blocks, params = {}, 0
+    blocks, params, trainable = {}, 0, 0
     for name, p in model.named_parameters():
         blocks[name] = (full_shape(p), shard_offsets(p), tuple(p.shape))
         params += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    frozen = _frozen_experts(model)
+    blocks.update(frozen)
+    params += sum(math.prod(shape) for _, _, shape in frozen.values())
     moe = model.moe_layers()
-    return RankBuild(coords, model.model.layers.indices(), moe[0].experts.num_local if moe else 0, params, blocks)
+    return RankBuild(coords, model.model.layers.indices(), moe[0].experts.num_local if moe else 0, params, blocks,
+                     trainable)
+
+
+def _built(run, ps, device="meta", dtype=None, seed=None):
+    """This rank's model as a run builds it: parallel.build_model, and under peft=lora the adapters (the frozen base,
+    its experts as MXFP4 codes)."""
+    groups = ParallelGroups.from_state(ps, run.parallel.sequence_parallel)
+    model = build_model(run.model, groups, device, dtype, seed)
+    if run.peft.enabled:
+        apply_lora(model, run.peft, groups.tp, run.train.seed, whole=ps.size("pp") == 1)
+    return model
 
 
 def build_rank(run, world: int, rank: int) -> RankBuild:
     """Rank `rank` of `world` built on the meta device, as a run builds it."""
     with fake_rank(run, world, rank) as ps:
-        model = build_model(run.model, ParallelGroups.from_state(ps, run.parallel.sequence_parallel), "meta")
-        return _read(model, _coords(ps))
+        return _read(_built(run, ps), _coords(ps))
 
 
 def _coverage(builds, full_model) -> tuple:
@@ -123,10 +155,17 @@ def _coverage(builds, full_model) -> tuple:
     return covered, problems
 
 
-def _full_shapes(cfg) -> dict:
+def _full_shapes(run) -> dict:
+    """{name: full shape} of the single-device model's parameters (under peft=lora adapted: the adapters, the frozen
+    dense weights, and the MXFP4 experts as the matrices they decode to)."""
+    cfg = run.model
     with torch.device("meta"):
         model = causal_lm_class(cfg)(cfg, init=False)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if run.peft.enabled:
+        apply_lora(model, run.peft)
+    out = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out.update({n: full for n, (full, _, _) in _frozen_experts(model).items()})
+    return out
 
 
 def dry_run(run, world: int, ranks=None, recompute: str = "auto", progress=None) -> dict:
@@ -139,22 +178,27 @@ def dry_run(run, world: int, ranks=None, recompute: str = "auto", progress=None)
     for i, r in enumerate(ranks):
         b = build_rank(run, world, r)
         builds.append(b)
-        out.append(b.as_dict(plan.stage_params[b.coords["pp_rank"]]))
+        s = b.coords["pp_rank"]
+        out.append(b.as_dict(plan.stage_params[s], plan.stage_trainable[s]))
         if progress is not None:
             progress(i + 1, len(ranks))
     report = {
         "model": run.model.name, "cluster": run.cluster.name, "world": world,
         "layout": plan.layout.as_dict(), "planner": _plan_summary(plan),
         "ranks": out,
-        "params_match_planner": all(e["params"] == e["planned_params"] for e in out),
+        "params_match_planner": all(e["params"] == e["planned_params"]
+                                    and e["trainable_params"] == e["planned_trainable_params"] for e in out),
         "build_seconds": round(time.perf_counter() - t0, 2),
     }
     if len(out) == world:
-        counts = count_parameters(run.model)
-        covered, problems = _coverage(builds, _full_shapes(run.model))
-        report.update({"covered_params": covered, "total_params": counts["total"],
-                       "covered_equals_total": covered == counts["total"] and not problems,
+        shapes = _full_shapes(run)
+        total = count_parameters(run.model)["total"] + (plan.peft["trainable_params"] if plan.peft else 0)
+        covered, problems = _coverage(builds, shapes)
+        report.update({"covered_params": covered, "total_params": total,
+                       "covered_equals_total": covered == total and not problems,
                        "coverage_problems": problems[:20]})
+        if plan.peft:
+            report["adapter_params"] = plan.peft["trainable_params"]
     return report
 
 
@@ -239,12 +283,11 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
     torch.manual_seed(seed)
     rss0 = _rss_bytes()
     with fake_rank(run, world, rank) as ps:
-        groups = ParallelGroups.from_state(ps, run.parallel.sequence_parallel)
         tracker = _Largest()
         t0 = time.perf_counter()
         with tracker:
             tracker.phase = "build"
-            model = build_model(run.model, groups, "cpu", dtype, seed)
+            model = _built(run, ps, "cpu", dtype, seed)
         init_s = time.perf_counter() - t0
         built = _read(model, _coords(ps))
         largest_param = max(p.numel() * p.element_size() for p in model.parameters())
@@ -301,8 +344,9 @@ def planner_step_memory(run, world: int, stage: int, recompute: str = "none") ->
     micro-batches in flight) for reference."""
     w = workload(run, kernels="eager")
     w_step = type(w)(w.seq_length, w.micro_batch_size, w.global_batch_size, w.precision, "adamw", w.zero_stage,
-                     "bf16", "eager", image_share=0.0)  # adamw: no Newton-Schulz workspace among the transients (no
-    # step taken); no image share: the step feeds token ids only (the vision tower's weights and gradients still count)
+                     "bf16", "eager", image_share=0.0, peft=w.peft)
+    # adamw: no Newton-Schulz workspace among the transients (no step taken); no image share: the step feeds token
+    # ids only (the vision tower's weights and gradients still count)
     lay = layout(run, world, recompute)
     s = training_memory(run.model, run.cluster, lay, w_step)[stage]
     acts_one = s.activations / s.in_flight

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 from ..model.vision import media_shares
 
-__all__ = ["FlopTerm", "ModelFlops", "layer_flop_terms", "model_flops", "kda_chunk_flops", "decode_flops_per_token",
+__all__ = ["FlopTerm", "ModelFlops", "layer_flop_terms", "frozen_base", "WEIGHT_GEMMS",
+           "model_flops", "kda_chunk_flops", "decode_flops_per_token",
            "vision_flop_terms", "vision_image_patches", "vision_media", "vision_tp_share", "media_flops",
            "DEFAULT_IMAGE_SHARE"]
 
@@ -160,6 +161,18 @@ def _ffn_terms(cfg, ffn_type: str) -> list:
     return terms
 
 
+# the terms that multiply by a weight (the others are the attention / KDA cores): with the weight frozen (peft=lora)
+# their backward is the input's gradient alone, one forward's worth
+WEIGHT_GEMMS = frozenset({"kda.qkv_proj", "kda.decay_proj", "kda.beta_proj", "kda.o_proj", "kda.gate_proj",
+                          "mla.q_proj", "mla.kv_proj", "mla.o_proj", "mla.gate_proj", "dense_ffn", "moe.router",
+                          "moe.routed_experts", "moe.latent_proj", "moe.shared_experts", "lm_head"})
+
+
+def frozen_base(terms: list) -> list:
+    """`terms` with every weight frozen (peft=lora): a weight GEMM's backward computes the input's gradient only."""
+    return [FlopTerm(t.name, t.category, t.forward, t.forward) if t.name in WEIGHT_GEMMS else t for t in terms]
+
+
 def layer_flop_terms(cfg, layer_idx: int, seq_length: int, attention: str = "causal") -> list:
     """FlopTerms (per token) of decoder layer `layer_idx` for sequences of `seq_length` tokens."""
     if attention not in ("causal", "dense"):
@@ -242,9 +255,11 @@ def media_flops(cfg, grids) -> tuple:
 
 
 def model_flops(cfg, seq_length: int, attention: str = "causal",
-                image_share: float = DEFAULT_IMAGE_SHARE) -> ModelFlops:
+                image_share: float = DEFAULT_IMAGE_SHARE, frozen: bool = False) -> ModelFlops:
     """Per-token forward and backward FLOPs of the whole model (LM head included) at `seq_length`; with
-    model.vision.enabled the tower and projector too, for `image_share` of the tokens being image features."""
+    model.vision.enabled the tower and projector too, for `image_share` of the tokens being image features.
+    `frozen` (peft=lora's base): the weight GEMMs' backward is their input gradient (`frozen_base`), the vision
+    tower's nothing."""
     cats, per_layer = {}, []
     fwd = bwd = 0.0
     terms_all = []
@@ -253,7 +268,11 @@ def model_flops(cfg, seq_length: int, attention: str = "causal",
         per_layer.append(sum(t.forward for t in terms))
         terms_all += terms
     terms_all.append(_mm("lm_head", "lm_head", 2 * cfg.hidden_size * cfg.vocab_size))
-    terms_all += vision_flop_terms(cfg, seq_length, image_share)
+    vision = vision_flop_terms(cfg, seq_length, image_share)
+    if frozen:
+        terms_all = frozen_base(terms_all)
+        vision = [FlopTerm(t.name, t.category, t.forward, 0.0) for t in vision]
+    terms_all += vision
     for t in terms_all:
         c = cats.setdefault(t.category, [0.0, 0.0])
         c[0] += t.forward

@@ -2,6 +2,10 @@
 activations of the micro-batches in flight (with or without recomputation), and for inference the MXFP4
 experts, bf16 rest, KDA recurrent states and the MLA latent cache.
 
+peft=lora (`Workload.peft`): only the adapters have gradients, fp32 masters and optimizer states; the frozen base
+is its weights alone, bf16 (the weights' dtype) and the routed experts as MXFP4 codes (MXFP4_BYTES_PER_PARAM); one
+block of `expert_block` experts decoded (and w1;w3 concatenated) is transient inside the expert GEMMs.
+
 Precision recipes (bytes per parameter):
 
 * fp32: weights 4, gradients 4; under ZeRO-1/2 DeepSpeed also keeps an fp32 copy of each partition (4,
@@ -45,7 +49,8 @@ from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
 from .params import model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory", "tile_shares",
-           "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations"]
+           "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations",
+           "frozen_expert_decode_bytes", "replica_bytes_per_param"]
 
 GB = 1e9
 MXFP4_BYTES_PER_PARAM = 4.25 / 8  # E2M1 codes (4 bits) + one E8M0 scale per 32 values
@@ -69,6 +74,7 @@ class Workload:
     image_share: float = DEFAULT_IMAGE_SHARE  # model.vision: share of the tokens that are image features
     overlap_grad_reduce: bool = False  # parallel.overlap_grad_reduce: the DP gradient reduction hides behind the last
     # backward (ZeRO-1/2 only); without it the reduction is exposed
+    peft: tuple = ()  # peft=lora: params.peft_spec (rank, alpha, targets, init, expert_block); () = every weight trains
 
     @property
     def weight_bytes(self) -> int:
@@ -85,6 +91,18 @@ class Workload:
     @property
     def master_bytes(self) -> int:
         return 4 if self.precision in MIXED or self.zero_stage >= 1 else 0
+
+
+def replica_bytes_per_param(cfg, w: Workload, grads: bool = False) -> float:
+    """Bytes per expert parameter balanced dispatch sends and holds for a replica: the weights' dtype; under peft=lora
+    the MXFP4 codes and scales plus the experts' adapters in the weights' dtype (`grads`: what goes back, the
+    adapters' gradients only)."""
+    if not w.peft:
+        return w.weight_bytes
+    rank, targets = w.peft[0], w.peft[2]
+    W, I = cfg.expert_width, cfg.moe_intermediate_size
+    adapters = 3 * rank * (W + I) / (3 * W * I) * w.weight_bytes if "experts" in targets else 0.0
+    return adapters if grads else MXFP4_BYTES_PER_PARAM + adapters
 
 
 def balanced_slots(cfg, ep: int, w: Workload) -> int | None:
@@ -227,6 +245,7 @@ class StageMemory:
     moe_exchange: float = 0.0  # balanced dispatch: weight-exchange + token-hop buffers of one layer (in transient)
     vision: dict = field(default_factory=dict)  # first stage, model.vision: params and bytes by kind (in the above)
     host: float = 0.0  # activation offload: layer inputs in host memory (not in `total`), per device
+    params_frozen: int = 0  # peft=lora: the frozen base's elements on this device (not in params_dense/experts)
 
     @property
     def total(self) -> float:
@@ -390,7 +409,8 @@ class _Sharding:
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
     """(dense ParamGroup trained, frozen vision parameters, experts ParamGroup, weights, gradients, optimizer
-    bytes) of the stage holding layers [a, b)."""
+    bytes) of the stage holding layers [a, b); under peft=lora the groups' frozen base (ParamGroup.frozen,
+    frozen_mx) adds weights only."""
     dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
     if first:
         dense = dense + mp.embedding
@@ -402,12 +422,23 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
         dense = dense + vis
     experts = sum((lp.experts for lp in mp.layers[a:b]), type(mp.embedding)())
     e_total, e_muon = experts.total, experts.muon  # this EP rank's experts
-    weights = (dense.total + frozen + e_total) * w.weight_bytes
+    base = ((dense.frozen + experts.frozen) * w.weight_bytes
+            + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
+    weights = (dense.total + frozen + e_total) * w.weight_bytes + base
     grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp / sh.experts
+
+
+def frozen_expert_decode_bytes(cfg, w: Workload) -> float:
+    """peft=lora: one block of frozen experts decoded inside the expert GEMMs (w1, w3 and w2 in the activations'
+    dtype, and the [w1; w3] concatenation the gate/up GEMM runs against)."""
+    if not w.peft:
+        return 0.0
+    block = min(w.peft[4], cfg.num_experts)
+    return block * 5 * cfg.moe_intermediate_size * cfg.expert_width * w.act_bytes
 
 
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int) -> tuple:
@@ -473,7 +504,7 @@ def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh
         pad = 0.0
         if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
             pad = (bal.cap - bal.M) * _expert_row_bytes(cfg, lay, w, moe_layers[0], attn_res_sources(cfg)[0])
-        per_layer = bal.replica_bytes(w.weight_bytes)
+        per_layer = bal.replica_bytes(replica_bytes_per_param(cfg, w))
         full = lay.full_layers(a, b)
         kept_layers = [i for i in moe_layers if i not in full]
         if len(kept_layers) < len(moe_layers):  # one recomputed layer's replicas (and padding) live at a time
@@ -486,7 +517,7 @@ def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh
             detail["moe_replicas"] = replicas
             if pad:
                 detail["moe_capacity_padding"] = held * pad
-        exchange = bal.exchange_buffer_bytes(w.weight_bytes) + bal.token_buffer_bytes(w.act_bytes)
+        exchange = bal.exchange_buffer_bytes(replica_bytes_per_param(cfg, w)) + bal.token_buffer_bytes(w.act_bytes)
         transient += exchange
         if w.replica_exchange == "step":  # the relay stores of every MoE layer, for the whole step
             acts += len(moe_layers) * bal.step_store_bytes()
@@ -511,7 +542,7 @@ def _stage_vision(cfg, lay: Layout, w: Workload, vis, frozen: int, in_flight: in
 
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
-    mp = model_params(cfg, lay.tp, lay.ep)
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft)
     stages = stage_layers(cfg, lay.pp)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
     sh = _Sharding.of(lay, w)
@@ -526,6 +557,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         detail.update(moe_detail)
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
             transient += 3 * max(dense.largest_matrix, experts.largest_matrix) * 4
+        if any(t == "moe" for t in cfg.ffn_types()[a:b]):
+            transient += frozen_expert_decode_bytes(cfg, w)
         vis = mp.vision if first else type(mp.embedding)()
         v_acts, v_trans, vision = _stage_vision(cfg, lay, w, vis, frozen, in_flight, sh)
         acts, transient = acts + v_acts, transient + v_trans
@@ -533,7 +566,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
-                               exchange, vision, host))
+                               exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx))
     return out
 
 

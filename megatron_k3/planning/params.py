@@ -7,6 +7,10 @@ stage holds the layers megatron_k3.layout.stage_layers gives it, plus the embedd
 Each parameter is classified: routed expert or not, and which optimizer updates it (the optimizer's own rule: Muon
 for matrices, AdamW for embeddings, the LM head, norms, vectors and conv filters).
 
+Under peft=lora (`peft`, a `peft_spec`) the rank's model is adapted on the meta device as a run adapts it
+(megatron_k3.peft.apply_lora): each group's `total` and `muon` count the adapters (what trains), `frozen` the frozen
+base's elements stored in the weights' dtype, `frozen_mx` those stored as MXFP4 codes (the routed experts).
+
 With model.vision.enabled the vision tower (MoonViT-3D) and projector are counted apart (`ModelParams.vision_tower`,
 `mm_projector`): they live with the embedding on the first pipeline stage, whole on every tensor-parallel rank
 (the model does not shard them), never expert-parallel. `count_parameters` is tools/param_count.py's count: the
@@ -21,14 +25,30 @@ from dataclasses import dataclass
 import torch
 
 from ..annotations import full_shape, meta
+from ..config.schema import PeftConfig
 from ..model.params import count_parameters as _count_text
 from ..model.vision import MoonViT3d, PatchMergerV2
 from ..optim.grouping import muon_rule
 from ..parallel.mappings import Group
 from ..parallel.plan import ParallelGroups, build_model
 from ..parallel.tensor import TensorParallel
+from ..peft import FrozenExperts, apply_lora, is_adapter
 
-__all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops", "count_parameters"]
+__all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops", "count_parameters",
+           "peft_spec"]
+
+
+def peft_spec(peft) -> tuple:
+    """A run's PeftConfig as the planner's hashable spec: () without peft, else (rank, alpha, targets, init,
+    expert_block)."""
+    if peft is None or not peft.enabled:
+        return ()
+    return (peft.rank, float(peft.alpha), tuple(peft.targets), peft.init, peft.expert_block)
+
+
+def _peft_config(spec: tuple) -> PeftConfig:
+    rank, alpha, targets, init, block = spec
+    return PeftConfig("lora", rank, alpha, list(targets), init, "", block)
 
 
 @dataclass(frozen=True)
@@ -38,10 +58,17 @@ class ParamGroup:
     muon: int = 0
     largest_matrix: int = 0  # elements of the largest Muon matrix (per expert for routed experts)
     ns_flops: float = 0.0  # Newton-Schulz FLOPs of one Muon update of these matrices (per head / per expert)
+    frozen: int = 0  # peft=lora: frozen elements in the weights' dtype (not in `total`: no gradient, no state)
+    frozen_mx: int = 0  # peft=lora: frozen elements kept as MXFP4 codes (the routed experts)
 
     def __add__(self, o: "ParamGroup") -> "ParamGroup":
         return ParamGroup(self.total + o.total, self.muon + o.muon, max(self.largest_matrix, o.largest_matrix),
-                          self.ns_flops + o.ns_flops)
+                          self.ns_flops + o.ns_flops, self.frozen + o.frozen, self.frozen_mx + o.frozen_mx)
+
+    @property
+    def held(self) -> int:
+        """Every element this group holds: trained and frozen."""
+        return self.total + self.frozen + self.frozen_mx
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
@@ -84,12 +111,20 @@ class ModelParams:
         return sum(lp.experts.total for lp in self.layers)
 
 
-def _group(module, prefix: str = "") -> tuple:
+def _group(module, prefix: str = "", frozen_base: bool = False) -> tuple:
     """(dense, routed experts) ParamGroups of a module on one TP rank: which parameters Muon updates is the
     optimizer's rule (optim.grouping.muon_rule), and each Muon update runs per block where the annotation says so
-    (attention heads, fused shared experts) and per expert for routed experts, as the optimizer does."""
+    (attention heads, fused shared experts) and per expert for routed experts, as the optimizer does.
+    `frozen_base` (peft=lora): only the adapters train; the rest counts as frozen, the MXFP4 experts apart."""
     dense, experts = ParamGroup(), ParamGroup()
+    if frozen_base:
+        mx = sum(2 * m.w1_packed.numel() + 2 * m.w3_packed.numel() + 2 * m.w2_packed.numel()
+                 for m in module.modules() if isinstance(m, FrozenExperts))
+        experts = ParamGroup(frozen_mx=mx)
     for name, p in module.named_parameters(prefix=prefix):
+        if frozen_base and not is_adapter(name):
+            dense = dense + ParamGroup(frozen=p.numel())
+            continue
         rule = muon_rule(p)
         muon = rule.startswith("muon/")
         m = meta(p)
@@ -121,44 +156,49 @@ def _buffer_bytes(module) -> int:
     return n
 
 
-def _model_params(cfg, tp: int, ep: int) -> ModelParams:
-    """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model), then
-    counted per layer, embedding and head."""
+def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
+    """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model; under
+    peft=lora adapted as the run adapts it), then counted per layer, embedding and head."""
     groups = ParallelGroups(tp=TensorParallel(size=tp), ep=Group(size=ep))
     model = build_model(cfg, groups, device="meta")
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}"), _buffer_bytes(layer))
+    if peft:
+        apply_lora(model, _peft_config(peft), groups.tp)
+    f = bool(peft)
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f), _buffer_bytes(layer))
                    for layer in model.model.layers)
-    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens")
+    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f)
     head, head_buffers = ParamGroup(), 0
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
                       ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
         if mod is not None:
-            head = head + _group(mod, name)[0]
+            head = head + _group(mod, name, f)[0]
             head_buffers += _buffer_bytes(mod)
     if cfg.tie_word_embeddings:
-        head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops)
+        head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops,
+                          head.frozen - emb.frozen)
     tower = getattr(model, "vision_tower", None)
     proj = getattr(model, "mm_projector", None)
-    tower = _group(tower, "vision_tower")[0] if tower is not None else ParamGroup()
-    proj = _group(proj, "mm_projector")[0] if proj is not None else ParamGroup()
+    tower = _group(tower, "vision_tower", f)[0] if tower is not None else ParamGroup()
+    proj = _group(proj, "mm_projector", f)[0] if proj is not None else ParamGroup()
     return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj)
 
 
 @functools.lru_cache(maxsize=256)
-def _built(cfg, tp: int, ep: int) -> ModelParams:
-    """_model_params, memoised per (config value, tp, ep): building a rank on the meta device takes a while."""
-    return _model_params(cfg, tp, ep)
+def _built(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
+    """_model_params, memoised per (config value, tp, ep, peft spec): building a rank on the meta device takes a
+    while."""
+    return _model_params(cfg, tp, ep, peft)
 
 
-def model_params(cfg, tp: int = 1, ep: int = 1) -> ModelParams:
+def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = ()) -> ModelParams:
     """Per-layer parameter counts on one rank of tensor-parallel size `tp` and expert-parallel size `ep`
     (ValueError if either does not divide the model). Tensor parallelism does not split the routed experts and
     expert parallelism nothing else, so the dense part comes from a (tp, 1) build and the experts from a (1, ep)
     one (memoised: a planner search builds each size once, not each pair); tools/build_rank.py checks the sum
-    against ranks built with both."""
+    against ranks built with both. `peft`: a `peft_spec` (() = no peft)."""
     if tp == 1 or ep == 1:
-        return _built(cfg, tp, ep)
-    dense, experts = _built(cfg, tp, 1), _built(cfg, 1, ep)
+        return _built(cfg, tp, ep, peft)
+    dense, experts = _built(cfg, tp, 1, peft), _built(cfg, 1, ep, peft)
     layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes) for d, e in zip(dense.layers, experts.layers))
     return ModelParams(tp, ep, layers, dense.embedding, dense.head, dense.embedding_buffer_bytes,
                        dense.head_buffer_bytes, dense.vision_tower, dense.mm_projector)

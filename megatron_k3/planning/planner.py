@@ -21,6 +21,12 @@ kind carries the features' all-gather per micro-batch and the tower's gradient a
 `TrainPlan.vision` gives its parameters, memory per first-stage device, compute time and TP traffic as a line
 item. Context parallelism does not take media (cp = 1).
 
+peft=lora (`Workload.peft`): the frozen base's weights only (bf16, the routed experts as MXFP4 codes), gradients,
+masters and optimizer states of the adapters; a weight GEMM's backward computes the input's gradient alone
+(flops.frozen_base) and each adapter adds 2 r (in + out) FLOPs per token it sees forward, twice that backward; the
+data-parallel traffic is the adapters'. `TrainPlan.peft` gives trainable and frozen parameters per device apart and
+the MFU of the trained FLOPs (the step's) and of the forward FLOPs alone.
+
 Balanced MoE dispatch (model.moe_overflow=balanced): its token hops, replica weights out and gradients back are
 the ep kind (comm.py), on the critical path like the rest; `TrainPlan.moe_dispatch` gives the replica slots, their
 memory and that traffic on its own. Its FLOPs are the drop model's (M pairs per rank: exact with S >= E/ep).
@@ -38,6 +44,7 @@ from .candidates import Layout, planner_problems, stage_layers
 from .comm import training_comm
 from .flops import (
     decode_flops_per_token,
+    frozen_base,
     layer_flop_terms,
     model_flops,
     vision_flop_terms,
@@ -98,6 +105,8 @@ class TrainPlan:
     stage_params: list = field(default_factory=list)  # parameters one device of each pipeline stage holds
     moe_dispatch: dict = field(default_factory=dict)  # balanced dispatch only (_balanced_summary)
     vision: dict = field(default_factory=dict)  # model.vision.enabled only (_vision_summary)
+    peft: dict = field(default_factory=dict)  # peft=lora only (_peft_summary)
+    stage_trainable: list = field(default_factory=list)  # parameters with gradients on one device of each stage
     host_per_node_gb: float = 0.0  # activation offload: host memory per node the offloaded layer inputs take
 
     def as_dict(self) -> dict:
@@ -111,6 +120,8 @@ class TrainPlan:
             extra["vision"] = self.vision
         if self.host_per_node_gb:
             extra["host_per_node_gb"] = self.host_per_node_gb
+        if self.peft:
+            extra["peft"] = self.peft
         if self.moe_dispatch:
             workload.update(moe_overflow=self.workload.moe_overflow,
                             redundant_experts=self.workload.redundant_experts,
@@ -143,8 +154,26 @@ def _peak_flops(cluster, precision: str) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _model_flops(cfg, seq_length: int, image_share: float):
-    return model_flops(cfg, seq_length, "causal", image_share)
+def _model_flops(cfg, seq_length: int, image_share: float, peft: tuple = ()):
+    """Model FLOPs per token (flops.model_flops); under peft=lora the frozen base's backward (input gradients only,
+    the vision tower none) plus the adapters' FLOPs."""
+    mf = model_flops(cfg, seq_length, "causal", image_share, frozen=bool(peft))
+    if peft:
+        a = sum(_adapter_flops(cfg, peft, i) for i in range(cfg.num_layers)) + _adapter_flops(cfg, peft, None)
+        mf = replace(mf, forward_per_token=mf.forward_per_token + a, backward_per_token=mf.backward_per_token + 2 * a)
+    return mf
+
+
+def _adapter_flops(cfg, peft: tuple, i: int | None) -> float:
+    """Forward FLOPs per token of layer i's adapters (None: the LM head's): 2 r (in + out) per adapted linear, the
+    routed experts' for the top_k of E experts a token visits."""
+    if not peft:
+        return 0.0
+    mp = model_params(cfg, 1, 1, peft)
+    if i is None:
+        return 2.0 * mp.head.total
+    lp = mp.layers[i]
+    return 2.0 * lp.dense.total + 2.0 * lp.experts.total * cfg.top_k / max(cfg.num_experts, 1)
 
 
 def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: frozenset = frozenset(MODULES)) -> tuple:
@@ -164,11 +193,18 @@ def _vision_flops(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: fro
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _layer_flop_classes(cfg, i: int, T: int, attention: str, recomputed: frozenset = frozenset()) -> tuple:
+def _layer_flop_classes(cfg, i: int, T: int, attention: str, recomputed: frozenset = frozenset(),
+                        peft: tuple = ()) -> tuple:
     """Layer i's per-token (forward, backward, forward run again by selective recomputation of the module kinds
-    `recomputed`, the MoE block's forward: run again by sequence tiling) FLOPs: (TP-split part, routed part)."""
+    `recomputed`, the MoE block's forward: run again by sequence tiling) FLOPs: (TP-split part, routed part); under
+    peft=lora the frozen weights' backward is their input gradient only, and the adapters are in the split part."""
     split, routed = [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]
-    for t in layer_flop_terms(cfg, i, T, attention):
+    terms = layer_flop_terms(cfg, i, T, attention)
+    if peft:
+        a = _adapter_flops(cfg, peft, i)
+        terms = frozen_base(terms)
+        split[0], split[1] = a, 2 * a
+    for t in terms:
         acc = split if (t.category in ("kda", "mla", "dense_ffn") or t.name == "moe.shared_experts") else routed
         acc[0] += t.forward
         acc[1] += t.backward
@@ -191,7 +227,7 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
     fwd = bwd = again = 0.0
     full = lay.full_layers(start, end)
     for i in range(start, end):
-        (sf, sb, sc, sm), (rf, rb, rc, rm) = _layer_flop_classes(cfg, i, T, attention, lay.recomputed)
+        (sf, sb, sc, sm), (rf, rb, rc, rm) = _layer_flop_classes(cfg, i, T, attention, lay.recomputed, w.peft)
         # head- or intermediate-split over TP / the routed branch on this rank's tokens (all, without SP)
         fwd += sf * n / lay.tp + rf * n_rank
         bwd += sb * n / lay.tp + rb * n_rank
@@ -202,11 +238,14 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
             again += sm * n / lay.tp + rm * n_rank
     if last:
         f = 2 * cfg.hidden_size * cfg.vocab_size * n / lay.tp
-        fwd += f
-        bwd += 2 * f
+        a = _adapter_flops(cfg, w.peft, None) * n / lay.tp
+        fwd += f + a
+        bwd += (f if w.peft else 2 * f) + 2 * a  # frozen (peft=lora): the input's gradient only
         again += f if lay.tile_tokens else 0.0  # the tiles' logits again
     if first:
         vf, vb, vr = _vision_flops(cfg, w, lay.recompute, lay.tp, lay.recomputed)
+        if w.peft:  # the frozen tower takes no gradient, nor does anything upstream of it
+            vb = vr = 0.0
         fwd, bwd, again = fwd + vf, bwd + vb, again + vr
     return fwd, bwd, again
 
@@ -214,13 +253,15 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
 def model_state_bytes(cfg, w: Workload) -> float:
     """Weights + gradients + master + optimizer states of the whole model, unsharded: the floor on the
     accelerators' combined memory for training (activations come on top)."""
-    mp = model_params(cfg, 1)
+    mp = model_params(cfg, 1, 1, w.peft)
     frozen = mp.vision.total if cfg.freeze_vision else 0  # model.freeze_vision: the tower's weights only
     total = mp.dense_total() + mp.expert_total() - frozen
+    groups = [mp.embedding, mp.head, mp.vision] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
+    base = sum(g.frozen for g in groups) * w.weight_bytes + sum(g.frozen_mx for g in groups) * MXFP4_BYTES_PER_PARAM
     muon = sum(lp.dense.muon + lp.experts.muon for lp in mp.layers) + mp.head.muon + mp.embedding.muon
     muon += 0 if frozen else mp.vision.muon
     opt = muon * 4 + (total - muon) * 8 if w.optimizer == "muon" else total * 8
-    return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt + frozen * w.weight_bytes
+    return total * (w.weight_bytes + w.grad_bytes + w.master_bytes) + opt + frozen * w.weight_bytes + base
 
 
 def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> dict:
@@ -281,12 +322,12 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_grad = comm.time_by_kind["dp_grad_reduce"]
     dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
     dp_exposed += comm.time_by_kind["dp_param_gather"] + comm.time_by_kind["dp_muon_gather"]
-    t_opt = _muon_time(cfg, lay, stages[slow], slow == 0) / rate if w.optimizer == "muon" else 0.0
+    t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w.peft) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step
     once = max(sum(c.per_step_time.values()) for *_, c, _ in per_stage)
     step = pipeline + once + dp_exposed + t_opt
-    mf = _model_flops(cfg, w.seq_length, w.image_share)
+    mf = _model_flops(cfg, w.seq_length, w.image_share, w.peft)
     tokens = w.global_batch_size * w.seq_length
     model_step = mf.train_per_step(tokens)
     mfu = model_step / (step * lay.world * cluster.peak_tflops_bf16 * 1e12)
@@ -294,6 +335,8 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     host_node = max(st.host for st in mem) * cluster.devices_per_node
     per_dev = {"dense": worst.params_dense, "routed_experts": worst.params_experts,
                "total": worst.params_dense + worst.params_experts}
+    if w.peft:  # the adapters above; the frozen base apart
+        per_dev.update(frozen=worst.params_frozen, total=per_dev["total"] + worst.params_frozen)
     compute = m * (fwd + bwd + rec) / rate
     times = {"compute": compute, "tp": m * comm.per_micro_time["tp"], "cp": m * comm.per_micro_time["cp"],
              "ep": m * comm.per_micro_time["ep"], "pp": m * comm.per_micro_time["pp"],
@@ -312,13 +355,32 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         bubble=bubble, model_flops_per_step=model_step, device_flops_per_step=m * (fwd + bwd + rec),
         comm_bytes=comm.bytes_by_kind, comm_time=comm.time_by_kind, time_breakdown=times, step_time=step,
         mfu=mfu, tokens_per_s=tokens / step, capacity_gb=cluster.device_memory_gb, notes=notes,
-        stage_params=[s.params_dense + s.params_experts for s in mem], moe_dispatch=moe_dispatch, vision=vision)
+        stage_params=[s.params_dense + s.params_experts + s.params_frozen for s in mem], moe_dispatch=moe_dispatch,
+        stage_trainable=[s.params_dense + s.params_experts for s in mem],
+        vision=vision, peft=_peft_summary(cfg, lay, w, worst, mf, tokens, step, cluster))
 
 
-def _muon_time(cfg, lay: Layout, layers: tuple, first: bool) -> float:
+def _peft_summary(cfg, lay: Layout, w: Workload, worst, mf, tokens: int, step: float, cluster) -> dict:
+    """peft=lora's line item: adapters and frozen base per device (the largest stage), the model's adapter
+    parameters, and the MFU of the step's trained FLOPs and of the forward FLOPs alone (empty without peft)."""
+    if not w.peft:
+        return {}
+    mp = model_params(cfg, 1, 1, w.peft)
+    groups = [mp.embedding, mp.head, mp.vision] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
+    peak = step * lay.world * cluster.peak_tflops_bf16 * 1e12
+    return {"rank": w.peft[0], "alpha": w.peft[1], "targets": list(w.peft[2]),
+            "trainable_params": sum(g.total for g in groups), "frozen_params": sum(g.frozen + g.frozen_mx
+                                                                                   for g in groups),
+            "trainable_per_device": worst.params_dense + worst.params_experts,
+            "frozen_per_device": worst.params_frozen,
+            "forward_flops_per_step": mf.forward_per_token * tokens,
+            "mfu_trained": mf.train_per_step(tokens) / peak, "mfu_forward": mf.forward_per_token * tokens / peak}
+
+
+def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, peft: tuple = ()) -> float:
     """Newton-Schulz FLOPs of Per-Head Muon on one device of the stage holding `layers` (start, end): its dense
-    matrices and its experts, the vision tower's on the first stage unless frozen."""
-    mp = model_params(cfg, lay.tp, lay.ep)
+    matrices and its experts (peft=lora: the adapters), the vision tower's on the first stage unless frozen."""
+    mp = model_params(cfg, lay.tp, lay.ep, peft)
     a, b = layers
     ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
     if first and not cfg.freeze_vision:
@@ -365,7 +427,7 @@ def _vision_summary(cfg, lay: Layout, w: Workload, first, m: int, rate: float, m
     if not cfg.vision.enabled:
         return {}
     v = cfg.vision
-    mp = model_params(cfg, 1)
+    mp = model_params(cfg, 1, 1, w.peft)
     terms = vision_flop_terms(cfg, w.seq_length, w.image_share)
     model_vision = sum(t.forward + t.backward for t in terms) * tokens
     fwd, bwd, rec = _vision_flops(cfg, w, lay.recompute, lay.tp, lay.recomputed)

@@ -145,15 +145,33 @@ _TABLE = (f"{'#':>3}  {'layout':<44} {'GB/dev':>8} {'weights':>7} {'grads':>6} {
           f"{'trans':>6}  {'step s':>8} {'MFU':>6} {'bubble':>6}")
 
 
+def _params_line(p: TrainPlan) -> str:
+    d = p.params_per_device
+    if p.peft:
+        return (f"parameters per device: {_h(d['total'])}: frozen base {_h(d['frozen'])} (bf16, routed experts as "
+                f"MXFP4), LoRA adapters {_h(d['dense'] + d['routed_experts'])} ({_h(d['dense'])} dense on the TP rank, "
+                f"{_h(d['routed_experts'])} on the EP rank's experts); largest pipeline stage")
+    return (f"parameters per device: {_h(d['total'])} ({_h(d['dense'])} dense on the TP rank, "
+            f"{_h(d['routed_experts'])} routed-expert on the EP rank; largest pipeline stage)")
+
+
+def render_peft(p: TrainPlan) -> list:
+    """peft=lora's line item (nothing without it)."""
+    if not p.peft:
+        return []
+    f = p.peft
+    return [f"peft=lora rank {f['rank']} alpha {f['alpha']:g} on {','.join(f['targets'])}: {_h(f['trainable_params'])} "
+            f"adapter parameters train over {_h(f['frozen_params'])} frozen; MFU of the trained FLOPs (forward, "
+            f"input gradients, adapters) {f['mfu_trained']:.1%}, of the forward FLOPs alone {f['mfu_forward']:.1%}"]
+
+
 def render_train(p: TrainPlan) -> list:
     lay, w = p.layout, p.workload
     b = p.memory_breakdown
     out = [_workload(w),
            f"layout: {lay.short()}  (dp = world / (tp*pp*cp) = {lay.dp}; routed experts over ep x edp = "
            f"{lay.ep} x {lay.edp}; {p.micro_batches} micro-batches per step per pipeline)",
-           f"parameters per device: {_h(p.params_per_device['total'])} ({_h(p.params_per_device['dense'])} dense "
-           f"on the TP rank, {_h(p.params_per_device['routed_experts'])} routed-expert on the EP rank; largest "
-           f"pipeline stage)",
+           _params_line(p),
            f"memory per device: {p.memory_per_device / GB:.2f} GB of {p.capacity_gb:g} GB -> "
            f"{'FITS' if p.fits else 'DOES NOT FIT'}",
            "  " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) + " (GB)",
@@ -170,6 +188,7 @@ def render_train(p: TrainPlan) -> list:
            f"pipeline bubble {p.bubble:.1%}; model FLOPs per step {p.model_flops_per_step:.3e}; "
            f"MFU {p.mfu:.1%}; {p.tokens_per_s:,.0f} tokens/s"]
     out += render_balanced(p)
+    out += render_peft(p)
     out += render_vision(p)
     out += [f"note: {n}" for n in p.notes]
     return out

@@ -17,6 +17,7 @@ from ..interop import checkpoint_model_config
 from .candidates import Layout
 from .flops import DEFAULT_IMAGE_SHARE
 from .memory import GB, Workload, balanced_slots, training_memory
+from .params import peft_spec
 
 __all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits"]
 
@@ -56,7 +57,7 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
                     grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
                     run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots,
-                    run.moe.replica_exchange, image_share, run.parallel.overlap_grad_reduce)
+                    run.moe.replica_exchange, image_share, run.parallel.overlap_grad_reduce, peft_spec(run.peft))
 
 
 def layout(run, world: int, recompute: str | None = None, sequence_parallel: bool | None = None) -> Layout:
