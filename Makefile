@@ -63,20 +63,27 @@ EVAL_N ?= 60
 PEFT ?= none
 # the tiny model's SFT: three passes, a learning rate half pre-training's (train=sft's 3e-4 is for large models)
 SFT_ARGS ?= train.epochs=3 train.global_batch_size=8 optim.lr=1.5e-3 optim.min_lr=1.5e-4
-# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16 on every target kind but the LM head
-LORA_ARGS ?= optim=adamw optim.lr=3e-3 optim.min_lr=3e-4 optim.weight_decay=0 peft.rank=16 peft.alpha=32
+# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16, the LM head adapted too (the tiny base never saw
+# the chat control tokens: their output rows are still random, docs/peft.md)
+LORA_ARGS ?= optim=adamw optim.lr=3e-3 optim.min_lr=3e-4 optim.weight_decay=0 peft.rank=16 peft.alpha=32 \
+  'peft.targets=[kda,mla,mlp,shared_experts,experts,lm_head]'
+ifeq ($(PEFT),lora)
+SFT_RUN = peft=lora $(LORA_ARGS)
+SFT_OUT = $(SFT_DIR)/checkpoints
+else
+SFT_RUN = checkpoint.export_hf=$(SFT_DIR)/final
+SFT_OUT = $(SFT_DIR)/final
+endif
 sft: install
 	@FROM=$${FROM:-$$(ls -td runs/*/checkpoints 2>/dev/null | grep -v '^$(SFT_DIR)/' | head -1)}; \
 	test -n "$$FROM" || { echo "make sft: no checkpoint to start from: run make train first, or give FROM=DIR"; exit 2; }; \
-	case "$(PEFT)" in none) OUT=$(SFT_DIR)/final; RUN="checkpoint.export_hf=$$OUT";; \
-	  lora) OUT=$(SFT_DIR)/checkpoints; RUN="peft=lora $(LORA_ARGS)";; \
-	  *) echo "make sft: PEFT=$(PEFT): valid: none, lora"; exit 2;; esac; \
+	case "$(PEFT)" in none|lora) ;; *) echo "make sft: PEFT=$(PEFT): valid: none, lora"; exit 2;; esac; \
 	set -ex -o pipefail; rm -rf $(SFT_DIR); \
 	$(PY) tools/convert_checkpoint.py $$FROM $(SFT_DIR)/base --to-hf; \
 	$(PY) tools/chat.py $(SFT_DIR)/base --eval $(EVAL_N) --out $(SFT_DIR)/exact_match_before.json; \
 	$(PY) -m megatron_k3.train train=sft data=chat precision=mx_qat model=from_checkpoint checkpoint.load=$(SFT_DIR)/base \
-	  checkpoint.dir=$(SFT_DIR)/checkpoints hydra.run.dir=$(SFT_DIR)/run $(SFT_ARGS) $$RUN $(ARGS); \
-	$(PY) tools/chat.py $$OUT --eval $(EVAL_N) --out $(SFT_DIR)/exact_match_after.json
+	  checkpoint.dir=$(SFT_DIR)/checkpoints hydra.run.dir=$(SFT_DIR)/run $(SFT_ARGS) $(SFT_RUN) $(ARGS); \
+	$(PY) tools/chat.py $(SFT_OUT) --eval $(EVAL_N) --out $(SFT_DIR)/exact_match_after.json
 
 bench: install-test
 	$(PY) bench/kda.py

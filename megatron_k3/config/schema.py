@@ -786,6 +786,9 @@ class RunConfig:
         if pr.name.startswith("te_"):
             raise ConfigError("precision", pr.name, "peft=lora runs under fp32, bf16 or mx_qat (TransformerEngine's "
                               "linears take no adapters)")
+        if self.train.compile:
+            raise ConfigError("train.compile", self.train.compile, "peft=lora's frozen MXFP4 experts (a Python loop "
+                              "over blocks of experts) are not compiled yet: set train.compile=false")
         if self.optim.name == "muon" and self.optim.qk_clip > 0:
             raise ConfigError("optim.qk_clip", self.optim.qk_clip, "peft=lora freezes the attention weights QK-Clip "
                               "rescales: set optim.qk_clip=0 (or optim=adamw)")
