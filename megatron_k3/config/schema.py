@@ -388,6 +388,44 @@ class ParallelConfig:
         return self
 
 
+GUARD_POLICIES = ("none", "skip", "stop")  # megatron_k3.training.guard
+
+
+@dataclass
+class GuardConfig:
+    """train.guard (megatron_k3.training.guard, docs/checkpoints_and_faults.md): loss and gradient-norm spikes against
+    a rolling window of the accepted steps, and expert-load / router-entropy alarms. Off by default."""
+    # none: no spike test (non-finite steps are skipped as always); skip: a spiking step's update is withheld on
+    # every rank (Megatron's --check-for-spiky-loss / --check-for-large-grads, MaxText's skip_step_on_spikes);
+    # stop: the run stops before applying it
+    policy: str = "none"
+    window: int = 32  # accepted steps the median and spread are taken over
+    min_history: int = 8  # steps in the window before a spike can be called
+    loss_zscore: float = 6.0  # a loss above median + loss_zscore x robust spread is a spike (0: not tested)
+    grad_zscore: float = 6.0  # the same for the global gradient norm (0: not tested)
+    min_relative: float = 0.1  # and at least this share above the median (a flat window's spread is tiny)
+    alarm_load: float = 0.0  # expert-load max/mean of a MoE layer above this ... (0: off)
+    alarm_entropy: float = 0.0  # ... or its router entropy below this (0: off) ...
+    alarm_steps: int = 10  # ... for this many steps in a row: a warning naming the layer
+    # every this many steps the ranks' compute and collective-wait times are gathered and the slowest named
+    # (Megatron's --log-straggler); 0: off
+    straggler_interval: int = 0
+
+    def validate(self, prefix: str = "train.guard") -> "GuardConfig":
+        _require_choice(self, prefix, "policy", GUARD_POLICIES)
+        _require_ints(self, prefix, ("window", "min_history", "alarm_steps"), 1)
+        _require_ints(self, prefix, ("straggler_interval",), 0)
+        if self.min_history > self.window:
+            raise ConfigError(f"{prefix}.min_history", self.min_history, f"at most train.guard.window={self.window}")
+        if self.min_history < 3:
+            raise ConfigError(f"{prefix}.min_history", self.min_history, "at least 3 steps (a median and a spread)")
+        for k in ("loss_zscore", "grad_zscore", "min_relative", "alarm_load", "alarm_entropy"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                raise ConfigError(f"{prefix}.{k}", v, "a number >= 0 (0: off)")
+        return self
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200  # total optimizer steps of the run; a resumed run continues toward the same total
@@ -430,6 +468,7 @@ class TrainConfig:
     # > 0: passes over the training split (train.steps is then derived from the dataset's samples per epoch and
     # train.global_batch_size; docs/sft.md); 0: train.steps as given
     epochs: float = 0.0
+    guard: GuardConfig = field(default_factory=GuardConfig)  # spike guards and alarms (train.guard.*)
 
     def validate(self, prefix: str = "train") -> "TrainConfig":
         _require_ints(self, prefix, ("steps", "micro_batch_size", "global_batch_size", "seq_length",
@@ -451,6 +490,7 @@ class TrainConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"{prefix}.compile", self.compile, "must be true or false")
         self._validate_recompute(prefix)
+        self.guard.validate(f"{prefix}.guard")
         return self
 
     def _validate_recompute(self, prefix: str) -> None:
@@ -819,5 +859,6 @@ class RunConfig:
 
 __all__ = ["RunConfig", "ClusterConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig", "MoEConfig",
            "PrecisionConfig", "LoggingConfig", "WandbConfig", "CheckpointConfig", "ModelConfig", "VisionConfig",
-           "PeftConfig", "PEFT_TARGETS", "RUNTIME_MODEL_KEYS", "LOAD_FORMS", "LOAD_FRESH",
+           "PeftConfig", "PEFT_TARGETS", "GuardConfig", "GUARD_POLICIES", "RUNTIME_MODEL_KEYS", "LOAD_FORMS",
+           "LOAD_FRESH",
            "parse_split"]

@@ -189,8 +189,8 @@ def _clip_raw_gradients(zero, opt: ZeroMuon, clip: float) -> None:
         raw = (raw_grad_sq_norm(zero) + opt.extra_sq_norm()).sqrt()
         norm = float(raw)
         opt.grad_scale = clip_coefficient(norm, clip) if math.isfinite(norm) else 1.0
-        if math.isfinite(norm):  # else DeepSpeed skips the step (the staged momentum is not committed)
-            opt.run_pending_updates(opt.grad_scale)
+        if math.isfinite(norm) and not getattr(opt, "withheld", False):  # else DeepSpeed skips the step (the staged
+            opt.run_pending_updates(opt.grad_scale)  # momentum is not committed; withheld: train.guard's skip)
         opt.pending = {}
         norm_fn = zero.scaled_global_norm
         zero.scaled_global_norm = lambda norm_type=2: raw  # DeepSpeed's overflow check and reported norm

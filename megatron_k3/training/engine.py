@@ -239,11 +239,47 @@ class _no_optimizer_step:
         del self.optimizer.step
 
 
-def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, ps, last: bool):
+@contextlib.contextmanager
+def _withheld(engine):
+    """Within: DeepSpeed's ZeRO-1/2 step takes its overflow path (gradients dropped, nothing updated: the moments,
+    the masters and, for Muon, the staged momentum stay as they were), as for a non-finite norm; without ZeRO the
+    optimizer's step does nothing."""
+    zero = zero_optimizer(engine)
+    if zero is None:
+        with _no_optimizer_step(engine.optimizer):
+            yield
+        return
+    opt = base_optimizer(engine)
+
+    def overflowed(partition_gradients=True):
+        zero.overflow = True
+
+    checks = zero.check_grad_overflow  # off for fp32 and bf16 weights (no loss scaling): on, for this step
+    zero.check_grad_overflow, zero.check_overflow = True, overflowed
+    opt.withheld = True  # ZeroMuon: its staged updates are not run (optim/zero.py)
+    try:
+        yield
+    finally:
+        del zero.check_overflow
+        zero.check_grad_overflow, opt.withheld = checks, False
+
+
+def pre_step_norm(engine, ps) -> float:
+    """The global gradient norm the coming optimizer step will clip with, before it runs (train.guard judges it):
+    ZeRO's over its reduced partitions (the routed experts' included where install_norm added them), else ours."""
+    zero = zero_optimizer(engine)
+    if zero is None:
+        return grad_norm_without_zero(engine.module, ps)
+    norm = float(zero.scaled_global_norm())
+    return norm if norm >= 0 else float("nan")  # DeepSpeed's sentinel -1: non-finite
+
+
+def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, ps, last: bool, judge=None):
     """DeepSpeed's step after a micro-batch's backward: a no-op except after the last micro-batch of the step, where
     the experts' gradients are reduced first. Returns (applied, ZeRO-0 gradient norm or None) after the last one:
     ZeRO skips a step whose global norm (experts included) is not finite; without ZeRO DeepSpeed would apply it, so
-    its update is suppressed here. The experts step (or drop their gradients) likewise."""
+    its update is suppressed here. The experts step (or drop their gradients) likewise. `judge(norm) -> bool`
+    (train.guard): called with the step's global gradient norm before the update; True withholds it."""
     if not last:
         engine.step()
         return None, None
@@ -252,12 +288,13 @@ def boundary_step(engine, experts: ExpertOptimizer | None, run: RunConfig, ps, l
     if experts is not None:
         experts.reduce_gradients()
     norm0 = grad_norm_without_zero(engine.module, ps) if zero0 else None
-    if zero0 and not math.isfinite(norm0):
-        with _no_optimizer_step(engine.optimizer):
+    withhold = judge is not None and judge(norm0 if zero0 else pre_step_norm(engine, ps))
+    if withhold or (zero0 and not math.isfinite(norm0)):
+        with _withheld(engine):
             engine.step()
     else:
         engine.step()
-    applied = math.isfinite(norm0) if zero0 else bool(engine.was_step_applied())
+    applied = not withhold and (math.isfinite(norm0) if zero0 else bool(engine.was_step_applied()))
     if experts is not None:  # (ep > 1 implies ZeRO >= 1)
         if applied:
             experts.step(float(engine.get_global_grad_norm()), run.train.grad_clip)

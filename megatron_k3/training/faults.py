@@ -21,6 +21,7 @@ import inspect
 import logging
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -129,9 +130,15 @@ def _group_arg(fn, args, kwargs):
         return None
 
 
+# seconds this process spent inside blocking collectives (an async one counts only its launch): train.guard's
+# straggler report reads it as the time a rank waited for the others
+COLLECTIVE_SECONDS = [0.0]
+
+
 def _wrap(fn, op):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
+        t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
@@ -143,6 +150,8 @@ def _wrap(fn, op):
                 raise
             cls = CollectiveTimeout if timeout else CollectiveError
             raise cls(op, describe_group(_group_arg(fn, args, kwargs)), e, timeout) from e
+        finally:
+            COLLECTIVE_SECONDS[0] += time.perf_counter() - t0
 
     collective._k3_wrapped = True
     return collective

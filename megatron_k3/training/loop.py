@@ -13,6 +13,7 @@ import datetime
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from . import compile as compile_regions
 from . import engine as ds_engine
 from .checkpoint import CheckpointManager, Position
 from .expert_optimizer import install_norm
+from .guard import Alarms, SpikeGuard, Stragglers
 from .metrics import (
     MetricsLogger,
     ModelStats,
@@ -75,6 +77,7 @@ class _Step:
     nonfinite: list | None = None  # the samples of the last micro-batch whose loss was not finite
     weights: list | None = None  # train.loss_average=token: each micro-batch's loss weight (_loss_weights)
     loss_tokens: int = 0  # the global batch's loss tokens (labels not ignored)
+    guard: tuple | None = None  # train.guard's judgement before the update: (reason or None, loss, grad norm, z)
 
 
 class Trainer:
@@ -128,9 +131,12 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(run.model, run.train.seq_length)
         self.pos = Position()
         self.skips = faults.SkipCounter()  # steps skipped for non-finite values: in total, in a row
+        self.guard, self.alarms = SpikeGuard(t.guard), Alarms(t.guard)  # train.guard (training/guard.py)
+        self.stragglers = Stragglers(t.guard, self.rank, self.world, self._nodes())
         self.diagnose_samples = None  # the batch a non-finite diagnosis re-runs: the last skipped step's
         self.ckpt_dir = Path(run.checkpoint.dir) if run.checkpoint.dir else self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(run, self.engine, self.experts, ps, self.ckpt_dir)
+        self.checkpoints.extra_meta = lambda: {"guard": self.guard.state()}  # a resumed run judges alike
         self.start_time = time.time()
 
     def _build_model(self, ps):
@@ -148,6 +154,13 @@ class Trainer:
         prepare_model_for_precision(model, run.precision, self.device)
         self.peft = adapters.apply(model, run, groups, self.rank) if run.peft.enabled else None
         return model
+
+    def _nodes(self) -> list:
+        """Every rank's host name (train.guard.straggler_interval names a slow rank's node); one gather at start."""
+        names = [socket.gethostname()] * self.world
+        if self.run.train.guard.straggler_interval and self.world > 1:
+            dist.all_gather_object(names, socket.gethostname())
+        return names
 
     def _wrap_layers(self) -> None:
         """train.compile: each decoder layer one compiled region (training/compile.py); then activation
@@ -182,6 +195,7 @@ class Trainer:
 
     def maybe_resume(self):
         self.pos = self.checkpoints.resume() or self.pos
+        self.guard.load(self.checkpoints.saved.get("guard"))
 
     def save(self, blocking: bool | None = None):
         """A checkpoint of the current position (async when checkpoint.async_save, unless blocking)."""
@@ -325,7 +339,8 @@ class Trainer:
         grad_norm = norm0 if self.run.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
             b.step() if applied else b.discard()
-        if self.skips.count(applied, self.pos.step + 1, loss, grad_norm, self.rank == 0):
+        guarded, grad_norm = self._guard_record(acc, applied, grad_norm)
+        if self.skips.count(applied or "guard_loss_z" in guarded, self.pos.step + 1, loss, grad_norm, self.rank == 0):
             self.diagnose_samples = None
         elif acc.nonfinite is not None or self.diagnose_samples is None:  # a non-finite loss, else the last batch
             self.diagnose_samples = acc.nonfinite if acc.nonfinite is not None else acc.samples[-1]
@@ -337,7 +352,7 @@ class Trainer:
                "skipped_total": self.skips.total,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "tokens": self.pos.tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
-               **({"loss_tokens": acc.loss_tokens} if self.token_loss else {}),
+               **({"loss_tokens": acc.loss_tokens} if self.token_loss else {}), **guarded,
                **throughput(self.flops_per_token, tokens, dt, self.run.cluster.peak_tflops_bf16, self.world,
                             acc.media_flops),
                "memory": memory_stats(self.device), **self.stats.collect()}
@@ -350,15 +365,91 @@ class Trainer:
             ep = acc.ep_balance.to(self.device)
             dist.all_reduce(ep, op=dist.ReduceOp.MAX)
             rec["expert_load"].update(rank_max_over_mean=float(ep[0]), replicas=int(ep[1]))
+        self._alarm(rec)
+        self._stragglers(rec, dt)
         return rec, loads
+
+    def _stragglers(self, rec: dict, seconds: float) -> None:
+        """train.guard.straggler_interval: the slowest ranks of the interval, in the record and the log."""
+        self.stragglers.add(seconds, faults.COLLECTIVE_SECONDS[0])
+        if not self.stragglers.due(self.pos.step):
+            return
+
+        def gather(mine):
+            rows = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(rows, mine)
+            return torch.stack(rows)
+
+        rec["stragglers"] = slow = self.stragglers.report(gather)
+        if self.rank == 0:
+            log.warning("steps %d-%d: slowest ranks (compute per step, its share of the slowest step, collective "
+                        "wait): %s", self.pos.step - self.run.train.guard.straggler_interval + 1, self.pos.step,
+                        "; ".join(f"rank {s['rank']} on {s['node']}: {s['compute_s']:.3g} s ({s['share']:.0%}), "
+                                  f"waits {s['wait_s']:.3g} s" for s in slow))
+
+    def _guard_record(self, acc: _Step, applied: bool, grad_norm) -> tuple:
+        """({"guard": reason, ...} for a step train.guard withheld for a spike, else {}; the step's gradient norm, the
+        one the guard judged where it did: DeepSpeed reports inf for a step it did not apply). An applied step's
+        loss and norm join the guard's window."""
+        if acc.guard is None:
+            return {}, grad_norm
+        reason, loss, norm, z = acc.guard
+        if applied:
+            self.guard.accept(loss, norm)
+        if reason in (None, "nonfinite"):  # non-finite: counted and logged as always (faults.SkipCounter)
+            return ({"guard": reason} if reason else {}), norm
+        ev = self.guard.record(self.pos.step + 1, reason, loss, norm, z)
+        if self.rank == 0:
+            log.warning("step %d: train.guard withheld the update: %s (loss %.6g, z %.3g; grad_norm %.6g, z %.3g; "
+                        "%d withheld so far)", ev["step"], reason, loss, ev["loss_z"], norm, ev["grad_z"],
+                        len(self.guard.events))
+        return {"guard": reason, "guard_loss_z": ev["loss_z"], "guard_grad_z": ev["grad_z"],
+                "guard_withheld_total": len(self.guard.events)}, norm
+
+    def _alarm(self, rec: dict) -> None:
+        """train.guard's expert-load and router-entropy alarms, logged by one rank per pipeline stage."""
+        raised = self.alarms.check(self.pos.step, rec)
+        if raised:
+            rec["alarms"] = [{"kind": k, "layer": layer, "value": v} for k, layer, v in raised]
+            if self.ps.rank_in("tp") == 0 and self.ps.rank_in("dp-cp") == 0:
+                for k, layer, v in raised:
+                    log.warning("step %d: MoE layer %d: %s %.4g past train.guard's threshold for %d steps in a row",
+                                self.pos.step, layer, k, v, self.run.train.guard.alarm_steps)
 
     def _after_backward(self, acc: _Step, micro: int):
         """After a micro-batch's backward: the engine's step (engine.boundary_step), and at the boundary whether
         the step was applied."""
         last = micro == self.num_micro - 1
-        applied, norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=last)
+        judge = self._judge(acc) if last and self.guard.active else None
+        applied, norm0 = ds_engine.boundary_step(self.engine, self.experts, self.run, self.ps, last=last, judge=judge)
         if last:
             acc.applied, acc.norm0 = applied, norm0
+
+    def _judge(self, acc: _Step):
+        """train.guard's decision on this step, before its update: the global batch's loss (one small all-reduce over
+        the pipeline and data-parallel groups) and the global gradient norm, against the window of accepted steps.
+        Returns judge(norm) -> withhold? for engine.boundary_step; policy=stop raises on a spike instead."""
+        def judge(norm: float) -> bool:
+            loss = (acc.loss_sum / self.num_micro).to(self.device).view(1)
+            if self.pp > 1:
+                dist.all_reduce(loss, group=self.pp_group)
+            if self.dp * self.cp > 1:
+                dist.all_reduce(loss, group=self.dp_cp_group)
+            loss = float(loss) / (self.dp * self.cp)
+            reason, z = self.guard.judge(self.pos.step + 1, loss, norm)
+            acc.guard = (reason, loss, norm, z)
+            if reason not in (None, "nonfinite") and self.guard.cfg.policy == "stop":
+                self._stop_on_spike(reason, loss, norm, z)
+            return reason is not None
+        return judge
+
+    def _stop_on_spike(self, reason: str, loss: float, norm: float, z: dict):
+        ev = self.guard.record(self.pos.step + 1, reason, loss, norm, z)
+        raise faults.TrainingError(
+            f"train.guard.policy=stop: step {ev['step']}: {reason} (loss {loss:.6g}, z {ev['loss_z']}; grad_norm "
+            f"{norm:.6g}, z {ev['grad_z']}) against the last {len(self.guard.loss)} accepted steps; stopped before "
+            f"its update. The newest checkpoint in {self.ckpt_dir} holds the last good state; "
+            "train.guard.policy=skip would withhold the step and go on")
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -98,6 +98,8 @@ class CheckpointManager:
         self.run_id, self.resumed = uuid.uuid4().hex[:16], False
         self._thread, self._error = None, None
         self.peft_base = ""  # peft=lora: the directory the frozen base was read from ('' = the initialised model)
+        self.saved: dict = {}  # meta.json of the checkpoint resumed from (resume)
+        self.extra_meta = dict  # () -> run state beside the tensors for meta.json (the Trainer's train.guard window)
 
     @property
     def model(self):
@@ -121,6 +123,7 @@ class CheckpointManager:
         if path is None:
             return None
         saved, rng, nbytes = self._read_own_or_name_intact(path)
+        self.saved = saved
         self.run_id, self.resumed = saved.get("run_id") or self.run_id, True
         log.info("rank %d read %.1f MB of the checkpoint's %.1f MB", self.ranks.rank, nbytes[0] / 1e6, nbytes[1] / 1e6)
         self._restore_rng(rng, saved)
@@ -366,6 +369,7 @@ class CheckpointManager:
             meta_json["optimizer_scalars"] = {k: v for _, sc in gathered for k, v in sc.items()}
             rngs = [g[0] for g in gathered]
         meta_json["run_id"] = self.run_id
+        meta_json.update(self.extra_meta())
         _agree(self._foreign(pos.step) if r.rank == 0 else None, pos.step)  # before anything is written
         final = ckpt.begin(self.dir, pos.step, unique=False)[1] if r.rank == 0 else None
         dist.barrier()
