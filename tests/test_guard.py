@@ -217,7 +217,7 @@ def test_a_trainer_alarm_names_the_layer_in_the_log_and_the_record(tmp_path, cap
     assert f"step 2: MoE layer {layers[0]}: expert_load_max_over_mean" in caplog.text
 
 
-@pytest.mark.parametrize("bad,says", [("train.guard.policy=rerun", "valid: none, skip, stop"),
+@pytest.mark.parametrize("bad,says", [("train.guard.policy=rollback", "valid: none, skip, stop, rerun"),
                                       ("train.guard.loss_zscore=-1", "a number >= 0"),
                                       ("train.guard.min_history=64", "at most train.guard.window=32"),
                                       ("train.guard.straggler_interval=-2", "integer >= 0")])
@@ -227,3 +227,43 @@ def test_bad_guard_keys_name_the_key_and_what_is_valid(bad, says):
     with pytest.raises(ConfigError) as e:
         compose_run_config([bad])
     assert bad.split("=")[0] in str(e.value) and says in str(e.value)
+
+
+def _faulty(rank, world, overrides, run_dir, fault):
+    """7 steps of dp2 under policy=rerun; `fault`: rank 1's loss x100 at step SPIKE_AT, on the first pass only (a
+    transient fault), or on both passes of both ranks (a genuine spike)."""
+    from megatron_k3.training.engine import shutdown
+
+    try:
+        t = make_trainer(world, ["train.guard.policy=rerun", "train.guard.window=8", "train.guard.min_history=4"]
+                         + overrides, steps=SPIKE_AT, run_dir=f"{run_dir}/{rank}")
+        forward, hits = t._forward, []
+
+        def hooked(samples, state_in=None):
+            out, n = forward(samples, state_in)
+            if t.step + 1 == SPIKE_AT and (fault == "genuine" or (fault == "rank1" and t.rank == 1 and not hits)):
+                out.loss = out.loss * 100
+                hits.append(1)
+            return out, n
+
+        t._forward = hooked
+        recs = [t.train_step()[0] for _ in range(SPIKE_AT)]
+        return recs[-1], full_params(t), t.guard.state()["events"]
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_rerun_names_the_faulty_rank_and_goes_on_with_the_recomputed_step(tmp_path):
+    """Drill, policy=rerun on dp2: a one-time x100 on rank 1's loss at step 7 is withheld, the step re-run from the
+    same inputs, rank 1 named as a suspected hardware fault, and the re-run's update applied: the parameters equal,
+    bit for bit, a run without the fault. A spike the re-run reproduces is withheld as a genuine one."""
+    clean = run_distributed(_faulty, 2, [], str(tmp_path / "clean"), "none", timeout=300)
+    fault = run_distributed(_faulty, 2, [], str(tmp_path / "fault"), "rank1", timeout=300)
+    genuine = run_distributed(_faulty, 2, [], str(tmp_path / "genuine"), "genuine", timeout=300)
+    for (rec, params, events), (_, ref, _) in zip(fault, clean):
+        assert rec["guard"] == "suspected_fault" and rec["guard_fault_ranks"] == [1] and rec["skipped"] == 0
+        assert [e["ranks"] for e in events] == [[1]]
+        assert all(torch.equal(params[n], ref[n]) for n in ref)
+    for rec, _, events in genuine:
+        assert rec["guard"] == "loss_spike" and rec["skipped"] == 1 and [e["reason"] for e in events] == ["loss_spike"]

@@ -388,7 +388,7 @@ class ParallelConfig:
         return self
 
 
-GUARD_POLICIES = ("none", "skip", "stop")  # megatron_k3.training.guard
+GUARD_POLICIES = ("none", "skip", "stop", "rerun")  # megatron_k3.training.guard
 
 
 @dataclass
@@ -397,7 +397,9 @@ class GuardConfig:
     a rolling window of the accepted steps, and expert-load / router-entropy alarms. Off by default."""
     # none: no spike test (non-finite steps are skipped as always); skip: a spiking step's update is withheld on
     # every rank (Megatron's --check-for-spiky-loss / --check-for-large-grads, MaxText's skip_step_on_spikes);
-    # stop: the run stops before applying it
+    # stop: the run stops before applying it; rerun: the step is computed again from the same inputs first (Megatron's
+    # --rerun-mode validate_results): the same numbers, a genuine spike, withheld; other numbers on some rank, a
+    # suspected hardware fault naming it, then on_fault
     policy: str = "none"
     window: int = 32  # accepted steps the median and spread are taken over
     min_history: int = 8  # steps in the window before a spike can be called
@@ -410,16 +412,19 @@ class GuardConfig:
     # every this many steps the ranks' compute and collective-wait times are gathered and the slowest named
     # (Megatron's --log-straggler); 0: off
     straggler_interval: int = 0
+    rerun_rtol: float = 0.0  # policy=rerun: a rank's loss may differ this much between the passes (0: bit for bit)
+    on_fault: str = "continue"  # policy=rerun, numbers that differ: continue (with the re-run's result) or stop
 
     def validate(self, prefix: str = "train.guard") -> "GuardConfig":
         _require_choice(self, prefix, "policy", GUARD_POLICIES)
         _require_ints(self, prefix, ("window", "min_history", "alarm_steps"), 1)
         _require_ints(self, prefix, ("straggler_interval",), 0)
+        _require_choice(self, prefix, "on_fault", ("continue", "stop"))
         if self.min_history > self.window:
             raise ConfigError(f"{prefix}.min_history", self.min_history, f"at most train.guard.window={self.window}")
         if self.min_history < 3:
             raise ConfigError(f"{prefix}.min_history", self.min_history, "at least 3 steps (a median and a spread)")
-        for k in ("loss_zscore", "grad_zscore", "min_relative", "alarm_load", "alarm_entropy"):
+        for k in ("loss_zscore", "grad_zscore", "min_relative", "alarm_load", "alarm_entropy", "rerun_rtol"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
                 raise ConfigError(f"{prefix}.{k}", v, "a number >= 0 (0: off)")

@@ -27,7 +27,7 @@ log = logging.getLogger("megatron_k3.train")
 
 __all__ = ["SpikeGuard", "Alarms", "Stragglers", "POLICIES"]
 
-POLICIES = ("none", "skip", "stop")
+POLICIES = ("none", "skip", "stop", "rerun")
 _MAD_TO_STD = 1.4826
 
 

@@ -37,6 +37,7 @@ from . import adapters, balancing, faults
 from . import compile as compile_regions
 from . import engine as ds_engine
 from .checkpoint import CheckpointManager, Position
+from .checkpoint import directory as ckpt_dir
 from .expert_optimizer import install_norm
 from .guard import Alarms, SpikeGuard, Stragglers
 from .metrics import (
@@ -78,6 +79,9 @@ class _Step:
     weights: list | None = None  # train.loss_average=token: each micro-batch's loss weight (_loss_weights)
     loss_tokens: int = 0  # the global batch's loss tokens (labels not ignored)
     guard: tuple | None = None  # train.guard's judgement before the update: (reason or None, loss, grad norm, z)
+    rerun: bool = False  # train.guard.policy=rerun: this pass was withheld, the step runs again
+    first: dict | None = None  # the second pass of a re-run step: the first pass's judgement and local loss
+    fault: tuple | None = None  # the re-run found other numbers: (ranks, first global loss, second)
 
 
 class Trainer:
@@ -304,7 +308,14 @@ class Trainer:
             self._loss_weights(acc)
         if getattr(self.model, "host_offload", None) is not None:  # every backward of the step before has run
             self.model.host_offload.reset()
+        rng = ckpt_dir.rng_state() if self.guard.cfg.policy == "rerun" else None
+        self._micro_batches(acc)
+        if acc.rerun:  # train.guard.policy=rerun: a spike's update withheld; the same inputs once more
+            acc = self._rerun(acc, rng)
+        return self._finish_step(acc, lr, t0)
 
+    def _micro_batches(self, acc: _Step) -> None:
+        """Every micro-batch's forward and backward of the step (1F1B across pipeline stages), and the step."""
         def forward(micro, x):
             return self._forward_micro(acc, micro, x)
 
@@ -317,7 +328,6 @@ class Trainer:
             for micro in range(self.num_micro):
                 self._backward_micro(micro, forward(micro, None), None)
                 after_backward(micro)
-        return self._finish_step(acc, lr, t0)
 
     def _finish_step(self, acc: _Step, lr: float, t0: float) -> tuple:
         applied, norm0, loads, dropped = acc.applied, acc.norm0, acc.loads, acc.dropped
@@ -340,7 +350,8 @@ class Trainer:
         for b in self.balancers:  # the next step routes with the bias this step's scores call for
             b.step() if applied else b.discard()
         guarded, grad_norm = self._guard_record(acc, applied, grad_norm)
-        if self.skips.count(applied or "guard_loss_z" in guarded, self.pos.step + 1, loss, grad_norm, self.rank == 0):
+        withheld = guarded.get("guard") not in (None, "nonfinite")  # by train.guard, not for non-finite values
+        if self.skips.count(applied or withheld, self.pos.step + 1, loss, grad_norm, self.rank == 0):
             self.diagnose_samples = None
         elif acc.nonfinite is not None or self.diagnose_samples is None:  # a non-finite loss, else the last batch
             self.diagnose_samples = acc.nonfinite if acc.nonfinite is not None else acc.samples[-1]
@@ -396,6 +407,16 @@ class Trainer:
         reason, loss, norm, z = acc.guard
         if applied:
             self.guard.accept(loss, norm)
+        if acc.fault is not None:  # policy=rerun found other numbers: recorded whatever this pass decided
+            ranks, before, after = acc.fault
+            ev = self.guard.record(self.pos.step + 1, "suspected_fault", before, norm, z)
+            ev.update(ranks=ranks, rerun_loss=after, action="rerun")
+            if self.rank == 0:
+                log.warning("step %d: train.guard re-ran the step from the same inputs: rank(s) %s gave other numbers "
+                            "(global loss %.6g, then %.6g): suspected hardware fault; going on with the re-run's "
+                            "result (%s)", ev["step"], ranks, before, after, "withheld" if reason else "applied")
+            return {"guard": "suspected_fault", "guard_fault_ranks": ranks,
+                    "guard_withheld_total": len(self.guard.events)}, norm
         if reason in (None, "nonfinite"):  # non-finite: counted and logged as always (faults.SkipCounter)
             return ({"guard": reason} if reason else {}), norm
         ev = self.guard.record(self.pos.step + 1, reason, loss, norm, z)
@@ -428,7 +449,8 @@ class Trainer:
     def _judge(self, acc: _Step):
         """train.guard's decision on this step, before its update: the global batch's loss (one small all-reduce over
         the pipeline and data-parallel groups) and the global gradient norm, against the window of accepted steps.
-        Returns judge(norm) -> withhold? for engine.boundary_step; policy=stop raises on a spike instead."""
+        Returns judge(norm) -> withhold? for engine.boundary_step; policy=stop raises on a spike instead;
+        policy=rerun withholds a spike's first pass and asks for the step again (`_rerun`), whose pass compares."""
         def judge(norm: float) -> bool:
             loss = (acc.loss_sum / self.num_micro).to(self.device).view(1)
             if self.pp > 1:
@@ -436,12 +458,53 @@ class Trainer:
             if self.dp * self.cp > 1:
                 dist.all_reduce(loss, group=self.dp_cp_group)
             loss = float(loss) / (self.dp * self.cp)
+            if acc.first is not None:
+                return self._validate(acc, loss, norm)
             reason, z = self.guard.judge(self.pos.step + 1, loss, norm)
             acc.guard = (reason, loss, norm, z)
             if reason not in (None, "nonfinite") and self.guard.cfg.policy == "stop":
                 self._stop_on_spike(reason, loss, norm, z)
+            acc.rerun = reason not in (None, "nonfinite") and self.guard.cfg.policy == "rerun"
             return reason is not None
         return judge
+
+    def _validate(self, acc: _Step, loss: float, norm: float) -> bool:
+        """The second pass of a step policy=rerun re-ran: every rank compares its own loss with its first pass's
+        (the first pass's numbers beyond train.guard.rerun_rtol: a suspected hardware fault on that rank, named on
+        every rank); a fault goes on with this pass's result judged afresh, or stops (train.guard.on_fault); the
+        same numbers again: a genuine spike, withheld."""
+        first, mine = acc.first, float(acc.loss_sum)
+        tol = self.guard.cfg.rerun_rtol * max(abs(first["local"]), 1e-30)
+        bad = torch.tensor([0.0 if abs(mine - first["local"]) <= tol else 1.0], device=self.device)
+        flags = [torch.zeros_like(bad) for _ in range(self.world)] if self.world > 1 else [bad]
+        if self.world > 1:
+            dist.all_gather(flags, bad)
+        ranks = [r for r, f in enumerate(flags) if float(f) > 0]
+        if not ranks:  # reproducible: a genuine spike
+            acc.guard = first["guard"]
+            return True
+        reason, z = self.guard.judge(self.pos.step + 1, loss, norm)
+        acc.guard = (reason, loss, norm, z)
+        acc.fault = (ranks, first["guard"][1], loss)
+        if self.guard.cfg.on_fault == "stop":
+            raise faults.TrainingError(
+                f"train.guard.policy=rerun: step {self.pos.step + 1} re-run from the same inputs gave other numbers on "
+                f"rank(s) {ranks} (global loss {first['guard'][1]:.6g}, then {loss:.6g}): suspected hardware fault; "
+                "stopped (train.guard.on_fault=stop). The newest checkpoint holds the last good state")
+        return reason is not None
+
+    def _rerun(self, acc: _Step, rng: dict) -> _Step:
+        """policy=rerun: the step again from the same samples, RNG state and balancer state (the first pass's update
+        was withheld and its routing observations are discarded)."""
+        for b in self.balancers:
+            b.discard()
+        ckpt_dir.set_rng_state(rng)
+        again = _Step(torch.zeros_like(acc.loads), acc.samples, weights=acc.weights, loss_tokens=acc.loss_tokens)
+        again.first = {"guard": acc.guard, "local": float(acc.loss_sum)}
+        if getattr(self.model, "host_offload", None) is not None:
+            self.model.host_offload.reset()
+        self._micro_batches(again)
+        return again
 
     def _stop_on_spike(self, reason: str, loss: float, norm: float, z: dict):
         ev = self.guard.record(self.pos.step + 1, reason, loss, norm, z)
