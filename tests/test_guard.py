@@ -217,7 +217,7 @@ def test_a_trainer_alarm_names_the_layer_in_the_log_and_the_record(tmp_path, cap
     assert f"step 2: MoE layer {layers[0]}: expert_load_max_over_mean" in caplog.text
 
 
-@pytest.mark.parametrize("bad,says", [("train.guard.policy=rollback", "valid: none, skip, stop, rerun"),
+@pytest.mark.parametrize("bad,says", [("train.guard.policy=restart", "valid: none, skip, stop, rerun, rollback"),
                                       ("train.guard.loss_zscore=-1", "a number >= 0"),
                                       ("train.guard.min_history=64", "at most train.guard.window=32"),
                                       ("train.guard.straggler_interval=-2", "integer >= 0")])
@@ -267,3 +267,55 @@ def test_rerun_names_the_faulty_rank_and_goes_on_with_the_recomputed_step(tmp_pa
         assert all(torch.equal(params[n], ref[n]) for n in ref)
     for rec, _, events in genuine:
         assert rec["guard"] == "loss_spike" and rec["skipped"] == 1 and [e["reason"] for e in events] == ["loss_spike"]
+
+
+ROLLBACK = ["train.guard.policy=rollback", "train.guard.window=8", "train.guard.min_history=4",
+            "train.guard.rollback_skips=2", "train.guard.rollback_window=4", "train.save_interval=3",
+            "train.eval_interval=0", "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.slow
+def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_skipped_the_window(tmp_path):
+    """Drill: fit() for 10 steps saving every 3; steps 5 and 6 spike (x100, once each): both withheld, and at step 6
+    the run rolls back to step 3's checkpoint, keeps its data position (the samples of steps 4-6 are skipped) and
+    trains on to step 10. It ends bit for bit like a run resumed from that checkpoint with the data position moved
+    past the same window."""
+    from megatron_k3.training.engine import shutdown
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    try:
+        t = make_trainer(1, ROLLBACK + [f"checkpoint.dir={tmp_path}/a"], steps=10, run_dir=str(tmp_path / "a"))
+        forward, hit = t._forward, set()
+
+        def spiking(samples, state_in=None):
+            out, n = forward(samples, state_in)
+            if t.step + 1 in (5, 6) and t.step + 1 not in hit:
+                out.loss = out.loss * 100
+                hit.add(t.step + 1)
+            return out, n
+
+        t._forward = spiking
+        t.fit({})
+        rolled, events, gbs = full_params(t), t.guard.events, t.run.train.global_batch_size
+    finally:
+        shutdown()
+    assert [e["reason"] for e in events] == ["loss_spike", "loss_spike", "rollback"]
+    assert events[-1]["to_step"] == 3 and events[-1]["skipped_samples"] == 3 * gbs
+    try:
+        t = make_trainer(1, ROLLBACK + [f"checkpoint.dir={tmp_path}/b"], steps=10, run_dir=str(tmp_path / "b"))
+        for _ in range(3):
+            t.train_step()
+        t.save()
+    finally:
+        shutdown()
+    try:
+        t = make_trainer(1, ROLLBACK + [f"checkpoint.dir={tmp_path}/b"], steps=10, run_dir=str(tmp_path / "b"))
+        t.maybe_resume()
+        t.pos.consumed += 3 * gbs
+        t.maybe_resume = lambda: None
+        t.fit({})
+        ref = full_params(t)
+    finally:
+        shutdown()
+    assert all(torch.equal(rolled[n], ref[n]) for n in ref)

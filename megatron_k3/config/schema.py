@@ -388,7 +388,7 @@ class ParallelConfig:
         return self
 
 
-GUARD_POLICIES = ("none", "skip", "stop", "rerun")  # megatron_k3.training.guard
+GUARD_POLICIES = ("none", "skip", "stop", "rerun", "rollback")  # megatron_k3.training.guard
 
 
 @dataclass
@@ -414,10 +414,14 @@ class GuardConfig:
     straggler_interval: int = 0
     rerun_rtol: float = 0.0  # policy=rerun: a rank's loss may differ this much between the passes (0: bit for bit)
     on_fault: str = "continue"  # policy=rerun, numbers that differ: continue (with the re-run's result) or stop
+    # policy=rollback: spikes are withheld as under skip, and after rollback_skips of them within rollback_window
+    # steps the newest checkpoint is loaded and the samples since it are skipped
+    rollback_skips: int = 2
+    rollback_window: int = 10
 
     def validate(self, prefix: str = "train.guard") -> "GuardConfig":
         _require_choice(self, prefix, "policy", GUARD_POLICIES)
-        _require_ints(self, prefix, ("window", "min_history", "alarm_steps"), 1)
+        _require_ints(self, prefix, ("window", "min_history", "alarm_steps", "rollback_skips", "rollback_window"), 1)
         _require_ints(self, prefix, ("straggler_interval",), 0)
         _require_choice(self, prefix, "on_fault", ("continue", "stop"))
         if self.min_history > self.window:

@@ -27,7 +27,7 @@ log = logging.getLogger("megatron_k3.train")
 
 __all__ = ["SpikeGuard", "Alarms", "Stragglers", "POLICIES"]
 
-POLICIES = ("none", "skip", "stop", "rerun")
+POLICIES = ("none", "skip", "stop", "rerun", "rollback")
 _MAD_TO_STD = 1.4826
 
 
@@ -49,6 +49,7 @@ class SpikeGuard:
         self.loss = deque(maxlen=cfg.window)
         self.grad = deque(maxlen=cfg.window)
         self.events: list = []  # every step the guard withheld or stopped: {"step", "reason", "loss", "grad_norm"}
+        self.rolled_back_at = 0  # policy=rollback: the step it last rolled back from (spikes before it are spent)
 
     @property
     def active(self) -> bool:
@@ -84,7 +85,8 @@ class SpikeGuard:
         return ev
 
     def state(self) -> dict:
-        return {"loss": list(self.loss), "grad": list(self.grad), "events": list(self.events)}
+        return {"loss": list(self.loss), "grad": list(self.grad), "events": list(self.events),
+                "rolled_back_at": self.rolled_back_at}
 
     def load(self, st: dict | None) -> None:
         if not st:
@@ -94,6 +96,7 @@ class SpikeGuard:
         self.grad.clear()
         self.grad.extend(st.get("grad", []))
         self.events = list(st.get("events", []))
+        self.rolled_back_at = st.get("rolled_back_at", 0)
 
 
 class Alarms:

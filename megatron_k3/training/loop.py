@@ -566,6 +566,9 @@ class Trainer:
                                  rec["loss"], rec["lr"], rec["grad_norm"], rec["tokens_per_s"],
                                  f" eval_loss {rec['eval_loss']:.4f}" if "eval_loss" in rec else "")
                 last = rec
+                if self._maybe_rollback():
+                    last = dict(rec, guard="rollback")
+                    continue
                 if self.skips.in_a_row >= t.max_consecutive_skips:
                     self._stop_nonfinite()
                 preempted = preemption.requested(self.device)
@@ -591,6 +594,36 @@ class Trainer:
         if self.run.checkpoint.export_hf and self.pos.step >= t.steps:  # the finished model
             self.checkpoints.export_hf()
         return last
+
+    def _maybe_rollback(self) -> bool:
+        """train.guard.policy=rollback: after rollback_skips steps withheld for spikes within the last
+        rollback_window steps, the newest checkpoint is loaded (weights, optimizer, RNG, balancer, the guard's
+        window) and the data position stays where it is: the window of samples that caused the spikes is skipped.
+        Returns whether it rolled back. Every rank decides alike (the guard's records are the same everywhere)."""
+        g = self.run.train.guard
+        if g.policy != "rollback":
+            return False
+        recent = [e for e in self.guard.events if e["reason"] in ("loss_spike", "grad_spike")
+                  and e["step"] > self.pos.step - g.rollback_window and e["step"] > self.guard.rolled_back_at]
+        if len(recent) < g.rollback_skips:
+            return False
+        newest = ckpt_dir.list_checkpoints(self.ckpt_dir)
+        if not newest:
+            raise faults.TrainingError(
+                f"train.guard.policy=rollback: {len(recent)} steps withheld in the last {g.rollback_window} (steps "
+                f"{[e['step'] for e in recent]}) and no checkpoint in {self.ckpt_dir} to roll back to")
+        consumed, tokens, at, events = self.pos.consumed, self.pos.tokens, self.pos.step, list(self.guard.events)
+        self.pos = self.checkpoints.resume(newest[-1])
+        self.guard.load(self.checkpoints.saved.get("guard"))
+        self.guard.events = events + [{"step": at, "reason": "rollback", "action": "rollback",
+                                       "to_step": self.pos.step, "skipped_samples": consumed - self.pos.consumed}]
+        self.guard.rolled_back_at = at
+        self.pos.consumed, self.pos.tokens = consumed, tokens  # the samples since the checkpoint are skipped
+        if self.rank == 0:
+            log.warning("step %d: train.guard rolled back to %s (step %d) after %d withheld steps %s; the %d samples "
+                        "since are skipped", at, newest[-1], self.pos.step, len(recent), [e["step"] for e in recent],
+                        self.guard.events[-1]["skipped_samples"])
+        return True
 
     def _stop_nonfinite(self):
         """Too many skipped steps in a row: find where the non-finite values start, then stop (nothing is saved:

@@ -112,12 +112,13 @@ class CheckpointManager:
         return [(n, p) for n, p in named if is_adapter(n)] if self.run.peft.enabled else list(named)
 
     # ------------------------------------------------------------------ resume
-    def resume(self) -> Position | None:
-        """Load `checkpoint.load` (None: nothing to load) into the model, the optimizers and the RNG; returns the
-        position it was saved at. Any layout loads any checkpoint: each rank reads only the regions of the saved
-        tensors that its parameters, ZeRO fragments and experts hold (deepspeed_state.load_pieces)."""
+    def resume(self, path: Path | None = None) -> Position | None:
+        """Load `checkpoint.load` (or the checkpoint `path`: train.guard's rollback; None: nothing to load) into the
+        model, the optimizers and the RNG; returns the position it was saved at. Any layout loads any checkpoint:
+        each rank reads only the regions of the saved tensors that its parameters, ZeRO fragments and experts hold
+        (deepspeed_state.load_pieces)."""
         self.wait()
-        path = self._what_to_load()
+        path = path or self._what_to_load()
         if self.run.peft.enabled:
             self._load_base(path)
         if path is None:
