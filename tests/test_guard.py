@@ -319,3 +319,16 @@ def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_skipped_the_windo
     finally:
         shutdown()
     assert all(torch.equal(rolled[n], ref[n]) for n in ref)
+
+
+def test_guard_records_reach_the_wandb_series():
+    from megatron_k3.training.metrics import wandb_scalars
+
+    rec = {"step": 7, "loss": 400.0, "skipped": 1, "guard": "loss_spike", "guard_loss_z": 35000.0,
+           "guard_grad_z": 1900.0, "guard_withheld_total": 1, "alarms": [{"kind": "router_entropy", "layer": 3}],
+           "stragglers": [{"rank": 1, "node": "n1", "compute_s": 0.6, "wait_s": 0.0, "share": 0.97},
+                          {"rank": 0, "node": "n0", "compute_s": 0.3, "wait_s": 0.37, "share": 0.44}]}
+    flat = wandb_scalars(rec, None, [], 4)
+    assert flat["guard/loss_spike"] == 1 and flat["guard/loss_z"] == 35000.0 and flat["train/skipped"] == 1
+    assert flat["guard/alarms"] == 1 and flat["stragglers/slowest_rank"] == 1
+    assert flat["stragglers/fastest_wait_s"] == 0.37

@@ -256,6 +256,7 @@ def wandb_scalars(record: dict, loads_LE: torch.Tensor | None, moe_layer_ids: li
     for group in ("router", "attn_res"):
         for k, v in record.get(group, {}).items():
             flat[f"{group}/{k}"] = v
+    flat.update(_guard_scalars(record))
     out_w = (record.get("attn_res_weights") or {}).get("output")
     for j, v in enumerate(out_w or []):  # one per AttnRes block (9 at full size)
         flat[f"attn_res_output/block_{j:02d}"] = v
@@ -269,6 +270,26 @@ def wandb_scalars(record: dict, loads_LE: torch.Tensor | None, moe_layer_ids: li
             flat[f"expert_load_top/{i + 1}/expert"] = int(top.indices[i])
             flat[f"expert_load_bottom/{i + 1}/load_over_mean"] = bot.values[i].item()
             flat[f"expert_load_bottom/{i + 1}/expert"] = int(bot.indices[i])
+    return flat
+
+
+def _guard_scalars(record: dict) -> dict:
+    """train.guard's series (training/guard.py): skipped steps, a withheld step's reason as a flag and its z-scores,
+    the alarms raised, the slowest rank of a straggler report."""
+    flat = {"train/skipped": record.get("skipped", 0)}
+    reason = record.get("guard")
+    if reason is not None:
+        flat[f"guard/{reason}"] = 1
+        for k in ("guard_loss_z", "guard_grad_z", "guard_withheld_total"):
+            if k in record:
+                flat[f"guard/{k[6:]}"] = record[k]
+    if record.get("alarms"):
+        flat["guard/alarms"] = len(record["alarms"])
+    slow = record.get("stragglers")
+    if slow:
+        flat.update({"stragglers/slowest_rank": slow[0]["rank"], "stragglers/slowest_share": slow[0]["share"],
+                     "stragglers/slowest_compute_s": slow[0]["compute_s"], "stragglers/fastest_wait_s":
+                     slow[-1]["wait_s"]})
     return flat
 
 
