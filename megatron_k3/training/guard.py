@@ -49,7 +49,7 @@ class SpikeGuard:
         self.loss = deque(maxlen=cfg.window)
         self.grad = deque(maxlen=cfg.window)
         self.events: list = []  # every step the guard withheld or stopped: {"step", "reason", "loss", "grad_norm"}
-        self.rolled_back_at = 0  # policy=rollback: the step it last rolled back from (spikes before it are spent)
+        self.spent = 0  # policy=rollback: events before this index caused a rollback already
 
     @property
     def active(self) -> bool:
@@ -86,7 +86,7 @@ class SpikeGuard:
 
     def state(self) -> dict:
         return {"loss": list(self.loss), "grad": list(self.grad), "events": list(self.events),
-                "rolled_back_at": self.rolled_back_at}
+                "spent": self.spent}
 
     def load(self, st: dict | None) -> None:
         if not st:
@@ -96,7 +96,7 @@ class SpikeGuard:
         self.grad.clear()
         self.grad.extend(st.get("grad", []))
         self.events = list(st.get("events", []))
-        self.rolled_back_at = st.get("rolled_back_at", 0)
+        self.spent = st.get("spent", 0)
 
 
 class Alarms:

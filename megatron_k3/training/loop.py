@@ -603,8 +603,8 @@ class Trainer:
         g = self.run.train.guard
         if g.policy != "rollback":
             return False
-        recent = [e for e in self.guard.events if e["reason"] in ("loss_spike", "grad_spike")
-                  and e["step"] > self.pos.step - g.rollback_window and e["step"] > self.guard.rolled_back_at]
+        recent = [e for e in self.guard.events[self.guard.spent:] if e["reason"] in ("loss_spike", "grad_spike")
+                  and e["step"] > self.pos.step - g.rollback_window]
         if len(recent) < g.rollback_skips:
             return False
         newest = ckpt_dir.list_checkpoints(self.ckpt_dir)
@@ -617,7 +617,7 @@ class Trainer:
         self.guard.load(self.checkpoints.saved.get("guard"))
         self.guard.events = events + [{"step": at, "reason": "rollback", "action": "rollback",
                                        "to_step": self.pos.step, "skipped_samples": consumed - self.pos.consumed}]
-        self.guard.rolled_back_at = at
+        self.guard.spent = len(self.guard.events)  # the spikes that caused it are spent
         self.pos.consumed, self.pos.tokens = consumed, tokens  # the samples since the checkpoint are skipped
         if self.rank == 0:
             log.warning("step %d: train.guard rolled back to %s (step %d) after %d withheld steps %s; the %d samples "
