@@ -82,6 +82,9 @@ class _Step:
     rerun: bool = False  # train.guard.policy=rerun: this pass was withheld, the step runs again
     first: dict | None = None  # the second pass of a re-run step: the first pass's judgement and local loss
     fault: tuple | None = None  # the re-run found other numbers: (ranks, first global loss, second)
+    # this rank's own result (train.guard.policy=rerun compares it between passes): its loss on the last pipeline
+    # stage, the sum of the activations it sends on the others
+    fingerprint: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
 class Trainer:
@@ -261,11 +264,14 @@ class Trainer:
         acc.ep_balance = torch.maximum(acc.ep_balance, self.routing.ep_balance())
         self.stats.accumulate()
         if not self.last_stage:
+            if self.guard.cfg.policy == "rerun":  # this rank's own numbers, for a re-run to compare
+                acc.fingerprint += out.detach().double().sum().cpu()
             return out
         if not bool(torch.isfinite(out.loss.detach())):
             acc.nonfinite = samples
         loss = out.loss if acc.weights is None else out.loss * acc.weights[micro]
         acc.loss_sum += loss.detach().double().cpu()
+        acc.fingerprint += loss.detach().double().cpu()
         return loss
 
     def _loss_weights(self, acc: _Step) -> None:
@@ -469,11 +475,12 @@ class Trainer:
         return judge
 
     def _validate(self, acc: _Step, loss: float, norm: float) -> bool:
-        """The second pass of a step policy=rerun re-ran: every rank compares its own loss with its first pass's
+        """The second pass of a step policy=rerun re-ran: every rank compares its own result (`_Step.fingerprint`:
+        its loss, or on a pipeline stage before the last the activations it sent) with its first pass's
         (the first pass's numbers beyond train.guard.rerun_rtol: a suspected hardware fault on that rank, named on
         every rank); a fault goes on with this pass's result judged afresh, or stops (train.guard.on_fault); the
         same numbers again: a genuine spike, withheld."""
-        first, mine = acc.first, float(acc.loss_sum)
+        first, mine = acc.first, float(acc.fingerprint)
         tol = self.guard.cfg.rerun_rtol * max(abs(first["local"]), 1e-30)
         bad = torch.tensor([0.0 if abs(mine - first["local"]) <= tol else 1.0], device=self.device)
         flags = [torch.zeros_like(bad) for _ in range(self.world)] if self.world > 1 else [bad]
@@ -500,7 +507,7 @@ class Trainer:
             b.discard()
         ckpt_dir.set_rng_state(rng)
         again = _Step(torch.zeros_like(acc.loads), acc.samples, weights=acc.weights, loss_tokens=acc.loss_tokens)
-        again.first = {"guard": acc.guard, "local": float(acc.loss_sum)}
+        again.first = {"guard": acc.guard, "local": float(acc.fingerprint)}
         if getattr(self.model, "host_offload", None) is not None:
             self.model.host_offload.reset()
         self._micro_batches(again)
