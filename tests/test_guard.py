@@ -332,3 +332,34 @@ def test_guard_records_reach_the_wandb_series():
     assert flat["guard/loss_spike"] == 1 and flat["guard/loss_z"] == 35000.0 and flat["train/skipped"] == 1
     assert flat["guard/alarms"] == 1 and flat["stragglers/slowest_rank"] == 1
     assert flat["stragglers/fastest_wait_s"] == 0.37
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["precision=bf16", "optim=muon"], ["parallel.zero_stage=0"]],
+                         ids=["zero1_adamw", "bf16_muon", "zero0"])
+def test_a_withheld_step_changes_no_weight_and_no_optimizer_state(tmp_path, overrides):
+    """The update of step 3 withheld by force: every parameter and every optimizer state (AdamW's moments and step,
+    Muon's momentum) as after step 2; step 4 moves them again."""
+    from megatron_k3.training.engine import base_optimizer, shutdown
+
+    def states(t):
+        opt = base_optimizer(t.engine)
+        return [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+
+    try:
+        t = make_trainer(1, overrides + ["train.guard.policy=skip", "train.guard.min_history=3",
+                                         "train.guard.window=4"], steps=4, run_dir=str(tmp_path))
+        judge = t.guard.judge
+        t.guard.judge = lambda s, loss, n: (("forced", {"loss_z": 0.0, "grad_z": 0.0}) if s == 3 else
+                                            judge(s, loss, n))
+        snaps = []
+        for _ in range(4):
+            rec = t.train_step()[0]
+            snaps.append((full_params(t), states(t), rec))
+    finally:
+        shutdown()
+    (p2, s2, _), (p3, s3, r3), (p4, _, _) = snaps[1:]
+    assert r3["guard"] == "forced" and r3["skipped"] == 1 and math.isfinite(r3["grad_norm"])
+    assert all(torch.equal(p3[n], p2[n]) for n in p2) and len(s3) == len(s2) > 0
+    assert all(torch.equal(a, b) for a, b in zip(s3, s2))
+    assert any(not torch.equal(p4[n], p3[n]) for n in p3)
