@@ -74,20 +74,23 @@ class FrozenExperts(nn.Module):
         """Matrix n (w1, w3, w2) of this module's experts as stored."""
         return PackedExperts(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"))
 
-    def adapters(self) -> ExpertAdapters | None:
-        if not self.rank:
-            return None
-        return ExpertAdapters(*(getattr(self, name) for n in MATRICES for name in adapter_names(n)), self.scale)
+    def _adapter_tensors(self) -> tuple:
+        """(A1, B1, A3, B3, A2, B2): the adapters' parameters in ExpertAdapters' order."""
+        return tuple(getattr(self, a) for n in MATRICES for a in adapter_names(n))
 
-    def _run(self, x: torch.Tensor, offs_E: torch.Tensor | None) -> torch.Tensor:
+    def adapters(self) -> ExpertAdapters | None:
+        return ExpertAdapters(*self._adapter_tensors(), self.scale) if self.rank else None
+
+    def _run(self, x: torch.Tensor, offs_E: torch.Tensor | None, packed=None, ab=None) -> torch.Tensor:
+        """The frozen experts (`packed`: default this module's codes) with the adapters (`ab`: default this module's)
+        in the activations' dtype, as the frozen GEMMs compute."""
         q = self.qat
-        ad = self.adapters()
-        if ad is not None:  # the adapters compute in the activations' dtype, as the frozen GEMMs do
-            ad = ExpertAdapters(*(t.to(x.dtype) for t in ad.tensors()), ad.scale)
+        packed = packed or [self.packed(n) for n in MATRICES]
+        ab = ab if ab is not None or not self.rank else self._adapter_tensors()
+        ad = ExpertAdapters(*(t.to(x.dtype) for t in ab), self.scale) if self.rank else None
         if q is not None:
             x = q.act(x)
-        args = (*(self.packed(n) for n in MATRICES), self.act, self.beta_gate, self.beta_up, self.block, ad,
-                None if q is None else q.act)
+        args = (*packed, self.act, self.beta_gate, self.beta_up, self.block, ad, None if q is None else q.act)
         return frozen_experts_batched(x, *args) if offs_E is None else frozen_experts_grouped(x, offs_E, *args)
 
     def forward(self, z_ML: torch.Tensor, offs_E: torch.Tensor, combine=None) -> torch.Tensor:
@@ -105,9 +108,7 @@ class FrozenExperts(nn.Module):
         """[(tensors, trained)] balanced dispatch sends to the ranks that host replicas of these experts
         (parallel.balanced.exchanged): the MXFP4 codes and scales (uint8, no gradient), then the adapters."""
         codes = tuple(getattr(self, f"{n}_{k}") for n in MATRICES for k in ("packed", "scale"))
-        if not self.rank:
-            return [(codes, False)]
-        return [(codes, False), (tuple(getattr(self, a) for n in MATRICES for a in adapter_names(n)), True)]
+        return [(codes, False)] + ([(self._adapter_tensors(), True)] if self.rank else [])
 
     def forward_with(self, z_ML: torch.Tensor, offs_E: torch.Tensor, replicas) -> torch.Tensor:
         """`forward` over row groups of this module's experts followed by replicas of other experts (balanced
@@ -117,14 +118,8 @@ class FrozenExperts(nn.Module):
         packed = [PackedExperts(torch.cat([getattr(self, f"{n}_packed"), codes[2 * i]]),
                                 torch.cat([getattr(self, f"{n}_scale"), codes[2 * i + 1]]))
                   for i, n in enumerate(MATRICES)]
-        ad = None
-        if self.rank:
-            own = [getattr(self, a) for n in MATRICES for a in adapter_names(n)]
-            ad = ExpertAdapters(*(torch.cat([o, r.to(o.dtype)]).to(z_ML.dtype) for o, r in zip(own, ab)), self.scale)
-        q = self.qat
-        x = z_ML if q is None else q.act(z_ML)
-        return frozen_experts_grouped(x, offs_E, *packed, self.act, self.beta_gate, self.beta_up, self.block, ad,
-                                      None if q is None else q.act)
+        own = [torch.cat([o, r.to(o.dtype)]) for o, r in zip(self._adapter_tensors(), ab)] if self.rank else None
+        return self._run(z_ML, offs_E, packed, own)
 
     def merged(self, dtype=torch.float32) -> tuple:
         """(w1, w3, w2) [E, ...] decoded in `dtype` with the adapters merged in (tests, merge tools)."""
