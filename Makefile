@@ -63,10 +63,11 @@ EVAL_N ?= 60
 PEFT ?= none
 # the tiny model's SFT: three passes, a learning rate half pre-training's (train=sft's 3e-4 is for large models)
 SFT_ARGS ?= train.epochs=3 train.global_batch_size=8 optim.lr=1.5e-3 optim.min_lr=1.5e-4
-# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16, the LM head adapted too (the tiny base never saw
-# the chat control tokens: their output rows are still random, docs/peft.md)
+# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16, the LM head adapted too, and the rows of the 64
+# reserved ids (the chat control tokens among them) trained in the embedding and the head: the tiny base never saw
+# them, so their rows are still random (docs/peft.md, "Trainable token rows")
 LORA_ARGS ?= optim=adamw optim.lr=3e-3 optim.min_lr=3e-4 optim.weight_decay=0 peft.rank=16 peft.alpha=32 \
-  'peft.targets=[kda,mla,mlp,shared_experts,experts,lm_head]'
+  'peft.targets=[kda,mla,mlp,shared_experts,latent,experts,lm_head]' 'peft.trainable_tokens=[8192-8255]'
 ifeq ($(PEFT),lora)
 SFT_RUN = peft=lora $(LORA_ARGS)
 SFT_OUT = $(SFT_DIR)/checkpoints

@@ -21,10 +21,13 @@ from helpers import FAST, STATIC, full_params, make_trainer, norm_rel, run_distr
 from megatron_k3.config import ConfigError, compose_run_config
 from megatron_k3.interop import load_hf, load_hf_sharded, save_hf
 from megatron_k3.model import K3ForCausalLM
-from megatron_k3.peft import FrozenExperts, adapted_parameters, apply_lora
+from megatron_k3.parallel import tiling
+from megatron_k3.peft import FrozenExperts, adapted_parameters, apply_lora, is_adapter, token_ids
 from megatron_k3.precision import forward_context, prepare_model_for_precision
 
-LORA = ["peft=lora", "peft.rank=4", "peft.targets=[kda,mla,mlp,shared_experts,latent,experts,lm_head]"]
+# the token rows: frequent ids of the embedded BPE on both halves of the vocabulary (both TP ranks hold some)
+TOKENS = "peft.trainable_tokens=[256-300,4096-4200]"
+LORA = ["peft=lora", "peft.rank=4", "peft.targets=[kda,mla,mlp,shared_experts,latent,experts,lm_head]", TOKENS]
 
 
 def _run(overrides=()):
@@ -66,6 +69,52 @@ def test_b_zero_equals_the_base_bit_for_bit_and_only_adapters_learn(tmp_path, mo
     assert all(float(p.grad.abs().sum()) > 0 for n, p in adapted.named_parameters() if n.endswith("lora_B"))
 
 
+def test_token_rows_train_as_the_weights_rows_would_and_tile_with_the_head():
+    """peft.trainable_tokens: with its delta at zero the adapted model equals the one without token rows bit for bit;
+    the delta's gradient is the gradient the embedding's and the LM head's rows of those ids would get were the
+    weights trained (the same autograd, to fp32 rounding); only those rows take one. With the delta and the head's B
+    moved off zero, the LM head tiled by train.tile_tokens computes the same loss and gradients as untiled (fp32
+    summation order), the adapters' terms included."""
+    run = _run()
+    ids = torch.randint(0, run.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(3))
+    ids[0, :8] = torch.tensor([256, 257, 300, 4096, 4150, 4200, 260, 256])
+    plain = _adapted(_run(["peft.trainable_tokens=[]"]))
+    rows = _adapted(run)
+    for m in (plain.model.embed_tokens, plain.lm_head):
+        m.weight.requires_grad_(True)
+    a, b = plain(ids, labels=ids, return_logits=True), rows(ids, labels=ids, return_logits=True)
+    assert torch.equal(a.logits, b.logits)
+    a.loss.backward()
+    b.loss.backward()
+    picked = token_ids(run.peft.trainable_tokens)
+    for name in ("model.embed_tokens", "lm_head"):
+        mod = rows.get_submodule(name)
+        want = plain.get_submodule(name).weight.grad[picked]
+        assert torch.allclose(mod.token_delta.grad, want, rtol=1e-5, atol=1e-7), name
+        assert int((mod.token_delta.grad.abs().sum(1) > 0).sum()) >= 6, name
+    with torch.no_grad():
+        for p in (rows.model.embed_tokens.token_delta, rows.lm_head.token_delta, rows.lm_head.lora_B):
+            p.normal_(0, 0.02)
+    grads = {}
+    for tile in (0, 32):
+        rows.zero_grad()
+        if tile:
+            tiling.apply(rows, tile, run.model.moe_overflow)
+        loss = rows(ids, labels=ids).loss
+        loss.backward()
+        grads[tile] = (loss.detach(), {n: p.grad.clone() for n, p in rows.named_parameters() if p.grad is not None})
+    assert torch.allclose(grads[0][0], grads[32][0], rtol=1e-6)
+    assert sorted(grads[0][1]) == sorted(grads[32][1])
+    assert all(norm_rel(grads[32][1][n], g) < 1e-5 for n, g in grads[0][1].items())
+
+
+def _adapted(run):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(run.model)
+    apply_lora(model, run.peft, seed=0)
+    return model
+
+
 def _steps(rank, world, variants, run_dir):
     """2 Trainer steps per variant (name, overrides): the losses and the full-size adapters after."""
     from megatron_k3.training.engine import shutdown
@@ -78,7 +127,7 @@ def _steps(rank, world, variants, run_dir):
         try:
             t = Trainer(run, f"{run_dir}/{name}/{rank}")
             losses = [t.train_step()[0]["loss"] for _ in range(2)]
-            out[name] = (losses, {n: p for n, p in full_params(t).items() if "lora" in n})
+            out[name] = (losses, {n: p for n, p in full_params(t).items() if is_adapter(n)})
         finally:
             shutdown()
     return out
@@ -99,6 +148,8 @@ def test_layouts_equal_one_process(tmp_path):
                ("cp2", ["parallel.cp=2"]), ("dp2", [])]
     ranks = run_distributed(_steps, 2, layouts, str(tmp_path / "layouts"), timeout=600)
     assert all(float(p.abs().max()) > 0 for n, p in ref.items() if n.endswith("lora_B"))
+    moved = ref["model.embed_tokens.token_delta"].abs().sum(1) > 0  # rows of both vocabulary halves trained
+    assert moved[:45].any() and moved[45:].any()
     for name, _ in layouts:
         loss = ranks[-1][name][0]  # pp: the loss on the last stage
         params = {}
@@ -121,7 +172,7 @@ def _trainer_steps(overrides, steps, save=False):
         losses = [t.train_step()[0]["loss"] for _ in range(steps)]
         if save:
             t.save()
-        adapters = {n: p for n, p in full_params(t).items() if "lora" in n}
+        adapters = {n: p for n, p in full_params(t).items() if is_adapter(n)}
         return losses, adapters, [m.gate.e_score_correction_bias.clone() for m in t.moe], t.peft["trainable"]
     finally:
         shutdown()
@@ -191,6 +242,9 @@ def test_bad_input_names_the_key_before_anything_is_built(tmp_path):
     assert "peft.rank=40" in msg and "b_proj (64 -> 2)" in msg and "rank <= 2" in msg
     assert "peft='qlora': valid: none, lora" in _refusal(["peft.name=qlora"])
     assert "train.compile=True" in _refusal(["train.compile=true"])
+    assert "peft.trainable_tokens='8190-x'" in _refusal(["peft.trainable_tokens=[8190-x]"])
+    msg = _refusal(["peft.trainable_tokens=[8190-8200]"])
+    assert "peft.trainable_tokens=8200: not a token of this model: model.vocab_size is 8192" in msg
     for bad in ("peft.alpha=0", "peft.init=orthogonal", "peft.rank=0"):
         assert bad.split("=")[0] in _refusal([bad])
     torch.manual_seed(0)
@@ -237,12 +291,18 @@ def test_peft_export_and_merge_match_the_adapted_model(tmp_path, capsys):
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16.0
     base_names, _ = read_index(tmp_path / "k3")
-    _, adapters = read_peft(tmp_path / "peft")
+    _, adapters, tokens = read_peft(tmp_path / "peft")
+    ids = token_ids(run.peft.trainable_tokens)
+    assert config["trainable_token_indices"] == {"embed_tokens": ids, "lm_head": ids}
+    assert len(tokens) == 2
+    for module, (rows, values) in tokens.items():  # PEFT's values: the base's rows plus what training added
+        assert f"{module}.weight" in base_names and rows.tolist() == ids
+        assert values.shape == (len(ids), run.model.hidden_size) and values.dtype == torch.float32
     for module, (a, b) in adapters.items():
         assert f"{module}.weight" in base_names or f"{module}.weight_packed" in base_names, module
         assert a.shape[0] == b.shape[1] == 4
     saved, _, _ = ckpt.read_full(ckpt.resolve_load_path(str(tmp_path / "c"), tmp_path / "c"), states=False)
-    n_peft = sum(a.numel() + b.numel() for a, b in adapters.values())
+    n_peft = sum(a.numel() + b.numel() for a, b in adapters.values()) + sum(v.numel() for _, v in tokens.values())
     assert n_peft == sum(t.numel() for t in saved.values())
     assert cc.main([str(tmp_path / "k3"), str(tmp_path / "merged"), "--merge-lora", str(tmp_path / "peft")]) == 0
     ids = torch.randint(0, run.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -278,7 +338,10 @@ def _merged_in_memory(adapted, plain):
         if isinstance(m, FrozenExperts) and m.rank:
             for n, w in zip(("w1", "w3", "w2"), m.merged(torch.float32)):
                 getattr(mods[name], n).copy_(w)
-        elif hasattr(m, "lora_A"):
+            continue
+        if hasattr(m, "token_delta"):  # trained token rows first, as the adapted model computes
+            mods[name].weight[m.token_local] += m.token_delta.float()[m.token_pick]
+        if hasattr(m, "lora_A"):
             mods[name].weight += m.lora_scale * m.lora_B.float() @ m.lora_A.float()
     return plain
 
@@ -296,10 +359,11 @@ def _build_rank(*args, timeout=900):
 def test_build_rank_counts_frozen_and_trainable_apart_as_the_planner_does():
     """tools/build_rank.py peft=lora: every rank of k3_tiny at tp2 x pp2 x ep2 built on the meta device as the
     Trainer builds it (adapters applied, experts frozen as MXFP4 codes) holds the planner's parameters for its stage,
-    frozen and trainable alike, and the union covers the model and its adapters once; one rank materialised runs a
+    frozen and trainable alike (trained token rows on both TP ranks' vocabulary blocks included), and the union
+    covers the model and its adapters once; one rank materialised runs a
     step whose gradients are the adapters' only, its live-tensor peak at most the planner's figure."""
     out = _build_rank("model=k3_tiny", "cluster.num_nodes=1", "cluster.devices_per_node=8", "parallel.tp=2",
-                      "parallel.pp=2", "parallel.ep=2", "--all", "--json")
+                      "parallel.pp=2", "parallel.ep=2", "peft.trainable_tokens=[4000-4200]", "--all", "--json")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["params_match_planner"] and rep["covered_equals_total"], rep["coverage_problems"]

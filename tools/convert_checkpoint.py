@@ -45,6 +45,7 @@ import dataclasses  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_k3.config import ConfigError, ModelConfig, PeftConfig, load_model_config  # noqa: E402
+from megatron_k3.config.schema import token_ids  # noqa: E402
 from megatron_k3.interop import (  # noqa: E402
     load_hf,
     peft_layout,  # noqa: E402
@@ -93,7 +94,13 @@ def to_peft(src: str | Path, out: str | Path) -> Path:
     tensors, _, meta = ckpt.read_full(path, states=False)
     if "peft" not in meta:
         raise ValueError(f"{path}: not a peft=lora checkpoint (its meta.json has no peft entry)")
-    config, adapters = peft_layout.to_peft(tensors, ModelConfig(**meta["model"]), PeftConfig(**meta["peft"]))
+    cfg, peft = ModelConfig(**meta["model"]), PeftConfig(**meta["peft"])
+    rows = [n[:-len(".token_delta")] for n in tensors if n.endswith(".token_delta")]
+    if rows and not peft.base:
+        raise ValueError(f"{path}: its trained token rows (peft.trainable_tokens) are written as the base's rows plus "
+                         "the delta, and its meta.json records no base directory (the run used the initialised model)")
+    rows = peft_layout.base_rows(peft.base, cfg, rows, token_ids(peft.trainable_tokens)) if rows else {}
+    config, adapters = peft_layout.to_peft(tensors, cfg, peft, rows)
     return peft_layout.save_peft(out, config, adapters)
 
 

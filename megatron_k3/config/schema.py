@@ -712,6 +712,24 @@ class LoggingConfig:
 PEFT_TARGETS = ("kda", "mla", "mlp", "shared_experts", "latent", "experts", "lm_head")  # megatron_k3.peft.KINDS
 
 
+def token_ids(spec) -> list:
+    """The sorted, distinct ids of `peft.trainable_tokens`: ints, or "first-last" ranges (inclusive) as strings
+    ("8192-8255"). ConfigError naming the entry that is neither."""
+    out = set()
+    for entry in spec or ():
+        text = str(entry).strip()
+        first, sep, last = text.partition("-")
+        try:
+            lo, hi = (int(first), int(last)) if sep else (int(text), int(text))
+        except ValueError:
+            lo, hi = -1, -1
+        if isinstance(entry, bool) or lo < 0 or hi < lo:
+            raise ConfigError("peft.trainable_tokens", entry, "each entry is a token id >= 0 or a range 'first-last' "
+                              "of ids (inclusive, first <= last), e.g. [8192-8255]")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
+
+
 @dataclass
 class PeftConfig:
     """Parameter-efficient fine-tuning (megatron_k3.peft, docs/peft.md): `peft=lora` freezes the base (routed experts
@@ -726,6 +744,9 @@ class PeftConfig:
     # checkpoint, so a resumed run re-reads the same base), else the initialised model with its experts in MXFP4
     base: str = ""
     expert_block: int = 8  # routed experts decoded at a time inside the expert GEMMs
+    # token ids whose embedding and LM-head rows train beside the adapters (PEFT's trainable_token_indices): ints or
+    # 'first-last' ranges, e.g. [8192-8255] (new chat control tokens the base never saw); [] = none
+    trainable_tokens: list = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -744,6 +765,7 @@ class PeftConfig:
             if str(t).partition(".")[0] not in PEFT_TARGETS:
                 raise ConfigError(f"{prefix}.targets", t, f"no such module kind; valid: {', '.join(PEFT_TARGETS)} "
                                   "(kind.child names one projection, e.g. kda.q_proj)")
+        token_ids(self.trainable_tokens)
         if self.base and not (Path(self.base) / "config.json").is_file():
             raise ConfigError(f"{prefix}.base", self.base, "not a Hugging Face directory (no config.json)")
         return self

@@ -256,6 +256,23 @@ def raw_grad_sq_norm(zero) -> torch.Tensor:
     return sq
 
 
+def install_global_norm(zero) -> None:
+    """Replace the ZeRO-1/2 optimizer's `scaled_global_norm` (the norm it clips with, checks and reports) by the
+    float64 `raw_grad_sq_norm`, non-finite as +inf (DeepSpeed's invalid-norm value). DeepSpeed 0.19.8 takes one
+    model-parallel all-reduce per parameter group, and drops empty groups at initialisation, so ranks of one
+    model-parallel group whose parts hold different rules (pipeline stages: the embedding's AdamW group on the
+    first only, the LM head's on the last, neither on a middle one; peft's token rows) would pair up different
+    collectives and hang or abort. Ours takes one all-reduce over data parallelism and one over model parallelism
+    whatever the grouping, and its value does not depend on the layout."""
+    def scaled_global_norm(norm_type=2):
+        if norm_type != 2:
+            raise NotImplementedError(f"the ZeRO gradient norm is the L2 norm; got norm_type={norm_type}")
+        norm = raw_grad_sq_norm(zero).sqrt().float()
+        return torch.where(torch.isfinite(norm), norm, torch.full_like(norm, math.inf))
+
+    zero.scaled_global_norm = scaled_global_norm
+
+
 def momentum_offsets(zero, group_idx: int) -> dict:
     """{param id(): element offset} of each whole matrix in DeepSpeed's flat Muon momentum of this rank's
     partition of group `group_idx` (the order `get_flat_partition` walks: `params_in_partition`)."""

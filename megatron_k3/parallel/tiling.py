@@ -106,9 +106,11 @@ def _tiled_head(model, tile: int):
         inner, seq = (loss_fn.inner, loss_fn.seq) if hasattr(loss_fn, "seq") else (loss_fn, None)
         ignore = getattr(inner, "ignore_index", -100)
 
-        def tile_sum(x_t, y_t):
+        project = getattr(head, "local_logits", None) or (lambda t: torch.nn.functional.linear(t, head.weight))
+
+        def tile_sum(x_t, y_t):  # (an adapted head, megatron_k3.peft, brings its own local_logits)
             count = (y_t != ignore).sum()
-            mean = inner(torch.nn.functional.linear(x_t, head.weight), y_t)
+            mean = inner(project(x_t), y_t)
             return torch.where(count > 0, mean * count, torch.zeros_like(mean))
 
         total = sum(checkpoint(tile_sum, x[i * tile:(i + 1) * tile], y[i * tile:(i + 1) * tile], use_reentrant=False)

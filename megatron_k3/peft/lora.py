@@ -41,6 +41,7 @@ from ..model.moe import StableLatentMoE
 from ..parallel import mappings as M
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, TensorParallel, mark_partial_grad
 from .experts import MATRICES, FrozenExperts, adapter_names
+from .tokens import DELTA, apply_tokens, check_tokens
 
 __all__ = ["KINDS", "apply_lora", "resolve_targets", "check_targets", "adapted_parameters", "is_adapter",
            "LoRALinear", "LoRAColumn", "LoRARow"]
@@ -59,8 +60,10 @@ KINDS = {
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is an adapter's (lora_A / lora_B of a linear, w*_lora_A / w*_lora_B of experts)."""
-    return "lora_A" in name.rsplit(".", 1)[-1] or "lora_B" in name.rsplit(".", 1)[-1]
+    """Whether a parameter name is an adapter's (lora_A / lora_B of a linear, w*_lora_A / w*_lora_B of experts, the
+    trainable token rows' token_delta)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return "lora_A" in leaf or "lora_B" in leaf or leaf == DELTA
 
 
 def adapted_parameters(model: nn.Module) -> list:
@@ -81,6 +84,9 @@ class LoRALinear(Linear):
     def forward(self, x):
         return F.linear(x, self.weight, self.bias) + _term(self, x)
 
+    def local_logits(self, x):  # the tiled LM head's per-tile projection (parallel.tiling)
+        return self.forward(x)
+
 
 class LoRAColumn(ColumnParallelLinear):
     """A column-parallel linear with its adapter: the term joins this rank's output columns before any gather."""
@@ -92,6 +98,9 @@ class LoRAColumn(ColumnParallelLinear):
             x = self.tp.enter(x)
         y = F.linear(x, self.weight, self.bias) + _term(self, x)
         return M.gather_last(y, self.tp.group) if self.gather_output else y
+
+    def local_logits(self, x):  # this rank's output columns of an input already in the TP region (parallel.tiling)
+        return F.linear(x, self.weight, self.bias) + _term(self, x)
 
 
 class LoRARow(RowParallelLinear):
@@ -257,8 +266,9 @@ def _freeze_experts(moe: StableLatentMoE, name: str, rank: int, peft, seed: int,
 def apply_lora(model: nn.Module, peft, tp: TensorParallel | None = None, seed: int = 0, whole: bool = True) -> dict:
     """`peft=lora` on `model` (built, parallelised over `tp`; on a device or on meta), in place: every parameter
     frozen, every MoE layer's routed experts frozen as MXFP4 (peft.experts.FrozenExperts), adapters on the targets
-    (`check_targets` first). Returns {"targets": adapted modules, "trainable": adapter parameters on this rank,
-    "frozen": frozen parameters on this rank, "frozen_bytes": the frozen base's bytes here}. `whole`: `model` is a
+    (`check_targets` first), the rows of peft.trainable_tokens trainable in the embedding and LM head (peft.tokens).
+    Returns {"targets": adapted modules, "trainable": adapter parameters on this rank, "frozen": frozen parameters
+    on this rank, "frozen_bytes": the frozen base's bytes here}. `whole`: `model` is a
     whole model, which each target must name a module of (a pipeline stage's part need not; check the whole model
     with `check_targets`)."""
     tp = tp or TensorParallel()
@@ -272,6 +282,7 @@ def apply_lora(model: nn.Module, peft, tp: TensorParallel | None = None, seed: i
     for name, mod in picked:
         if not isinstance(mod, (GroupedExperts, FrozenExperts)):
             _adapt_linear(name, mod, peft, seed, tp)
+    apply_tokens(model, check_tokens(getattr(peft, "trainable_tokens", ()), model.cfg.vocab_size), tp)
     trainable = adapted_parameters(model)
     frozen = [p for n, p in model.named_parameters() if not is_adapter(n)]
     packed = [b for n, b in model.named_buffers() if n.endswith(("_packed", "_scale"))]

@@ -4,7 +4,8 @@ experts, bf16 rest, KDA recurrent states and the MLA latent cache.
 
 peft=lora (`Workload.peft`): only the adapters have gradients, fp32 masters and optimizer states; the frozen base
 is its weights alone, bf16 (the weights' dtype) and the routed experts as MXFP4 codes (MXFP4_BYTES_PER_PARAM); one
-block of `expert_block` experts decoded (and w1;w3 concatenated) is transient inside the expert GEMMs.
+block of `expert_block` experts decoded (and w1;w3 concatenated) is transient inside the expert GEMMs; with
+peft.trainable_tokens the embedding's and the LM head's vocabulary block, copied with the trained rows in.
 
 Precision recipes (bytes per parameter):
 
@@ -50,7 +51,7 @@ from .params import model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory", "tile_shares",
            "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations",
-           "frozen_expert_decode_bytes", "replica_bytes_per_param"]
+           "frozen_expert_decode_bytes", "token_rows_copy_bytes", "replica_bytes_per_param"]
 
 GB = 1e9
 MXFP4_BYTES_PER_PARAM = 4.25 / 8  # E2M1 codes (4 bits) + one E8M0 scale per 32 values
@@ -74,7 +75,7 @@ class Workload:
     image_share: float = DEFAULT_IMAGE_SHARE  # model.vision: share of the tokens that are image features
     overlap_grad_reduce: bool = False  # parallel.overlap_grad_reduce: the DP gradient reduction hides behind the last
     # backward (ZeRO-1/2 only); without it the reduction is exposed
-    peft: tuple = ()  # peft=lora: params.peft_spec (rank, alpha, targets, init, expert_block); () = every weight trains
+    peft: tuple = ()  # peft=lora: params.peft_spec (rank, alpha, targets, init, expert_block, tokens); () = all train
 
     @property
     def weight_bytes(self) -> int:
@@ -432,6 +433,14 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp / sh.experts
 
 
+def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:
+    """peft.trainable_tokens: the embedding's (first stage) or the LM head's (last stage) vocabulary block with the
+    trained rows in, built out of place in each forward (peft.tokens; the head's kept for its backward)."""
+    if not w.peft or not w.peft[5]:
+        return 0.0
+    return -(-cfg.vocab_size // lay.tp) * cfg.hidden_size * w.weight_bytes
+
+
 def frozen_expert_decode_bytes(cfg, w: Workload) -> float:
     """peft=lora: one block of frozen experts decoded inside the expert GEMMs (w1, w3 and w2 in the activations'
     dtype, and the [w1; w3] concatenation the gate/up GEMM runs against)."""
@@ -559,6 +568,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             transient += 3 * max(dense.largest_matrix, experts.largest_matrix) * 4
         if any(t == "moe" for t in cfg.ffn_types()[a:b]):
             transient += frozen_expert_decode_bytes(cfg, w)
+        transient += token_rows_copy_bytes(cfg, lay, w) * (first + last)
         vis = mp.vision if first else type(mp.embedding)()
         v_acts, v_trans, vision = _stage_vision(cfg, lay, w, vis, frozen, in_flight, sh)
         acts, transient = acts + v_acts, transient + v_trans

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..annotations import full_shape, meta
-from ..config.schema import PeftConfig
+from ..config.schema import PeftConfig, token_ids
 from ..model.params import count_parameters as _count_text
 from ..model.vision import MoonViT3d, PatchMergerV2
 from ..optim.grouping import muon_rule
@@ -40,15 +40,16 @@ __all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newt
 
 def peft_spec(peft) -> tuple:
     """A run's PeftConfig as the planner's hashable spec: () without peft, else (rank, alpha, targets, init,
-    expert_block)."""
+    expert_block, trainable token ids)."""
     if peft is None or not peft.enabled:
         return ()
-    return (peft.rank, float(peft.alpha), tuple(peft.targets), peft.init, peft.expert_block)
+    return (peft.rank, float(peft.alpha), tuple(peft.targets), peft.init, peft.expert_block,
+            tuple(token_ids(peft.trainable_tokens)))
 
 
 def _peft_config(spec: tuple) -> PeftConfig:
-    rank, alpha, targets, init, block = spec
-    return PeftConfig("lora", rank, alpha, list(targets), init, "", block)
+    rank, alpha, targets, init, block, tokens = spec
+    return PeftConfig("lora", rank, alpha, list(targets), init, "", block, list(tokens))
 
 
 @dataclass(frozen=True)

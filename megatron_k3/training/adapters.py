@@ -19,7 +19,7 @@ from ..errors import one_line
 from ..interop.directory import CheckpointReadError, read_index
 from ..layout import has_moe
 from ..model.multimodal import causal_lm_class
-from ..peft import apply_lora, check_targets
+from ..peft import apply_lora, check_targets, check_tokens
 from .checkpoint.directory import peft_base_directory
 
 log = logging.getLogger("megatron_k3.train")
@@ -43,10 +43,12 @@ def _check_mxfp4(run: RunConfig, key: str, path: Path) -> None:
 
 def check(run: RunConfig) -> None:
     """Before anything is allocated, on every rank: the targets against the model (built on the meta device: each
-    names a module, the rank fits each), and the base directory's experts are MXFP4."""
+    names a module, the rank fits each), peft.trainable_tokens against its vocabulary, and the base directory's
+    experts are MXFP4."""
     with torch.device("meta"):
         model = causal_lm_class(run.model)(run.model, init=False)
     check_targets(model, run.peft.targets, run.peft.rank)
+    check_tokens(run.peft.trainable_tokens, run.model.vocab_size)
     key, path = peft_base_directory(run)
     if path is not None:
         _check_mxfp4(run, key, path)
@@ -57,8 +59,8 @@ def apply(model, run: RunConfig, groups, rank: int) -> dict:
     summary = apply_lora(model, run.peft, groups.tp, run.train.seed, whole=groups.pp.size == 1)
     if rank == 0:
         p = run.peft
-        log.info("peft=lora rank %d alpha %g on %s: %d modules adapted; rank 0 trains %.3fM adapter parameters over "
-                 "%.3fM frozen (%.1f MB, routed experts as MXFP4)", p.rank, p.alpha, ",".join(map(str, p.targets)),
-                 summary["targets"], summary["trainable"] / 1e6, summary["frozen"] / 1e6,
-                 summary["frozen_bytes"] / 1e6)
+        log.info("peft=lora rank %d alpha %g on %s (%d trainable token rows): %d modules adapted; rank 0 trains "
+                 "%.3fM adapter parameters over %.3fM frozen (%.1f MB, routed experts as MXFP4)", p.rank, p.alpha,
+                 ",".join(map(str, p.targets)), len(check_tokens(p.trainable_tokens, run.model.vocab_size)),
+                 summary["targets"], summary["trainable"] / 1e6, summary["frozen"] / 1e6, summary["frozen_bytes"] / 1e6)
     return summary

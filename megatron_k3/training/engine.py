@@ -32,7 +32,7 @@ from deepspeed.utils import groups as ds_groups
 from ..annotations import meta
 from ..config import ConfigError, RunConfig
 from ..optim import Muon, build_optimizer
-from ..optim.zero import ZeroMuon, attach
+from ..optim.zero import ZeroMuon, attach, install_global_norm
 from ..parallel import state
 from ..parallel.balanced import flush_replica_gradients
 from ..parallel.mappings import Group
@@ -221,6 +221,8 @@ def initialize(model, optimizer, run: RunConfig, ps):
     for name, buf in engine.module.named_buffers():
         if name.rsplit(".", 1)[-1] in FP32_BUFFERS and buf.dtype != torch.float32:
             buf.data = buf.data.float()
+    if zero_optimizer(engine) is not None:  # one norm collective whatever each stage's optimizer groups
+        install_global_norm(zero_optimizer(engine))
     if zero_optimizer(engine) is not None and isinstance(base_optimizer(engine), ZeroMuon):
         attach(engine)  # our Muon update and clipping of the raw gradients inside ZeRO (optim/zero.py)
     return engine
