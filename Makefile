@@ -63,11 +63,12 @@ EVAL_N ?= 60
 PEFT ?= none
 # the tiny model's SFT: three passes, a learning rate half pre-training's (train=sft's 3e-4 is for large models)
 SFT_ARGS ?= train.epochs=3 train.global_batch_size=8 optim.lr=1.5e-3 optim.min_lr=1.5e-4
-# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16, the LM head adapted too, and the rows of the 64
-# reserved ids (the chat control tokens among them) trained in the embedding and the head: the tiny base never saw
-# them, so their rows are still random (docs/peft.md, "Trainable token rows")
+# ... and its LoRA: AdamW on the adapters at a higher rate, rank 16, the LM head adapted too, and the embedding and
+# head rows of the ids the chat set uses trained (tools/token_ids.py): the tiny base saw fewer pre-training tokens than
+# the chat set holds, so those rows are barely trained, the control tokens' not at all (docs/peft.md, "Trainable token
+# rows"; docs/sft.md measures each choice)
 LORA_ARGS ?= optim=adamw optim.lr=3e-3 optim.min_lr=3e-4 optim.weight_decay=0 peft.rank=16 peft.alpha=32 \
-  'peft.targets=[kda,mla,mlp,shared_experts,latent,experts,lm_head]' 'peft.trainable_tokens=[8192-8255]'
+  'peft.targets=[kda,mla,mlp,shared_experts,latent,experts,lm_head]' "peft.trainable_tokens=[$$LORA_TOKENS]"
 ifeq ($(PEFT),lora)
 SFT_RUN = peft=lora $(LORA_ARGS)
 SFT_OUT = $(SFT_DIR)/checkpoints
@@ -80,6 +81,7 @@ sft: install
 	test -n "$$FROM" || { echo "make sft: no checkpoint to start from: run make train first, or give FROM=DIR"; exit 2; }; \
 	case "$(PEFT)" in none|lora) ;; *) echo "make sft: PEFT=$(PEFT): valid: none, lora"; exit 2;; esac; \
 	set -ex -o pipefail; rm -rf $(SFT_DIR); \
+	if [ "$(PEFT)" = lora ]; then LORA_TOKENS=$$($(PY) tools/token_ids.py train=sft data=chat $(ARGS)); fi; \
 	$(PY) tools/convert_checkpoint.py $$FROM $(SFT_DIR)/base --to-hf; \
 	$(PY) tools/chat.py $(SFT_DIR)/base --eval $(EVAL_N) --out $(SFT_DIR)/exact_match_before.json; \
 	$(PY) -m megatron_k3.train train=sft data=chat precision=mx_qat model=from_checkpoint checkpoint.load=$(SFT_DIR)/base \

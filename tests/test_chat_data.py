@@ -7,16 +7,31 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, FULL_VOCAB, PARAM_RTOL, RTOL, STATIC, TINY_MODEL, full_params, norm_rel, straight_and_resumed
+from helpers import (
+    FAST,
+    FULL_VOCAB,
+    PARAM_RTOL,
+    ROOT,
+    RTOL,
+    STATIC,
+    TINY_MODEL,
+    full_params,
+    norm_rel,
+    straight_and_resumed,
+)
 
 from megatron_k3.config import compose_run_config
+from megatron_k3.config.schema import token_ids
 from megatron_k3.data.build import build_data
 from megatron_k3.data.chat import encode_chat
+from megatron_k3.data.tokenizer import eod_id
 from megatron_k3.errors import DataError
 
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
@@ -224,3 +239,30 @@ def test_sft_layouts_equal_one_process_and_resume_mid_epoch_bitwise(tmp_path):
     straight, resumed, p_straight, p_resumed, _, _ = straight_and_resumed(0, 1, data, str(tmp_path / "ckpt"))
     assert straight == resumed
     assert all(p_straight[n].equal(p_resumed[n]) for n in p_straight)
+
+
+def test_token_ids_tool_lists_the_training_splits_ids_as_trainable_tokens(tmp_path):
+    """tools/token_ids.py (make sft PEFT=lora's peft.trainable_tokens): the ids of the training split's conversations,
+    encoded as the release encodes them, each conversation counted once an epoch, the padding not; printed in the
+    form peft.trainable_tokens parses; a bad override is one line and exit 2."""
+    convs = _conversations(24, seed=int(np.random.default_rng().integers(1 << 30)))
+    path = _write(tmp_path / "chats.jsonl", convs)
+    args = [sys.executable, str(ROOT / "tools/token_ids.py"), "data=chat", f"data.paths=[{path}]", "data.split='3,1,0'",
+            "train.seq_length=512", FULL_VOCAB]
+    out = subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    train, _ = _datasets(tmp_path, path, FULL_VOCAB)
+    want, total = set(), 0
+    for d in train.doc_ids:
+        conv = convs[int(d)]
+        ids = encode_chat(train.tokenizer, conv["messages"], conv.get("tools"), thinking=conv["thinking"])[0]
+        want, total = want | set(ids), total + len(ids)
+    assert eod_id(train.tokenizer) not in want  # the padding id: in the samples, not in the conversations
+    assert got["ids"] == sorted(want) and token_ids(got["spec"].split(",")) == sorted(want)
+    assert got["tokens"] == total
+    few = json.loads(subprocess.run(args + ["--json", "--min-count", "50"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout)
+    assert few["ids"] and set(few["ids"]) < want
+    bad = subprocess.run(args + ["train.nope=1"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "train.nope" in bad.stderr
