@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_k3.config import ConfigError, available_models, load_model_config
+from megatron_k3.config import ConfigError, available_models, compose_run_config, load_model_config
 
 
 def test_all_model_configs_load():
@@ -75,3 +75,13 @@ def test_configs_hash_by_value_and_drop_the_cached_hash_when_copied():
     assert hash(b) == hash(wider)
     for c in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a)):
         assert "_hash" not in vars(c) and c == a and hash(c) == hash(a)
+
+
+def test_train_steps_beside_epochs_is_refused_not_ignored():
+    """train.epochs > 0 decides the step count: a train.steps given with it (train=sft sets epochs=2) is refused,
+    naming the key and the way out; with train.epochs=0 the steps stand."""
+    with pytest.raises(ConfigError, match=r"train\.steps=7: ignored while train\.epochs=2 .*train\.epochs=0"):
+        compose_run_config(["train=sft", "data=chat", "train.steps=7"])
+    run, _, _ = compose_run_config(["train=sft", "data=chat", "train.epochs=0", "train.steps=7"])
+    assert run.train.steps == 7 and run.train.epochs == 0
+    assert compose_run_config(["train=sft", "data=chat"])[0].train.epochs == 2  # the default steps: no complaint

@@ -112,9 +112,21 @@ def compose_run_config(overrides: Iterable[str] = (), world_size: int = 1, model
     Returns (RunConfig, the composed DictConfig without `hydra`, the hydra node). Raises ConfigError
     with a one-line message on any mistake. `model_reader(path) -> ModelConfig`: reads a Hugging Face
     directory's config.json, for model=from_checkpoint (module docstring)."""
+    overrides = list(overrides)
     run, cfg, hydra_node = compose_config(overrides, model_reader)
+    _check_steps_with_epochs(run, overrides)
     run.validate(world_size)
     return run, cfg, hydra_node
+
+
+def _check_steps_with_epochs(run: RunConfig, overrides: list) -> None:
+    """train.epochs > 0 sets the step count (training.loop), so a train.steps given on the command line beside it
+    would be ignored: refuse it (train=sft sets epochs, a short run of it needs train.epochs=0)."""
+    given = [o for o in overrides if o.lstrip("+").startswith("train.steps=")]
+    if given and run.train.epochs:
+        raise ConfigError("train.steps", run.train.steps, f"ignored while train.epochs={run.train.epochs:g} (train=sft "
+                          f"sets it): the passes over the data decide the step count; add train.epochs=0 to run "
+                          f"{run.train.steps} steps, or drop train.steps")
 
 
 def compose_config(overrides: Iterable[str] = (), model_reader=None):
