@@ -25,6 +25,10 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:  # the model's init sets the weight
         pass
 
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's projection of a token tile (parallel.tiling); an adapted head (megatron_k3.peft) adds to it."""
+        return nn.functional.linear(x, self.weight, self.bias)
+
 
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:  # the model's init sets the weight

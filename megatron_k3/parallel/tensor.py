@@ -117,8 +117,13 @@ class ColumnParallelLinear(nn.Module):
             x = self.tp.copy(x)
         elif self.input_mode == "enter":
             x = self.tp.enter(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local_logits(x)
         return M.gather_last(y, self.tp.group) if self.gather_output else y
+
+    def local_logits(self, x):
+        """This rank's output columns of an input already in the TP region (the vocabulary-parallel LM head's logits
+        of a token tile: parallel.tiling); an adapted layer (megatron_k3.peft) adds to it."""
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, gather_output="

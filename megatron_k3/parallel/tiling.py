@@ -106,11 +106,9 @@ def _tiled_head(model, tile: int):
         inner, seq = (loss_fn.inner, loss_fn.seq) if hasattr(loss_fn, "seq") else (loss_fn, None)
         ignore = getattr(inner, "ignore_index", -100)
 
-        project = getattr(head, "local_logits", None) or (lambda t: torch.nn.functional.linear(t, head.weight))
-
-        def tile_sum(x_t, y_t):  # (an adapted head, megatron_k3.peft, brings its own local_logits)
+        def tile_sum(x_t, y_t):
             count = (y_t != ignore).sum()
-            mean = inner(project(x_t), y_t)
+            mean = inner(head.local_logits(x_t), y_t)
             return torch.where(count > 0, mean * count, torch.zeros_like(mean))
 
         total = sum(checkpoint(tile_sum, x[i * tile:(i + 1) * tile], y[i * tile:(i + 1) * tile], use_reentrant=False)

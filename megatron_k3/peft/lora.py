@@ -38,7 +38,6 @@ from ..model.layers import Linear
 from ..model.mla import GatedMLA
 from ..model.mlp import GatedMLP
 from ..model.moe import StableLatentMoE
-from ..parallel import mappings as M
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, TensorParallel, mark_partial_grad
 from .experts import MATRICES, FrozenExperts, adapter_names
 from .tokens import DELTA, apply_tokens, check_tokens
@@ -89,17 +88,10 @@ class LoRALinear(Linear):
 
 
 class LoRAColumn(ColumnParallelLinear):
-    """A column-parallel linear with its adapter: the term joins this rank's output columns before any gather."""
+    """A column-parallel linear with its adapter: the term joins this rank's output columns before any gather
+    (ColumnParallelLinear.forward computes them with local_logits)."""
 
-    def forward(self, x):
-        if self.input_mode == "copy":
-            x = self.tp.copy(x)
-        elif self.input_mode == "enter":
-            x = self.tp.enter(x)
-        y = F.linear(x, self.weight, self.bias) + _term(self, x)
-        return M.gather_last(y, self.tp.group) if self.gather_output else y
-
-    def local_logits(self, x):  # this rank's output columns of an input already in the TP region (parallel.tiling)
+    def local_logits(self, x):
         return F.linear(x, self.weight, self.bias) + _term(self, x)
 
 
