@@ -4,11 +4,11 @@ memory, as ratios to no recomputation, in one run on this CPU (megatron_k3.paral
     .venv/bin/python bench/recompute.py [--model k3_tiny --seq 2048 --batch 1 --tile 256 --reps 5]
 
 Each variant builds the same model (same seed), applies its policy from outside as the Trainer does
-(tests/helpers.wrapped_model), and runs
-forward + backward of the same batch: the step time is the median of --reps timed steps after a warm-up, taken
-round-robin over the variants so the machine's drift hits them alike; the peak is the live-tensor peak of one more
-step under megatron_k3.planning.measure.LiveTensorMemory (every tensor storage an op creates), with the weights and
-gradients it holds. Every variant's gradients are checked against no recomputation's (bit for bit for the
+(tests/helpers.wrapped_model), and runs forward + backward of the same batch: the step time is the median of --reps
+timed steps after a warm-up, taken round-robin over the variants so the machine's drift hits them alike; the peak is
+the live-tensor peak of one more step under megatron_k3.planning.measure.LiveTensorMemory (every tensor storage an
+op creates), with the weights and gradients it holds; the offloaded copies are counted as host memory ("host MB"),
+apart from the peak. Every variant's gradients are checked against no recomputation's (bit for bit for the
 recomputation and offload variants, to fp32 rounding for tiling).
 """
 
@@ -72,24 +72,28 @@ def main():
             t0 = time.perf_counter()
             step(model, ids)
             times[name].append(time.perf_counter() - t0)
-    peaks = {}
+    peaks, host = {}, {}
     for name, (model, _) in models.items():
         model.zero_grad(set_to_none=True)
         tracker = LiveTensorMemory()
+        off = getattr(model, "host_offload", None)
+        if off is not None:  # the offloaded copies are host memory, apart from the peak
+            off.host_context = tracker.host_allocations
         with tracker:
             step(model, ids)
-        peaks[name] = tracker.peak
+        peaks[name], host[name] = tracker.peak, tracker.host_peak
     ref = grads["none"]
     base_t, base_m = statistics.median(times["none"]), peaks["none"]
     print(f"{a.model}, {a.batch} x {a.seq} tokens, tiles of {a.tile}, {torch.get_num_threads()} threads, median of "
           f"{a.reps} steps (forward + backward)")
-    print(f"{'variant':32s} {'step s':>8s} {'x none':>7s} {'peak MB':>9s} {'x none':>7s}  gradients vs none")
+    print(f"{'variant':32s} {'step s':>8s} {'x none':>7s} {'peak MB':>9s} {'x none':>7s} {'host MB':>8s}  "
+          "gradients vs none")
     for name in models:
         worst = max(((grads[name][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref.items())
         exact = all(torch.equal(grads[name][n], g) for n, g in ref.items())
         t = statistics.median(times[name])
-        print(f"{name:32s} {t:8.3f} {t / base_t:7.2f} {peaks[name] / 1e6:9.1f} {peaks[name] / base_m:7.2f}  "
-              f"{'bit-identical' if exact else f'max rel {worst:.1e}'}")
+        print(f"{name:32s} {t:8.3f} {t / base_t:7.2f} {peaks[name] / 1e6:9.1f} {peaks[name] / base_m:7.2f} "
+              f"{host[name] / 1e6:8.1f}  {'bit-identical' if exact else f'max rel {worst:.1e}'}")
 
 
 if __name__ == "__main__":

@@ -271,12 +271,12 @@ def _plan(overrides) -> dict:
 
 @pytest.mark.slow
 def test_memory_estimate_under_context_parallelism(tmp_path):
-    """The peak of live tensor bytes of two real k3_tiny steps (one micro-batch of 2 x 512 tokens, packed) at
-    cp=1 and cp=2 against tools/plan.py for the same runs. Measured on 2 CPU cores (2026-12-04, after the planner's
-    flash-attention term): cp=1 453 MB vs 477 MB planned, cp=2 237 MB vs 261 MB (the estimate is 5-10% high; the
-    saving 0.52 measured, 0.55 planned); 12% is the bound. The cp=2 plan includes the gathered latent and the keys
-    and values expanded from it on every rank, the attention spans of the zigzag query blocks and KDA's wider chunk
-    kernel (planning/activations.py)."""
+    """The peak of live tensor bytes of two real k3_tiny steps (one micro-batch of 2 x 512 tokens, packed) at cp=1 and
+    cp=2 against tools/plan.py for the same runs. Measured on 2 CPU cores (2026-12-04, with MLA's values padded
+    for the CPU flash kernel, ops.attention): cp=1 445 MB vs 478 MB planned, cp=2 235 MB vs 261 MB (the estimate
+    is 7-11% high; the saving 0.53 measured, 0.55 planned); 12% is the bound. The cp=2 plan includes the gathered
+    latent and the keys and values expanded from it on every rank, the attention spans of the zigzag query blocks
+    and KDA's wider chunk kernel (planning/activations.py)."""
     base = ["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512"]
     peaks, plans = {}, {}
     for cp in (1, 2):

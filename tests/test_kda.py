@@ -304,6 +304,27 @@ def test_seq_idx_matches_cu_seqlens_and_separate_documents(layout_name, chunk_si
     assert_close(ours32, ref64, label=f"fp32 vs fp64 reference {label}")
 
 
+@pytest.mark.parametrize("cut", [16, 64, 96])
+@pytest.mark.parametrize("layout_name", list(SEQ_LAYOUTS))
+def test_seq_idx_range_continues_the_state_of_the_range_before(layout_name, cut):
+    """A row cut at a chunk boundary into two ranges: the first's final state with the document of its last token
+    (`state_doc`) continues the second, and the two outputs are the whole row's; the final state is the
+    recurrence's state of the row's last document (fp64 against the per-document recurrence, 1e-10)."""
+    layout = SEQ_LAYOUTS[layout_name]
+    x = {n: t for n, t in make_inputs(B=2, T=SEQ_T, H=2, K=8, V=8, seed=25, init=False).items()
+         if n != "initial_state"}
+    seq_idx = _seq_idx(layout)
+    kw = dict(chunk_size=16, backend="torch", output_final_state=True)
+    o1, S1 = chunk_kda(**{n: t[:, :cut] for n, t in x.items()}, seq_idx=seq_idx[:, :cut], **kw)
+    o2, S2 = chunk_kda(**{n: t[:, cut:] for n, t in x.items()}, seq_idx=seq_idx[:, cut:], initial_state=S1,
+                       state_doc=seq_idx[:, cut - 1], **kw)
+    ref = _per_row_and_document(layout, recurrent_kda)(**x)
+    assert max_abs_rel(torch.cat([o1, o2], dim=1), ref) < 1e-10
+    for b, lengths in enumerate(layout):  # the state after each row's last token, in its document
+        last = {n: t[b:b + 1, SEQ_T - lengths[-1]:] for n, t in x.items()}
+        assert max_abs_rel(S2[b], recurrent_kda(**last, output_final_state=True)[1][0]) < 1e-10
+
+
 def test_seq_idx_strong_gates_reach_the_fp32_overflow_range():
     # the cases above must include chunks whose total decay exp(-G) would overflow fp32 (G < -88)
     for gate in ("strong", "kimi_strong"):
@@ -349,8 +370,12 @@ def _seq_idx_bad_cases():
         ("seq_idx", dict(ok, seq_idx=torch.zeros(B * T, dtype=torch.long))),  # not [B, T]
         ("seq_idx", dict(ok, seq_idx=torch.zeros(B, T))),  # float
         ("cu_seqlens", dict(one, cu_seqlens=torch.tensor([0, 4, 10]))),
-        ("initial_state", dict(ok, initial_state=torch.zeros(B, H, K, K))),
-        ("output_final_state", dict(ok, output_final_state=True)),
+        ("state_doc", dict(ok, initial_state=torch.zeros(B, H, K, K))),  # a state without its document
+        ("state_doc", dict(ok, state_doc=torch.zeros(B, dtype=torch.long))),  # a document without its state
+        ("state_doc", dict(ok, initial_state=torch.zeros(B, H, K, K), state_doc=torch.zeros(B))),  # float
+        ("state_doc", dict(ok, initial_state=torch.zeros(B, H, K, K), state_doc=torch.zeros(1, dtype=torch.long))),
+        ("state_doc", dict({n: x for n, x in ok.items() if n != "seq_idx"},
+                           state_doc=torch.zeros(B, dtype=torch.long))),
     ]
 
 

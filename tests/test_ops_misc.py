@@ -1,4 +1,5 @@
-"""Short convolution, AttnRes and SiTU against plain references (including gradients)."""
+"""Short convolution, AttnRes, SiTU and attention with a narrower value head against plain references (including
+gradients)."""
 
 import importlib.util
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import max_abs_rel
 
+from megatron_k3.ops.attention import attention
 from megatron_k3.ops.attn_res import attn_res, attn_res_block_stats, attn_res_merge
 from megatron_k3.ops.glu import glu_act, situ
 from megatron_k3.ops.short_conv import causal_conv1d, causal_conv1d_reference
@@ -109,3 +111,45 @@ def test_situ_glu_formula_and_gradient():
     # near zero SiTU-GLU is SwiGLU
     small = torch.linspace(-1e-3, 1e-3, 11, dtype=torch.float64)
     assert max_abs_rel(glu_act(small, small, "situ"), F.silu(small) * small) < 1e-5
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_narrower_values_runs_the_flash_kernel_and_matches_softmax(dtype, mask):
+    """ops.attention with MLA's head dims (keys 48 = 32 + 16, values 32) against the plain softmax(q k^T) v in fp64:
+    output and the gradients of q, k, v within 1e-5 (fp32) / 2e-2 (bf16, its 8-bit mantissa) of the largest
+    element; torch's CPU flash kernel runs forward and backward (no [B, H, T, S] probabilities, no math fallback)."""
+    g = torch.Generator().manual_seed(7)
+    B, H, T, S, K, V = 2, 3, 40, 56, 48, 32  # queries at the end of the keys (a CP query block's shape)
+    q, k, v = (torch.randn(B, H, n, d, generator=g) for n, d in ((T, K), (S, K), (S, V)))
+    keep = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    if mask == "document":
+        keep = keep & ((torch.arange(S)[None, :] >= 20) == (torch.arange(S - T, S)[:, None] >= 20))
+    do = torch.randn(B, H, T, V, generator=g)
+    results = []
+    for fn, dt in ((None, torch.float64), (attention, dtype)):
+        xs = [x.to(dt).requires_grad_() for x in (q, k, v)]
+        ops = _Ops()
+        with ops:
+            if fn is None:
+                s = (xs[0] @ xs[1].transpose(-1, -2)) * K**-0.5
+                o = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ xs[2]
+            else:
+                o = fn(*xs, attn_mask=keep)
+            o.backward(do.to(dt))
+        results.append([o.detach().double()] + [x.grad.double() for x in xs])
+    assert any("flash_attention_for_cpu_backward" in n for n in ops.names), sorted(ops.names)
+    assert not any("softmax" in n for n in ops.names), sorted(ops.names)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, got, ref in zip(("o", "dq", "dk", "dv"), results[1], results[0]):
+        assert got.shape == ref.shape and max_abs_rel(got, ref) < tol, (name, max_abs_rel(got, ref))

@@ -173,13 +173,15 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
     (2, ["parallel.ep=2", "model.moe_overflow=balanced"], [TILED]),
     (2, ["parallel.cp=2"], [TILED]),
     (2, ["model=k3_vl_tiny", "data=multimodal", "parallel.tp=2", FULL_VOCAB], []),  # the tower's blocks, attention
-    (1, ["train.compile=true", "train.compile_backend=aot_eager"], []),
+    (1, ["train.compile=true", "train.compile_backend=aot_eager"],
+     [("offloaded", ["train.recompute=full", "train.offload_buffer_gb=1"])]),
 ], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_dropless", "ep2_balanced", "cp2", "vision_tp2", "compiled_aot_eager"])
 def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):
     """Also, per layout: sequence tiling (to rounding), activation offload under pp2 and the overlapped gradient
-    reduction at dp2 (bit for bit), each against the same layout's none. Compiled: none and selective (whose regions
-    are traced inside the compiled layer); full wraps the compiled layer and calls the same compiled code again,
-    which test_recompute_under_inductor checks bit for bit (make test-compile)."""
+    reduction at dp2 (bit for bit), each against the same layout's none. Compiled: none, selective (whose regions
+    are traced inside the compiled layer) and full with its layer inputs offloaded (full wraps the compiled layer and
+    calls the same compiled code again, reading the inputs back from host memory; test_recompute_under_inductor
+    checks full bit for bit under inductor, make test-compile)."""
     policies = POLICY_ORDER[:2] if "train.compile=true" in overrides else POLICY_ORDER
     results = run_distributed(_policies, world, overrides, str(tmp_path), extra, policies, timeout=900)
     _assert_same(results, overrides, ("tiled",))

@@ -2,11 +2,13 @@
 (train.offload_buffer_gb, megatron_k3.parallel.offload).
 
 - Tiling, one process: the loss within 1e-6 and every gradient within 1e-5 (max |diff| / max |ref| per tensor) of
-  untiled, under none, selective and full recomputation. Why not bit for bit: the tiles' loss means are added
-  weighted by their token counts, the weight gradients are sums over tokens added tile by tile, and the router's and
-  experts' GEMMs take another code path for fewer rows (fp32 rounding; measured: the loss equal, the worst gradient
-  2.1e-6 at 16-token tiles, KDA's A_log, whose gradient sums every token and channel of a head, 9e-7 at 32). The
-  routers are observed once per micro-batch and MoE layer over all its rows, and the load counts are equal.
+  untiled, under none, selective and full recomputation, KDA's delta rule tiled too (16-token chunks; KDA's tiled
+  kernel alone is bit for bit the untiled one on rows and seq_idx documents, with and without states). Why not bit for
+  bit: the tiles' loss means are added weighted by their token counts, the weight gradients are sums over tokens added
+  tile by tile, and the router's and experts' GEMMs take another code path for fewer rows (fp32 rounding; measured:
+  the loss equal, the worst gradient 2.1e-6 at 16-token tiles, KDA's A_log, whose gradient sums every token and
+  channel of a head, 9e-7 at 32). The routers are observed once per micro-batch and MoE layer over all its rows, and
+  the load counts are equal.
 - Offload, one process: bit for bit equal to full recomputation (the host round trip copies values; the graph is
   full's), the completed AttnRes blocks held once however many layers read them, all host memory released by the
   backward, a budget too small keeps the inputs on the device and is still exact.
@@ -20,11 +22,74 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import TINY_MODEL, ObservationCounter, max_abs_rel, wrapped_model
 
 from megatron_k3.parallel.recompute import Policy
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
+KDA16 = ["model.kda_chunk_size=16"]  # KDA's tiles are whole chunks: 16-token chunks let 16- and 32-token tiles cut KDA
+
+
+def _kda_inputs(B, T, N=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    H, HV, K, V = 2, 4, 8, 6
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) for _ in range(2))
+    x = dict(q=q, k=k, v=torch.randn(B, T, HV, V, generator=g), g=-5 * torch.rand(B, T, HV, K, generator=g),
+             beta=torch.rand(B, T, HV, generator=g))
+    return x, torch.randn(N or B, HV, K, V, generator=g)
+
+
+def _kda_run(fn, x, **kw):
+    """Output, final state (if any) and the gradients of every input, under fixed random cotangents."""
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, S = fn(**leaves, **kw)
+    g = torch.Generator().manual_seed(9)
+    loss = (o * torch.randn(o.shape, generator=g)).sum()
+    if S is not None:
+        loss = loss + (S * torch.randn(S.shape, generator=g)).sum()
+    loss.backward()
+    return [o.detach()] + ([] if S is None else [S.detach()]) + [t.grad for t in leaves.values()]
+
+
+def _kda_cases():
+    x, init = _kda_inputs(2, 200)
+    seq_idx = torch.sort(torch.randint(0, 5, (2, 200), generator=torch.Generator().manual_seed(3)), dim=1).values
+    x1, init1 = _kda_inputs(1, 200, N=6)
+    cu = torch.tensor([0, 5, 5, 70, 71, 150, 200])  # an empty document, one of length 1, pieces cut by tiles
+    return [("rows", x, {}), ("rows, states", x, dict(initial_state=init, output_final_state=True)),
+            ("seq_idx", x, dict(seq_idx=seq_idx)),
+            ("cu_seqlens, states", x1, dict(cu_seqlens=cu, initial_state=init1, output_final_state=True))]
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+def test_tiled_kda_follows_the_untiled_kernel_and_keeps_one_tile_of_chunk_terms(tile):
+    """KDA's delta rule over sequence tiles (tiling.tiled_kda; fp32, 16-token chunks, T = 200, so the last tile is
+    short and padded): rows with and without states and seq_idx documents are bit for bit the untiled kernel (the
+    same chunks, the state handed over between tiles as between chunks); under cu_seqlens a document a tile cuts is
+    chunked again from the cut, so it agrees to fp32 rounding (1e-6 of the largest element; measured <= 5e-7).
+    The live chunk terms at T = 2048 shrink with the tile (planning.measure's live-tensor peak of a forward and
+    backward: tiled below 0.6 of untiled at 256-token tiles)."""
+    from megatron_k3.ops.kda import chunk_kda
+    from megatron_k3.parallel.tiling import tiled_kda
+
+    for label, x, kw in _kda_cases():
+        ref = _kda_run(chunk_kda, x, chunk_size=16, **kw)
+        got = _kda_run(tiled_kda(chunk_kda, tile), x, chunk_size=16, **kw)
+        exact = "cu_seqlens" not in label
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b) if exact else max_abs_rel(a, b) < 1e-6, label
+    if tile == 64:
+        from megatron_k3.planning.measure import LiveTensorMemory
+
+        x, _ = _kda_inputs(1, 2048, seed=1)
+        peaks = []
+        for fn in (chunk_kda, tiled_kda(chunk_kda, 256)):
+            with LiveTensorMemory() as mem:
+                mem.track_all(x.values())
+                _kda_run(fn, x, chunk_size=64)
+            peaks.append(mem.peak)
+        assert peaks[1] < 0.6 * peaks[0], peaks
 
 
 def _step(policy: Policy, tile: int = 0, extra=()):
@@ -50,8 +115,8 @@ def _step(policy: Policy, tile: int = 0, extra=()):
 @pytest.mark.parametrize("policy", [Policy("none"), Policy("selective"), Policy("full")], ids=lambda p: p.name)
 @pytest.mark.parametrize("tile", [16, 32])
 def test_tiled_equals_untiled_to_rounding(policy, tile):
-    loss, grads, observed, loads, *_ = _step(policy)
-    t_loss, t_grads, t_observed, t_loads, *_ = _step(policy, tile)
+    loss, grads, observed, loads, *_ = _step(policy, 0, KDA16)
+    t_loss, t_grads, t_observed, t_loads, *_ = _step(policy, tile, KDA16)
     assert abs(t_loss - loss) <= LOSS_RTOL * abs(loss)
     assert t_grads.keys() == grads.keys()
     worst = max(max_abs_rel(t_grads[n], g) for n, g in grads.items())
@@ -71,6 +136,28 @@ def test_offload_is_bit_identical_to_full_and_releases_its_host_memory():
         held = 4 * 2 * 64 * 64 * 4
         assert (used, on_device) == ((held, 0) if budget > held else (0, held)), (budget, used, on_device)
         assert off.used == 0 and not off._by_storage  # all read back and released by the backward
+
+
+def test_a_memory_measurement_counts_the_offloaded_copies_as_host_memory():
+    """planning.measure.LiveTensorMemory with the offload's host_context (as tools/build_rank.py --step and
+    bench/recompute.py set it): the host copies are counted apart (host_peak = the offload's own peak, the 4 held
+    inputs), so the device peak falls below full recomputation's; full alone has no host memory."""
+    from megatron_k3.planning.measure import LiveTensorMemory
+
+    peaks = {}
+    for budget in (0, 10**9):
+        model, cfg, _ = wrapped_model(TINY_MODEL, Policy("full", offload_bytes=budget))
+        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+        tracker = LiveTensorMemory()
+        off = getattr(model, "host_offload", None)
+        if off is not None:
+            off.host_context = tracker.host_allocations
+        with tracker:
+            model(ids, labels=ids).loss.backward()
+        peaks[budget] = (tracker.peak, tracker.host_peak, None if off is None else off.peak)
+    assert peaks[0][1:] == (0, None)
+    assert peaks[10**9][1] == peaks[10**9][2] == 4 * 2 * 64 * 64 * 4
+    assert peaks[10**9][0] < peaks[0][0], peaks
 
 
 def test_bad_tiling_and_offload_name_the_key():

@@ -141,6 +141,8 @@ def materialize_report(m: dict, planned: dict) -> list:
         ratio = st["live_peak_bytes"] / planned["step_bytes"]
         lines.append(f"  forward + backward of {st['tokens']} tokens: {st['seconds']:.1f} s; live-tensor peak "
                      f"{_gb(st['live_peak_bytes'])} ({st['peak_phase']}), gradients {_gb(st['grads_bytes'])}")
+        if "host_peak_bytes" in st:
+            lines.append(f"  offloaded to host memory (not in the device peak): peak {_gb(st['host_peak_bytes'])}")
         lines.append(f"  measured: live-tensor peak {_gb(m['measured']['live_peak_bytes'])}, process RSS peak "
                      f"{_gb(m['measured']['rss_peak_bytes'])}")
         lines.append(f"  planner for the same phase: {_gb(planned['step_bytes'])} (weights "

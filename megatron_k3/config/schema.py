@@ -38,6 +38,12 @@ def recomputed_kinds(policy: str, modules) -> frozenset:
     return frozenset(modules or RECOMPUTE_MODULES) if policy == "selective" else frozenset()
 
 
+def kda_tile(tile_tokens: int, chunk_size: int) -> int:
+    """KDA's sequence tile under train.tile_tokens: the whole chunks of model.kda_chunk_size that cover that many
+    tokens (a tile boundary is a chunk boundary; parallel.tiling runs it, the planner counts it)."""
+    return -(-tile_tokens // chunk_size) * chunk_size
+
+
 def _require_ints(obj, prefix: str, keys, minimum: int) -> None:
     for k in keys:
         v = getattr(obj, k)
@@ -468,7 +474,8 @@ class TrainConfig:
     # go to host in the forward, come back for the layer's backward; what does not fit stays on the device
     offload_buffer_gb: float = 0.0
     # tokens per tile of the per-token parts (MoE dispatch and experts, shared experts, LM head and loss;
-    # megatron_k3.parallel.tiling); 0: untiled. Must divide the tokens a device holds per micro-batch
+    # megatron_k3.parallel.tiling) and of KDA's delta rule (the whole chunks covering that many); 0: untiled. Must
+    # divide the tokens a device holds per micro-batch
     tile_tokens: int = 0
     # how a step's loss averages its tokens: token (the mean over every loss token of the global batch, Megatron's
     # --calculate-per-token-loss: a conversation's gradient does not depend on the micro-batch or rank it falls in),

@@ -29,7 +29,10 @@ from .norm import l2norm
 
 
 class KDAKernels:
-    """The sequence-mixing steps of a KDA layer over the whole sequence on one device."""
+    """The sequence-mixing steps of a KDA layer over the whole sequence on one device. `chunk_fn` is the chunked
+    delta rule (`ops.kda.chunk_kda`'s signature) every path runs; a wrapper may stand in for it (sequence tiling)."""
+
+    chunk_fn = staticmethod(chunk_kda)
 
     def conv(self, x_BTC: torch.Tensor, weight_CW: torch.Tensor, cache: torch.Tensor | None,
              cu_seqlens: torch.Tensor | None, keep: bool, seq_idx: torch.Tensor | None = None):
@@ -44,8 +47,8 @@ class KDAKernels:
         seq_idx [B, T] (at most one; seq_idx takes no state)."""
         if keep and initial_state is not None and q.shape[1] <= 4:  # decode: the plain recurrence is the cheapest
             return recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
-        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=keep, chunk_size=chunk_size,
-                         cu_seqlens=cu_seqlens, seq_idx=seq_idx, lower_bound=lower_bound)
+        return self.chunk_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=keep,
+                             chunk_size=chunk_size, cu_seqlens=cu_seqlens, seq_idx=seq_idx, lower_bound=lower_bound)
 
 
 def _dt_bias_from_log_dt(log_dt: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ logit; `rescale_qk_` shrinks a head's logits by gamma via its query/key weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..annotations import annotate
+from ..ops.attention import attention
 from ..ops.kda import seq_idx_from_cu_seqlens
 from ..ops.numerics import compute_dtype
 from .cache import MLAState
@@ -81,10 +81,10 @@ class AttentionKernels:
         """Causal attention (document-local with packed rows: cu_seqlens, or seq_idx [B, T]) -> [B, H, T, V]."""
         mask = self._mask(cu_seqlens, seq_idx, q_BHTK.shape[2])
         if mask is None:
-            return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
+            return attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
         if mask.dim() == 3:  # per row, broadcast over heads
             mask = mask[:, None]
-        return F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask, scale=scale)
+        return attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask, scale=scale)
 
     def max_logit(self, q_BHTK, k_BHSK, cu_seqlens, scale: float, seq_idx=None) -> torch.Tensor:
         """[H]: the largest logit of each head over the keys its queries may see."""

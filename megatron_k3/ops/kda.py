@@ -10,7 +10,7 @@ of two forms: `cu_seqlens`, the 1-D tensor of N+1 document offsets of a single r
 (per-document layout, per-document initial and final states; prefill with a decode cache); or `seq_idx` [B, T]
 int, the index of the document each token belongs to (non-decreasing along T, as fla/mamba's seq_idx), which
 `chunk_kda` handles with static shapes and no host read (fixed chunks with document masks; what torch.compile
-traces without graph breaks), without initial or final states.
+traces without graph breaks); its states are each row's own (a row continuing a document: `state_doc`).
 
 Per head, with state S in R^{K x V}, the recurrence is
     S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T (scale q_t).
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .numerics import compute_dtype
 
-__all__ = ["chunk_kda", "recurrent_kda"]
+__all__ = ["chunk_kda", "recurrent_kda", "runs_fused"]
 
 _BACKENDS = ("auto", "torch", "fla")
 _DIAG_BLOCK = 1  # diagonal blocks done pairwise (see _intra_chunk_scores); 1: sibling-block matmuls cover all
@@ -81,21 +81,21 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=None):
     return B, T, H, K, HV, V, N, cu_list
 
 
-def _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, output_final_state):
-    """Checks `seq_idx` [B, T] by its shape and dtype only (its values are never read on the host)."""
-    if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (B, T):
-        shape = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx)
-        raise ValueError(f"`seq_idx` must be a [B, T] = {(B, T)} tensor of document indices, got {shape}")
-    if seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool:
-        raise ValueError(f"`seq_idx` must hold integers, got dtype {seq_idx.dtype}")
+def _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, state_doc):
+    """Checks `seq_idx` [B, T] (and `state_doc` [B]) by shape and dtype only (values are never read on the host)."""
+    for name, x, shape in (("seq_idx", seq_idx, (B, T)), ("state_doc", state_doc, (B,))):
+        if x is None and name == "state_doc":
+            continue
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)
+            raise ValueError(f"`{name}` must be a {list(shape)} = {shape} tensor of document indices, got {got}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ValueError(f"`{name}` must hold integers, got dtype {x.dtype}")
     if cu_seqlens is not None:
         raise ValueError("`seq_idx` and `cu_seqlens` describe the same documents: pass one of them, not both")
-    if initial_state is not None:
-        raise ValueError("`initial_state` is not taken with `seq_idx` (documents start from a zero state); "
-                         "use `cu_seqlens` for per-document initial states")
-    if output_final_state:
-        raise ValueError("`output_final_state` is not available with `seq_idx`; use `cu_seqlens` for "
-                         "per-document final states")
+    if (initial_state is None) != (state_doc is None):
+        raise ValueError("with `seq_idx`, `initial_state` [B, HV, K, V] and `state_doc` [B] (the document it belongs "
+                         "to) come together: the state enters the row's leading tokens of that document")
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int, device=None) -> torch.Tensor:
@@ -181,6 +181,7 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     *,
     seq_idx: torch.Tensor | None = None,
+    state_doc: torch.Tensor | None = None,
     backend: str = "auto",
     lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,8 +189,10 @@ def chunk_kda(
 
     seq_idx: [B, T] int, the document index of each token (non-decreasing along each row, any B): every document
     starts from a zero state, as with the equivalent `cu_seqlens`, but with static shapes and no host read of the
-    layout (see `_chunk_kda_torch`). Exclusive with `cu_seqlens`; needs initial_state None and
-    output_final_state False.
+    layout (see `_chunk_kda_torch`). Exclusive with `cu_seqlens`. A row can continue a document from before it
+    (a range of a longer row: sequence tiling): `initial_state` [B, HV, K, V] with `state_doc` [B], the document
+    that state belongs to, reaches the row's leading tokens of that document; the final state ([B, HV, K, V],
+    `output_final_state`) is the state after each row's last token, in that token's document.
 
     lower_bound: when the caller guarantees lower_bound <= g < 0 (K3's gate, -5), fla's kernel may use its
     bounded-gate ("safe_gate") path; the torch path is safe for any g and ignores it.
@@ -201,9 +204,15 @@ def chunk_kda(
         raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}")
     B, T, _, _, _, _, _, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     if seq_idx is not None:
-        _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, output_final_state)
+        _validate_seq_idx(seq_idx, B, T, cu_seqlens, initial_state, state_doc)
+    elif state_doc is not None:
+        raise ValueError("`state_doc` names the document of an initial state under `seq_idx`; no `seq_idx` given")
     if backend != "torch":
         fla_fn = _fla_chunk_kda() if (q.is_cuda and chunk_size in (32, 64)) else None
+        if fla_fn is not None and seq_idx is not None and (initial_state is not None or output_final_state):
+            if backend == "fla":
+                raise RuntimeError("backend='fla' takes no initial or final state with `seq_idx`; pass cu_seqlens")
+            fla_fn = None
         if fla_fn is not None:
             bounded = {"safe_gate": True, "lower_bound": lower_bound} if lower_bound is not None else {}
             if seq_idx is not None:
@@ -218,7 +227,7 @@ def chunk_kda(
                 "backend='fla' needs CUDA tensors, chunk_size 32 or 64 and an importable flash-linear-attention"
             )
     return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list,
-                            seq_idx)
+                            seq_idx, state_doc)
 
 
 def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded):
@@ -232,6 +241,11 @@ def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded):
     o, _ = fla_fn(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale, initial_state=None,
                   output_final_state=False, cu_seqlens=_seq_idx_to_cu_seqlens(seq_idx), **bounded)
     return o.reshape(B, T, *o.shape[2:]).to(v.dtype), None
+
+
+def runs_fused(q: torch.Tensor, chunk_size: int, backend: str = "auto") -> bool:
+    """Whether `chunk_kda` on `q` runs fla's fused kernel (which never materialises the chunk terms at once)."""
+    return backend != "torch" and q.is_cuda and chunk_size in (32, 64) and _fla_chunk_kda() is not None
 
 
 def _fla_chunk_kda():
@@ -295,13 +309,17 @@ class _Chunks:
         return o_BTHV[:, :self.T] if not self.documents else o_BTHV[:, self.out_idx]
 
 
-def _document_masks(seq_idx, chunks, dt):
+def _document_masks(seq_idx, chunks, dt, state_doc=None):
     """seq_idx's per-chunk document masks (same_ij, c_i, e_i of `_chunk_kda_torch`), [N, B, 1, C(, C)] in dt
-    (broadcast over heads); tail padding is document -1."""
+    (broadcast over heads); tail padding joins the row's last document (inert: zero q, k, v, beta and g), so the
+    state after the last chunk is that document's. `state_doc` [B]: the document of the incoming state (default:
+    the row's first token's, whose incoming state is zero)."""
     B, NC, C = chunks.B, chunks.NC, chunks.C
-    doc = F.pad(seq_idx.to(dtype=torch.long), (0, chunks.pad), value=-1)
+    doc = seq_idx.to(dtype=torch.long)
+    doc = torch.cat([doc, doc[:, -1:].expand(B, chunks.pad)], dim=1)
     doc = doc.reshape(B, NC, C).movedim(1, 0).unsqueeze(2)  # [N, B, 1, C]
-    prev = torch.cat([doc[:1, ..., :1], doc[:-1, ..., -1:]], dim=0)  # [N, B, 1, 1]
+    first = doc[:1, ..., :1] if state_doc is None else state_doc.to(doc).reshape(1, B, 1, 1)
+    prev = torch.cat([first, doc[:-1, ..., -1:]], dim=0)  # [N, B, 1, 1]
     return ((doc[..., :, None] == doc[..., None, :]).to(dt),  # same_ij
             (doc == prev).to(dt)[..., None],  # c_i, [N, B, 1, C, 1]
             (doc == doc[..., -1:]).to(dt)[..., None])  # e_i
@@ -359,7 +377,8 @@ def _hand_off(M, N_, chunks, initial_state, zeros):
     return torch.stack(chunk_start_states), S, finals
 
 
-def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C, cu_list, seq_idx=None):
+def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C, cu_list, seq_idx=None,
+                     state_doc=None):
     """Chunked KDA in torch (plain autograd). Per chunk with start state S, G the running sum of g, Gamma = exp(G):
     (I + A_kk) [U | W] = beta [V | K Gamma];  O = P S + R,  P = scale Q Gamma - A_qk W,  R = A_qk U;
     S_next = M S + N,  M = diag(Gamma_C) - K_tail^T W,  N = K_tail^T U,  K_tail = K exp(G_C - G).
@@ -376,8 +395,10 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     right-hand side (so W rows vanish for tokens the incoming state does not reach), K_tail <- e K_tail, and
     diag(Gamma_C) <- c_last diag(Gamma_C) in M (the state passes the whole chunk only if one document spans it).
     A document starting exactly at a chunk start has c = 0 throughout, which drops the previous document's state.
-    The masks multiply, so every exp stays <= 1 as in the plain path; tail padding gets document -1 (its q, k, v,
-    beta are zero, so it is inert whatever it joins). No final state is returned on this path.
+    The masks multiply, so every exp stays <= 1 as in the plain path; tail padding joins the last document (its q,
+    k, v, beta are zero and g = 0, so it is inert whatever it joins). With an initial state, `state_doc` [B] is
+    doc_prev of chunk 0 (the state reaches the leading tokens of that document); the last state is the document of
+    each row's last token's.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -392,7 +413,7 @@ def _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
             final = init if init is not None else q.new_zeros(N, HV, K, V, dtype=dt)
         return v.new_zeros(B, T, HV, V), final
 
-    masks = None if seq_idx is None else _document_masks(seq_idx.to(q.device), chunks, dt)
+    masks = None if seq_idx is None else _document_masks(seq_idx.to(q.device), chunks, dt, state_doc)
     grp = HV // H
     q_NBHCK = chunks.to_chunks(q.to(dt).repeat_interleave(grp, dim=2))
     k_NBHCK = chunks.to_chunks(k.to(dt).repeat_interleave(grp, dim=2))

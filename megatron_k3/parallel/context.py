@@ -50,13 +50,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..model.k3 import K3ForCausalLM
 from ..model.kda import KDAKernels, KimiDeltaAttention
 from ..model.mla import AttentionKernels, GatedMLA, max_logit_per_head
-from ..ops.kda import chunk_kda
+from ..ops.attention import attention, padded_values
 from ..ops.short_conv import causal_conv1d
 from . import mappings as M
 from .mappings import Group
@@ -247,6 +246,7 @@ def attention_context_parallel(q_BHtK: torch.Tensor, k_BHTK: torch.Tensor, v_BHT
     and values [B, H, T, .]: each query block attends only to the keys up to its last position."""
     outs = []
     dev = q_BHtK.device
+    v_all = padded_values(q_BHtK, v_BHTV)  # padded once for every query block (ops.attention)
     for j in range(2):
         pos_c = shard.positions(j, dev)
         for a in range(0, shard.c, block):
@@ -258,9 +258,9 @@ def attention_context_parallel(q_BHtK: torch.Tensor, k_BHTK: torch.Tensor, v_BHT
                 doc = shard.doc_T.to(dev)
                 mask = mask & (doc[:S][None, :] == doc[qpos][:, None])
             qb = q_BHtK[:, :, j * shard.c + a: j * shard.c + a + qpos.numel()]
-            outs.append(F.scaled_dot_product_attention(qb, k_BHTK[:, :, :S], v_BHTV[:, :, :S], attn_mask=mask,
-                                                       scale=scale))
-    return torch.cat(outs, dim=2)
+            outs.append(attention(qb, k_BHTK[:, :, :S], v_all[:, :, :S], attn_mask=mask, scale=scale))
+    o = torch.cat(outs, dim=2)
+    return o[..., :v_BHTV.shape[-1]] if o.shape[-1] != v_BHTV.shape[-1] else o
 
 
 def local_key_mask(shard: SequenceShard, device=None) -> torch.Tensor:
@@ -303,7 +303,7 @@ class ContextParallelKDA(KDAKernels):
 
     def delta_rule(self, q, k, v, g, beta, initial_state, keep, cu_seqlens, chunk_size, lower_bound, seq_idx=None):
         _no_seq_idx(seq_idx)
-        o = kda_context_parallel(chunk_kda, q, k, v, g, beta, self.seq.shard, chunk_size=chunk_size,
+        o = kda_context_parallel(self.chunk_fn, q, k, v, g, beta, self.seq.shard, chunk_size=chunk_size,
                                  lower_bound=lower_bound)
         return o, None
 

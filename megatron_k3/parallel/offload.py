@@ -11,7 +11,8 @@ layer's input, goes to host memory in the forward and comes back for the layer's
 - Overlapped on CUDA: the device-to-host copy runs on a side stream after the current stream's work that made the
   tensor (the device memory is released when the copy is done, `record_stream`); in the backward, reading a layer's
   inputs back also starts the copy of the inputs saved before them, on another side stream, so the next layer's
-  load runs while this layer recomputes and back-propagates. On the CPU the same code runs with synchronous copies.
+  load runs while this layer recomputes and back-propagates. On the CPU the same code runs with synchronous copies
+  (made under `host_context`, so a memory measurement can count them as host memory).
 
 Exact: the host round trip copies the values and the graph is full recomputation's: bit-identical gradients
 (tests/test_tiling.py).
@@ -19,6 +20,7 @@ Exact: the host round trip copies the values and the graph is full recomputation
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -46,6 +48,7 @@ class HostOffload:
         self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
         self._order = []  # packed, in order: the backward reads them in reverse
         self._streams = None
+        self.host_context = contextlib.nullcontext  # what the host copies are made under (a memory measurement's tag)
 
     def _cuda_streams(self):
         if self._streams is None:
@@ -80,7 +83,9 @@ class HostOffload:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         if t.device.type != "cuda":  # the same path, synchronous: a host copy the device tensor no longer backs
-            return _Held(t.detach().to("cpu", copy=True), t.device, nbytes)
+            with self.host_context():
+                host = t.detach().to("cpu", copy=True)
+            return _Held(host, t.device, nbytes)
         down, _ = self._cuda_streams()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         down.wait_stream(torch.cuda.current_stream(t.device))
@@ -94,8 +99,8 @@ class HostOffload:
     def _load(self, held: _Held) -> None:
         if held.back is not None or held.on_device:
             return
-        if held.device.type != "cuda":
-            held.back = held.host.to(held.device)  # on the CPU: the host copy itself
+        if held.device.type != "cuda":  # a device copy, as on CUDA (the host copy is released after its last read)
+            held.back = held.host.to(held.device, copy=True)
             return
         _, up = self._cuda_streams()
         with torch.cuda.stream(up):

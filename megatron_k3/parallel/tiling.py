@@ -2,7 +2,10 @@
 MoE branch with its dispatch and the shared experts, and the LM head with the loss, run over tiles of at most
 `tile_tokens` of the tokens a device holds, each tile checkpointed (its working set is made again, one tile at a time,
 in the backward), so their transients scale with the tile instead of the micro-batch (DeepSpeed's tiled MLP and
-tiled logits+loss for long sequences).
+tiled logits+loss for long sequences). KDA's chunked delta rule, which mixes the tokens, runs over sequence tiles
+too (`tiled_kda`): each tile is checkpointed and continues the recurrent state the tile before ended with, so the
+chunk terms of one tile are live at a time (on this device's tokens: under context parallelism, inside each of the
+rank's chunks).
 
 Exactness: every token's forward is computed by the same operations on the same values, so the loss and the
 logits-free forward agree with untiled up to the loss's sum over tiles (fp32 reordering: the mean over the
@@ -15,7 +18,8 @@ per micro-batch, concatenated (not tile by tile), the load counts and dropped as
 the balanced dispatch's statistics the tiles' loads summed (replica slots in use: the largest).
 
 Rules (ConfigError naming train.tile_tokens, checked when applied, before the first step): the tokens of a
-micro-batch on a device divide into tiles of `tile_tokens`; the drop dispatcher is refused (its per-expert capacity
+micro-batch on a device divide into tiles of `tile_tokens` (KDA's tiles are the whole chunks of
+model.kda_chunk_size covering that many tokens, `kda_tile`); the drop dispatcher is refused (its per-expert capacity
 would be per tile, dropping other assignments than the untiled layer).
 """
 
@@ -24,12 +28,16 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..config.schema import kda_tile
 from ..errors import ConfigError
 from ..model.k3 import CausalLMOutput
+from ..model.kda import KimiDeltaAttention
 from ..model.layers import recomputing
 from ..model.moe import StableLatentMoE
+from ..ops.kda import runs_fused
+from ..ops.numerics import compute_dtype
 
-__all__ = ["apply"]
+__all__ = ["apply", "tiled_kda"]
 
 
 class _Collect:
@@ -121,8 +129,71 @@ def _tiled_head(model, tile: int):
     return run
 
 
+def _kda_plain(fn, tile, q, k, v, g, beta, initial_state, output_final_state, seq_idx, state_doc, kw):
+    """Rows without documents (or with seq_idx): tile after tile, each continuing the state the one before ended
+    with (under seq_idx, in the document of the tile's previous token)."""
+    T, outs, S = q.shape[1], [], initial_state
+    for s in range(0, T, tile):
+        e = min(s + tile, T)
+        docs = {} if seq_idx is None else {"seq_idx": seq_idx[:, s:e], "state_doc": None if S is None else
+                                           (state_doc if s == 0 else seq_idx[:, s - 1])}
+        last = e == T
+        o, S = checkpoint(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=S,
+                          output_final_state=output_final_state or not last, **docs, **kw, use_reentrant=False)
+        outs.append(o)
+    return torch.cat(outs, dim=1), S
+
+
+def _kda_documents(fn, tile, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, kw):
+    """One packed row with host offsets: each tile holds the pieces of the documents it cuts; a document cut by a
+    tile's start continues from its state at the end of the tile before, the others start from their own initial
+    state (or zero); a document's final state is that of its last piece."""
+    T, cu = q.shape[1], [int(x) for x in cu_seqlens.tolist()]
+    HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
+    zero = q.new_zeros(HV, K, V, dtype=compute_dtype(q, k, v, g, beta, initial_state))
+    outs, state = [], {}  # state: document -> its state at the end of its last piece so far
+
+    def start_of(d):
+        return initial_state[d] if initial_state is not None else zero
+
+    for s in range(0, T, tile):
+        e = min(s + tile, T)
+        pieces = [(d, max(a, s), min(b, e)) for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if max(a, s) < min(b, e)]
+        init = torch.stack([state[d] if a > cu[d] else start_of(d) for d, a, _ in pieces])
+        local = torch.tensor([0] + [b - s for _, _, b in pieces], dtype=cu_seqlens.dtype)
+        o, finals = checkpoint(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=init,
+                               output_final_state=True, cu_seqlens=local, **kw, use_reentrant=False)
+        outs.append(o)
+        state.update({d: finals[j] for j, (d, _, _) in enumerate(pieces)})
+    final = None
+    if output_final_state:
+        final = torch.stack([state.get(d, start_of(d)) for d in range(len(cu) - 1)])
+    return torch.cat(outs, dim=1), final
+
+
+def tiled_kda(fn, tile: int):
+    """`fn` (ops.kda.chunk_kda's signature) over sequence tiles of `tile` tokens (a multiple of the chunk length),
+    each checkpointed: the chunk terms of one tile are live at a time, in the forward and again in the backward, and
+    the state crosses tile boundaries as the chunk hand-off does inside one call (the same recurrence, so exact up
+    to fp32 reordering: the chunks are the untiled ones, except that a document cut by a tile boundary under
+    `cu_seqlens` is chunked again from it). Untiled when the row fits one tile, without gradients, or when fla's
+    fused kernel runs (it keeps no chunk terms)."""
+
+    def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
+            cu_seqlens=None, *, seq_idx=None, state_doc=None, backend="auto", lower_bound=None):
+        kw = {"scale": scale, "chunk_size": chunk_size, "backend": backend, "lower_bound": lower_bound}
+        if q.shape[1] <= tile or not torch.is_grad_enabled() or runs_fused(q, chunk_size, backend):
+            return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens, seq_idx=seq_idx, state_doc=state_doc, **kw)
+        if cu_seqlens is not None:
+            return _kda_documents(fn, tile, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, kw)
+        return _kda_plain(fn, tile, q, k, v, g, beta, initial_state, output_final_state, seq_idx, state_doc, kw)
+    return run
+
+
 def apply(model: torch.nn.Module, tile_tokens: int, moe_overflow: str) -> dict:
-    """Tile this rank's MoE layers and LM head + loss by `tile_tokens` tokens (0: off); returns what was tiled."""
+    """Tile this rank's MoE layers, LM head + loss and KDA delta rules by `tile_tokens` tokens (0: off); returns
+    what was tiled."""
     if not tile_tokens:
         return {}
     if moe_overflow == "drop":
@@ -135,4 +206,7 @@ def apply(model: torch.nn.Module, tile_tokens: int, moe_overflow: str) -> dict:
     head = getattr(model, "lm_head", None) is not None
     if head:
         model._output = _tiled_head(model, tile_tokens)
-    return {"moe_layers": len(moes), "lm_head": int(head)}
+    kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in kdas:
+        m.kernels.chunk_fn = tiled_kda(m.kernels.chunk_fn, kda_tile(tile_tokens, m.chunk_size))
+    return {"moe_layers": len(moes), "lm_head": int(head), "kda_layers": len(kdas)}

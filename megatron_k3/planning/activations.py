@@ -5,8 +5,9 @@ with. Two kernel profiles:
 
 * "eager" is what this repository runs on CPU (and on GPU without fused kernels), read off the code: the
   torch chunked KDA keeps its chunk matrices, the attention (torch's CPU flash kernel behind
-  F.scaled_dot_product_attention) keeps the additive [T, T] document mask of the packed row and the log-sum-exp, not
-  the probabilities, the depth mix keeps a stacked fp32 copy of its sources, SiTU keeps its fp32 intermediates.
+  F.scaled_dot_product_attention, the values padded to the key dim by ops.attention) keeps the additive [T, T]
+  document mask of the packed row and the log-sum-exp, not the probabilities, the depth mix keeps a stacked fp32
+  copy of its sources, SiTU keeps its fp32 intermediates.
 * "fused" is the accelerator path a 2.8T run uses: fla's chunk_kda (keeps q, k, v, g, beta, the
   intra-chunk matrices and chunk states), flash attention (keeps q, k, v, o and the log-sum-exp), fused
   norms, SiTU and depth mix (keep their inputs and per-row statistics).
@@ -167,16 +168,17 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
         t.append(ActTerm("mla_q_latent", "mla", (3 * ql + 1) if eager else (2 * ql + 1), "a", "full"))
     t.append(ActTerm("mla_latent", "mla_latent", (L + Rr) + 1 + (2 * L if eager else L), "a", "full"))
     gate = 2 * H * Vd if cfg.mla_output_gate else 0
+    vw = max(qk, Vd)  # eager: the values zero-padded to the key dim, so torch's CPU flash kernel runs (ops.attention)
     if cp > 1:  # the whole sequence's latent, and the keys and values expanded from it, on every CP rank
         t.append(ActTerm("mla_latent_gathered", "mla_latent", L + Rr, "a", "gathered"))
-        if eager:  # torch's CPU flash attention per query block: q; each block's copy of the keys it sees
-            # ((2cp+1)/2cp of the sequence per rank), the expanded [k_nope | v] that v views; the block's additive
-            # mask over the keys it sees (in the activation dtype, shared by the heads) and the log-sum-exp
+        if eager:  # torch's CPU flash attention per query block: q; each block's copy of the keys and the padded
+            # values it sees ((2cp+1)/2cp of the sequence per rank); the block's additive mask over the keys it
+            # sees (in the activation dtype, shared by the heads), the log-sum-exp and the padded output
             t += [ActTerm("mla_q", "mla", H * qk, "a", "full"),
-                  ActTerm("mla_kv_gathered", "mla", H * (N + Vd) + H * qk * (2 * cp + 1) / (2 * cp), "a",
-                          "gathered"),
+                  ActTerm("mla_kv_gathered", "mla", H * (qk + vw) * (2 * cp + 1) / (2 * cp), "a", "gathered"),
                   ActTerm("mla_mask", "mla", 1, "a", "span", "core_attn"),
                   ActTerm("mla_lse", "mla", H, "f", "full", "core_attn"),
+                  ActTerm("mla_attn_out", "mla", H * vw, "a", "full", "core_attn"),
                   ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
         else:  # flash attention keeps q, o, lse locally and the gathered keys and values
             t += [ActTerm("mla_qo", "mla", H * qk + H * Vd, "a", "full"),
@@ -185,11 +187,13 @@ def _mla(cfg, tp: int, kernels: str, cp: int = 1) -> list:
                   ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
         return t
     if eager:  # torch's CPU flash attention over the packed row (what F.scaled_dot_product_attention runs on the
-        # CPU with a document mask, fp32 or bf16): q, k, v, the output (the gate's input below), the log-sum-exp
-        # and the additive [row, row] mask in the activation dtype, shared by the heads; no probabilities
-        t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * Vd, "a", "full"),
+        # CPU with a document mask, fp32 or bf16, once the values are padded to the key dim): q, k, the padded v,
+        # the padded output, the log-sum-exp and the additive [row, row] mask in the activation dtype, shared by the
+        # heads; no probabilities; the output cut back (the gate's input below)
+        t += [ActTerm("mla_qkv", "mla", 2 * H * qk + H * vw, "a", "full"),
               ActTerm("mla_mask", "mla", 1, "a", "row", "core_attn"),
               ActTerm("mla_lse", "mla", H, "f", "full", "core_attn"),
+              ActTerm("mla_attn_out", "mla", H * vw, "a", "full", "core_attn"),
               ActTerm("mla_out_gate", "mla", gate + H * Vd, "a", "full")]
     else:
         t += [ActTerm("mla_qkvo", "mla", 2 * H * qk + 2 * H * Vd, "a", "full"),

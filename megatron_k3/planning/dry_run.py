@@ -278,8 +278,9 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
     """Rank `rank` of `world` allocated on the CPU in `dtype`, initialised from `seed` and, with `step`, one
     forward and backward of train.micro_batch_size x train.seq_length tokens under the trainer's activation
     recomputation `recompute` (with the run's train.recompute_modules / recompute_num_layers, train.tile_tokens and
-    train.offload_buffer_gb); memory measured throughout (on the CPU the offloaded layer inputs are live tensors
-    too: `offloaded_peak_bytes` says how much of the peak they are)."""
+    train.offload_buffer_gb), with every gradient already held, as from a step's second micro-batch on (what the
+    planner's figure counts); memory measured throughout (the offloaded layer inputs' host copies are counted as host
+    memory, `host_peak_bytes`, not in the step's device peak)."""
     torch.manual_seed(seed)
     rss0 = _rss_bytes()
     with fake_rank(run, world, rank) as ps:
@@ -298,10 +299,13 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
             apply_recompute(model, Policy(recompute, lay.recompute_modules, lay.recompute_num_layers,
                                           int(lay.offload_bytes)))
             tiling.apply(model, lay.tile_tokens, run.model.moe_overflow)
-            m.step = _step(run, model, ps, tracker, dtype)
             off = getattr(model, "host_offload", None)
-            if off is not None:  # on the CPU the host copies are live tensors too: reported apart
+            if off is not None:  # the host copies are host memory: counted apart from the device peak
+                off.host_context = tracker.host_allocations
+            m.step = _step(run, model, ps, tracker, dtype)
+            if off is not None:
                 m.step["offloaded_peak_bytes"] = off.peak
+                m.step["host_peak_bytes"] = tracker.host_peak
     m.rss_peak_bytes, m.rss_start_bytes = _peak_rss_bytes(), rss0
     return m
 
@@ -316,6 +320,10 @@ def _step(run, model, ps, tracker, dtype) -> dict:
     # (a stage after the first gets its share of the state between stages, and the ids only for their length)
     ids = torch.randint(0, run.model.vocab_size, (B, T))
     model.train()
+    with tracker:  # the gradients a step holds from its second micro-batch on (the planner's figure counts them)
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     tracker.reset_peak()
     t0 = time.perf_counter()
     with tracker:

@@ -11,11 +11,14 @@ Memory: torch has no allocator statistics on CPU, and tracemalloc does not see i
 distinct storage from its creation until the storage is freed (a weakref finalizer on the storage), on
 top of the storages that already existed (parameters, buffers, optimizer states) registered at entry.
 Its peak is the high-water mark of live tensor bytes: what a caching allocator with no fragmentation
-would need, i.e. the number the planner estimates.
+would need, i.e. the number the planner estimates. Storages made under `host_allocations()` (activation offload's
+host copies, parallel/offload.py) are host memory on an accelerator: they are counted apart (`host_current`,
+`host_peak`), not in the device peak, so a CPU run measures what the device would hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -86,22 +89,42 @@ class LiveTensorMemory(TorchDispatchMode):
         self.peak = 0
         self.phase = ""
         self.peak_phase = ""
+        self.host: dict = {}  # storages counted as host memory
+        self.host_current = self.host_peak = 0
+        self._on_host = False
+
+    @contextlib.contextmanager
+    def host_allocations(self):
+        """Storages first seen inside count as host memory (offloaded copies), apart from the device peak."""
+        before, self._on_host = self._on_host, True
+        try:
+            yield
+        finally:
+            self._on_host = before
 
     def track(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor) or t.is_meta:
             return
         st = t.untyped_storage()
         key = st._cdata
-        if key in self.live:
+        if key in self.live or key in self.host:
             return
         n = st.nbytes()
+        weakref.finalize(st, self._release, key)
+        if self._on_host:
+            self.host[key] = n
+            self.host_current += n
+            self.host_peak = max(self.host_peak, self.host_current)
+            return
         self.live[key] = n
         self.current += n
-        weakref.finalize(st, self._release, key)
         if self.current > self.peak:
             self.peak, self.peak_phase = self.current, self.phase
 
     def _release(self, key):
+        if key in self.host:
+            self.host_current -= self.host.pop(key)
+            return
         self.current -= self.live.pop(key, 0)
 
     def track_all(self, tensors):

@@ -41,7 +41,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..config.schema import recomputed_kinds
+from ..config.schema import kda_tile, recomputed_kinds
 from ..layout import replica_slots
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
@@ -50,6 +50,7 @@ from .flops import DEFAULT_IMAGE_SHARE, vision_image_patches, vision_tp_share
 from .params import model_params
 
 __all__ = ["Workload", "StageMemory", "training_memory", "InferenceMemory", "inference_memory", "tile_shares",
+           "kda_tile_share",
            "MXFP4_BYTES_PER_PARAM", "BalancedMoE", "balanced_moe", "balanced_slots", "vision_activations",
            "frozen_expert_decode_bytes", "token_rows_copy_bytes", "replica_bytes_per_param"]
 
@@ -301,6 +302,38 @@ def _tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, recomputed: froz
                if t.category == "moe" and t.name != "moe_input" and kept(t, recomputed))
 
 
+# the eager chunk kernel's terms: under train.tile_tokens each KDA tile makes them inside a checkpoint (parallel.tiling)
+_KDA_CHUNK_TERMS = frozenset({"kda_chunk_vectors", "kda_chunk_matrices", "kda_states", "kda_cp_transition",
+                              "kda_cp_states"})
+
+
+def kda_tile_share(cfg, lay: Layout, w: Workload) -> float:
+    """The share of a KDA layer's chunk terms one sequence tile holds (1.0: untiled, or fla's fused kernel, which
+    tiling leaves alone: it keeps no chunk terms at once). A tile cuts every row the kernel runs on: a micro-batch
+    row, or under CP each of the rank's two chunks (rows without documents; a packed row is one row of twice that,
+    which this overcounts)."""
+    if not lay.tile_tokens or w.kernels != "eager":
+        return 1.0
+    row = w.seq_length / lay.cp / (2 if lay.cp > 1 else 1)
+    return min(1.0, kda_tile(lay.tile_tokens, cfg.kda_chunk_size) / row)
+
+
+def _kda_tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, counted) -> tuple:
+    """(bytes of layer i's KDA chunk-kernel terms that `counted(term)` counts, bytes its tiles keep instead: their
+    inputs q, k, v ([v | 0] under CP) in the activation dtype and g in fp32, and the state each tile hands on)."""
+    if cfg.layer_types()[i] != "kda":
+        return 0.0, 0.0
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    chunk = sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n, lay.cp)
+                for t in layer_terms(cfg, i, lay.tp, w.kernels, source, lay.cp)
+                if t.name in _KDA_CHUNK_TERMS and counted(t))
+    if not chunk:
+        return 0.0, 0.0
+    HK, K, wide = cfg.kda_num_heads / lay.tp * cfg.kda_head_dim, cfg.kda_head_dim, 2 if lay.cp > 1 else 1
+    states = HK * K * wide * 4 / kda_tile(lay.tile_tokens, cfg.kda_chunk_size)  # per token: one per tile and row
+    return chunk, n * (HK * (2 + wide) * w.act_bytes + HK * 4 + states)
+
+
 def _head_tiled_bytes(cfg, lay: Layout, w: Workload, out_src: int) -> float:
     """Bytes of the LM head and loss beyond the head's input (logits, log-probabilities), made per tile if tiled."""
     n = w.micro_batch_size * w.seq_length / lay.cp
@@ -311,11 +344,12 @@ def _head_tiled_bytes(cfg, lay: Layout, w: Workload, out_src: int) -> float:
 
 def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, sources, out_src,
                       recomputed: frozenset, rebuilt: bool = False, moe_scale: float = 1.0,
-                      head_scale: float = 1.0) -> tuple:
+                      head_scale: float = 1.0, kda_scale: float = 1.0) -> tuple:
     """(bytes kept, bytes by category, largest single layer's bytes) for one micro-batch on layers
     [start, end) when the module kinds `recomputed` are recomputed (`rebuilt`: the bytes their regions make again
-    instead); `last` adds the output mix, final norm, LM head and loss. `moe_scale` / `head_scale`: the share of the
-    MoE blocks' and the head's bytes beyond their inputs that count (sequence tiling: 0 kept, a tile's share live)."""
+    instead); `last` adds the output mix, final norm, LM head and loss. `moe_scale` / `head_scale` / `kda_scale`: the
+    share of the MoE blocks' and the head's bytes beyond their inputs, and of KDA's chunk terms, that count (sequence
+    tiling: 0 kept, a tile's share live; KDA's tiles keep their inputs instead)."""
     n = w.micro_batch_size * w.seq_length / lay.cp
     row = n if w.kernels == "eager" else w.seq_length  # eager attention spans the packed micro-batch row
     tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row, "gathered": n * lay.cp,
@@ -333,6 +367,12 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
             cut = (1.0 - moe_scale) * _tiled_bytes(cfg, lay, w, i, sources[i], recomputed)
             by_cat["moe"] = by_cat.get("moe", 0.0) - cut
             layer_total -= cut
+        if kda_scale != 1.0:
+            chunk, inputs = _kda_tiled_bytes(cfg, lay, w, i, sources[i], (lambda t: t.cheap in recomputed)
+                                             if rebuilt else (lambda t: kept(t, recomputed)))
+            change = inputs - (1.0 - kda_scale) * chunk
+            by_cat["kda"] = by_cat.get("kda", 0.0) + change
+            layer_total += change
         total += layer_total
         largest = max(largest, layer_total)
     if last:
@@ -462,13 +502,16 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       the loss gradient if larger;
     - full: the layers it covers keep their inputs and one of them is rebuilt, whole, at a time; with offload
       (lay.offload_bytes) up to that many bytes of the kept inputs live in host memory instead;
-    - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only; one tile's working set is
-      transient (parallel.tiling), and inside a layer full recomputation rebuilds, its MoE block is a tile's."""
+    - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only, KDA's chunk kernel its tiles'
+      inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
+      selective region) rebuilds, its MoE block and KDA chunk terms are a tile's."""
     sources, out_src = attn_res_sources(cfg)
     rec, full = lay.recomputed, lay.full_layers(a, b)
     fm, fh = tile_shares(lay, w)
+    fk = kda_tile_share(cfg, lay, w)
+    tiled = {"moe_scale": 0.0 if fm < 1 else 1.0, "kda_scale": 0.0 if fk < 1 else 1.0}  # what tiled parts keep
     per_micro, cat, _ = _micro_activation(cfg, lay, w, full.stop, b, last, sources, out_src, rec,
-                                          moe_scale=0.0 if fm < 1 else 1.0, head_scale=0.0 if fh < 1 else 1.0)
+                                          head_scale=0.0 if fh < 1 else 1.0, **tiled)
     detail = {k: v * in_flight for k, v in cat.items()}
     head_t = 0.0
     if last:
@@ -479,11 +522,14 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
     transient = head_t
     if fm < 1:  # one MoE tile's working set at a time (forward, and its recomputation in the backward)
         transient = max(transient, fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b)))
+    if fk < 1:  # one KDA tile's chunk terms
+        transient = max(transient, fk * max(_kda_tiled_bytes(cfg, lay, w, i, sources[i], lambda t: kept(t, rec))[0]
+                                            for i in range(a, b)))
     host = 0.0
     if len(full):
         ckpt = _full_recompute_checkpoints(cfg, lay, w, full.start, full.stop)
         _, _, largest = _micro_activation(cfg, lay, w, full.start, full.stop, False, sources, out_src, frozenset(),
-                                          moe_scale=fm)
+                                          moe_scale=fm, kda_scale=fk)
         per_micro += ckpt
         host = min(lay.offload_bytes, in_flight * ckpt)
         detail["layer_inputs"] = in_flight * ckpt - host
@@ -494,10 +540,10 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
         freed = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, rec)[0]  # the head's kept terms
         worst = 0.0
         for i in reversed(range(a, b)):
-            rebuilt = max(_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, frozenset({k}), True)[0]
-                          for k in rec)
+            rebuilt = max(_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, frozenset({k}), True,
+                                            kda_scale=fk)[0] for k in rec)
             worst = max(worst, rebuilt - freed)
-            freed += _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, rec)[0]
+            freed += _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, rec, **tiled)[0]
         transient = max(transient, worst)
     return in_flight * per_micro - host, detail, transient, host
 
