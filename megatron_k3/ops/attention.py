@@ -14,19 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "padded_values"]
-
-
-def padded_values(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """v [.., S, V] zero-padded to q's head dim where the CPU flash kernel needs it (else v itself); callers that
-    attend several query blocks to one v pad it once and cut each output to V."""
-    pad = q.shape[-1] - v.shape[-1]
-    return F.pad(v, (0, pad)) if q.device.type == "cpu" and pad > 0 else v
+__all__ = ["attention"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention(q [.., T, K], k [.., S, K], v [.., S, V]) -> [.., T, V] (module docstring)."""
-    o = F.scaled_dot_product_attention(q, k, padded_values(q, v), attn_mask=attn_mask, is_causal=is_causal,
-                                       scale=scale)
-    return o[..., :v.shape[-1]] if o.shape[-1] != v.shape[-1] else o
+    V, pad = v.shape[-1], q.shape[-1] - v.shape[-1]
+    if q.device.type == "cpu" and pad > 0:
+        v = F.pad(v, (0, pad))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return o[..., :V]

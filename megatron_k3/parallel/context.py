@@ -55,7 +55,7 @@ from torch import nn
 from ..model.k3 import K3ForCausalLM
 from ..model.kda import KDAKernels, KimiDeltaAttention
 from ..model.mla import AttentionKernels, GatedMLA, max_logit_per_head
-from ..ops.attention import attention, padded_values
+from ..ops.attention import attention
 from ..ops.short_conv import causal_conv1d
 from . import mappings as M
 from .mappings import Group
@@ -246,7 +246,6 @@ def attention_context_parallel(q_BHtK: torch.Tensor, k_BHTK: torch.Tensor, v_BHT
     and values [B, H, T, .]: each query block attends only to the keys up to its last position."""
     outs = []
     dev = q_BHtK.device
-    v_all = padded_values(q_BHtK, v_BHTV)  # padded once for every query block (ops.attention)
     for j in range(2):
         pos_c = shard.positions(j, dev)
         for a in range(0, shard.c, block):
@@ -258,9 +257,8 @@ def attention_context_parallel(q_BHtK: torch.Tensor, k_BHTK: torch.Tensor, v_BHT
                 doc = shard.doc_T.to(dev)
                 mask = mask & (doc[:S][None, :] == doc[qpos][:, None])
             qb = q_BHtK[:, :, j * shard.c + a: j * shard.c + a + qpos.numel()]
-            outs.append(attention(qb, k_BHTK[:, :, :S], v_all[:, :, :S], attn_mask=mask, scale=scale))
-    o = torch.cat(outs, dim=2)
-    return o[..., :v_BHTV.shape[-1]] if o.shape[-1] != v_BHTV.shape[-1] else o
+            outs.append(attention(qb, k_BHTK[:, :, :S], v_BHTV[:, :, :S], attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def local_key_mask(shard: SequenceShard, device=None) -> torch.Tensor:
