@@ -53,6 +53,8 @@ from megatron_k3.config import ConfigError, load_model_config  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 from megatron_k3.model.dispatcher import capacity  # noqa: E402
 from megatron_k3.ops.glu import glu_act, glu_reference  # noqa: E402
+from megatron_k3.parallel.recompute import Policy  # noqa: E402
+from megatron_k3.parallel.recompute import apply as apply_recompute  # noqa: E402
 from megatron_k3.training.compile import BACKENDS, check_backend, compile_layers  # noqa: E402
 
 SECTIONS = ("train", "moe", "glu")
@@ -169,11 +171,13 @@ def train_compare(title, models, x, y, steps, checks, ratios, profile_top=0):
             profile_step(name, step_fns[name], profile_top)
 
 
-def compiled_copy(model, cfg, backend):
-    """A second K3ForCausalLM with `model`'s weights and every decoder layer compiled."""
+def compiled_copy(model, cfg, backend, split="regions", policy="none"):
+    """A second K3ForCausalLM with `model`'s weights and every decoder layer compiled (train.compile_split `split`),
+    then recomputed under `policy` (train.recompute), as the Trainer applies them."""
     twin = K3ForCausalLM(cfg).train()
     twin.load_state_dict(model.state_dict(), strict=True)
-    compile_layers(twin, backend=backend, cache=os.environ["TORCHINDUCTOR_CACHE_DIR"])  # set_cache's directory
+    compile_layers(twin, backend=backend, cache=os.environ["TORCHINDUCTOR_CACHE_DIR"], split=split)  # set_cache's
+    apply_recompute(twin, Policy(policy))
     return twin
 
 
@@ -200,9 +204,15 @@ def section_train(args):
     ours = K3ForCausalLM(cfg).train()
     n = sum(p.numel() for p in ours.parameters())
     x, y = train_step.make_batch(cfg.vocab_size, args.batch, args.seq)
-    models = {"ours eager": (ours, False), "ours compiled": (compiled_copy(ours, cfg, args.backend), False)}
-    train_compare(f"(b) k3_tiny, {cfg.num_layers} layers, {n / 1e6:.1f}M params", models, x, y, args.steps,
-                  checks=[("ours compiled", "ours eager")], ratios=[("ours compiled", "ours eager")],
+    whole, split, sel = "ours compiled, one graph per layer", "ours compiled", "ours compiled, selective"
+    models = {"ours eager": (ours, False), whole: (compiled_copy(ours, cfg, args.backend, "layer"), False),
+              split: (compiled_copy(ours, cfg, args.backend), False),
+              sel: (compiled_copy(ours, cfg, args.backend, policy="selective"), False)}
+    train_compare(f"(b) k3_tiny, {cfg.num_layers} layers, {n / 1e6:.1f}M params; compiled split at the "
+                  "recomputation regions (train.compile_split=regions, the default) and as one graph per layer "
+                  "(layer), and split with train.recompute=selective", models, x, y, args.steps,
+                  checks=[(split, "ours eager"), (whole, "ours eager"), (sel, split)],
+                  ratios=[(split, "ours eager"), (whole, "ours eager"), (split, whole), (sel, split)],
                   profile_top=args.profile_top)
 
 

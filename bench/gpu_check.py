@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """GPU check: our torch KDA path against fla's fused Triton kernel (equality and speed), a forward/backward of
-k3_small eager and compiled (train.compile: MFU side by side), our MX emulation on CUDA (against the CPU path
-and torchao), mx_qat on k3_tiny, and TransformerEngine's FP8/MXFP8 recipes against the emulation. Prints one
-table; run on a CUDA machine:
+k3_small eager and compiled (train.compile: MFU side by side), activation recomputation and offload on the device
+(selective, full, full + offload against none: bit for bit, eager and compiled; time and peak memory), our MX
+emulation on CUDA (against the CPU path and torchao), mx_qat on k3_tiny, and TransformerEngine's FP8/MXFP8 recipes
+against the emulation. Prints one table; run on a CUDA machine:
 
     .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096]
 
@@ -13,6 +14,7 @@ speed is the ratio fla_time / ours_time of forward+backward, same inputs, same p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,6 +124,71 @@ def model_check(args, rows):
                      f"{t * 1e3:.1f} ms", "-", f"{args.seq / t:.0f} tok/s; MFU {mfu:.1%} of {args.peak_tflops:g} "
                      f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB"))
         del model, step
+
+
+# ---------------------------------------------------------------------------------------------- recomputation
+RECOMPUTE_VARIANTS = (("none", {}), ("selective", {}), ("full", {}), ("full", {"offload_bytes": 8 << 30}))
+
+
+def _recompute_step(cfg, ids, name, kw, compiled, backend):
+    """One k3_tiny forward+backward under recomputation `name` (Policy kwargs `kw`), eager or with its layers
+    compiled (split at the regions, train.compile's default): (gradients, seconds per step, peak GiB, host GiB)."""
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.parallel.recompute import Policy
+    from megatron_k3.parallel.recompute import apply as apply_recompute
+    from megatron_k3.training.compile import compile_layers
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to(ids.device).train()
+    if compiled:
+        compile_layers(model, backend)
+    apply_recompute(model, Policy(name, **kw))
+    off = getattr(model, "host_offload", None)
+
+    def step():
+        if off is not None:
+            off.reset()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids.roll(-1, 1)).loss.backward()
+    step()
+    if ids.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t = timed(step, 3) if ids.is_cuda else 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else 0.0
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, t, peak, (off.peak / 2**30 if off is not None else 0.0)
+
+
+def recompute_check(args, rows, device=None, backend="inductor"):
+    """train.recompute on the device, fp32, under train.deterministic's settings: selective, full and full with
+    activation offload (pinned host buffers, side streams, prefetch: parallel/offload.py's CUDA path) against none,
+    eager and compiled; every gradient must be equal to the bit. Rows: time and peak memory as ratios to none."""
+    from megatron_k3.config import load_model_config
+
+    device = device or torch.device("cuda")
+    cfg = load_model_config("k3_tiny")
+    ids = torch.randint(0, cfg.vocab_size, (2, args.recompute_seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    import torch._inductor.config as inductor_config
+
+    torch.use_deterministic_algorithms(True)
+    inductor_config.deterministic = True
+    try:
+        for compiled in (False, True):
+            ref = None
+            for name, kw in RECOMPUTE_VARIANTS:
+                grads, t, peak, host = _recompute_step(cfg, ids, name, kw, compiled, backend)
+                ref = ref or (grads, t, peak)
+                bad = [n for n in ref[0] if not torch.equal(grads[n], ref[0][n])]
+                label = f"{name}{' + offload' if kw else ''}, {'compiled' if compiled else 'eager'}"
+                rows.append((f"k3_tiny recompute={label}, 2 x {args.recompute_seq} fp32", f"{t * 1e3:.1f} ms",
+                             "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} GiB "
+                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB; gradients vs none: "
+                             + ("equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})")))
+    finally:
+        torch.use_deterministic_algorithms(False)
+        inductor_config.deterministic = False
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- precision
@@ -269,13 +336,16 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100/H200: 989)")
+    ap.add_argument("--recompute-seq", type=int, default=2048, help="tokens per row of the recomputation check")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
         return 2
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (recompute_check), read
+    # when the first handle is made
     rows = [("check", "ours", "fla", "result")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    for fn in (kda_check, model_check, precision_check):
+    for fn in (kda_check, model_check, recompute_check, precision_check):
         try:
             fn(args, rows)
         except Exception as e:  # noqa: BLE001 - report every check, keep going

@@ -1,10 +1,12 @@
-"""train.compile: every decoder layer compiled as one region (megatron_k3/training/compile.py).
+"""train.compile: every decoder layer compiled, split at its recomputation regions (megatron_k3/training/compile.py).
 
 make test (fast: dynamo's tracing, no code generation):
 - No graph breaks: torch._dynamo.explain over each layer of a 4-layer K3 (KDA dense, KDA MoE twice, MLA MoE; AttnRes)
-  reports one graph and zero breaks, in one process (dropless dispatch on plain rows, drop dispatch on packed
-  documents, the Kimi Linear layout on packed documents; tests/test_model.py traces K3's dropless layers on packed
-  rows) and under tp2, tp2+SP with packed documents, ep2 (drop and balanced dispatch) and cp2.
+  reports one graph and zero breaks (train.compile_split=layer); split at its recomputation regions (regions, the
+  default), each region traces alone as one graph with zero breaks and the layer breaks only at the region calls.
+  In one process (dropless dispatch on plain rows, drop dispatch on packed documents, the Kimi Linear layout on
+  packed documents; tests/test_model.py traces K3's dropless layers on packed rows) and under tp2, tp2+SP with packed
+  documents, ep2 (drop and balanced dispatch) and cp2.
 - A machine without a C++ compiler stops train.compile=true at start-up with one line.
 
 make test-compile (marker `compile`; inductor's C++ code generation takes about a minute per layer on 2 cores):
@@ -40,8 +42,52 @@ ROOT = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------ graph breaks
 
 
-def _explain_layers(overrides, packed, world):
-    """(layer, mixer, ffn, graphs, breaks, reasons) for every decoder layer of this rank's model part."""
+def _breaks(ex):
+    return [f"{b.reason} at {b.user_stack[-1] if b.user_stack else '?'}" for b in ex.break_reasons]
+
+
+def _explain_split(layer, st, kwargs, traced, split):
+    """The layer split at its recomputation regions as train.compile_split=regions splits it (each region a
+    compiled-out call): (the layer's graph breaks if `split` else [] (it runs eagerly), each called region's (kind,
+    graphs, breaks, reasons) traced alone on the inputs it got, those of a kind and class in `traced` left out: one
+    of each per case, because tracing is what this test's time goes to)."""
+    from megatron_k3.parallel.recompute import regions
+
+    calls, saved = [], []
+    for kind, owner, attr in regions(layer):
+        fn = getattr(owner, attr)
+        saved.append((owner, attr, owner.__dict__.get(attr)))
+
+        key = (kind, type(owner))
+
+        def spy(*args, _fn=fn, _kind=kind, _key=key, **kw):
+            if _key not in traced:
+                traced.add(_key)
+                calls.append((_kind, _fn, args, kw))
+            return _fn(*args, **kw)
+        setattr(owner, attr, torch.compiler.disable(spy))
+    try:
+        if split:
+            breaks = _breaks(torch._dynamo.explain(layer.forward)(st, **kwargs))
+        else:
+            breaks = []
+            layer(st, **kwargs)
+    finally:
+        for owner, attr, old in saved:
+            if old is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+    alone = []
+    for kind, fn, args, kw in calls:
+        ex = torch._dynamo.explain(fn)(*args, **kw)
+        alone.append((kind, ex.graph_count, ex.graph_break_count, _breaks(ex)))
+    return breaks, alone
+
+
+def _explain_layers(overrides, packed, world, split):
+    """(layer, mixer, ffn, graphs, breaks, reasons, _explain_split(...)) for every decoder layer of this rank's model
+    part; split: the split layers' breaks are traced too."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.model.decoder import DecoderLayer
     from megatron_k3.parallel import ParallelGroups, build_model, state
@@ -65,20 +111,23 @@ def _explain_layers(overrides, packed, world):
         model(ids, cu_seqlens=cu)
         h.remove()
         (st,), kwargs = seen["args"]
-        out = []
+        out, traced = [], set()
         for layer in layers:
             ex = torch._dynamo.explain(layer.forward)(st, **kwargs)
             out.append((layer.layer_idx, layer.mixer_type, layer.ffn_type, ex.graph_count, ex.graph_break_count,
-                        [f"{b.reason} at {b.user_stack[-1] if b.user_stack else '?'}" for b in ex.break_reasons]))
+                        _breaks(ex), _explain_split(layer, st, kwargs, traced, split)))
             st = layer(st, **kwargs)
         return out
     finally:
         shutdown()
 
 
+SPLIT_CASES = ("one-process", "cp2")  # the split layers traced whole (a break restarts dynamo's analysis: slow)
+
+
 def _explain_cases(rank, world, cases):
     """{case name: _explain_layers(...)} for every (name, overrides, packed) case, one after another in this world."""
-    return {name: _explain_layers(overrides, packed, world) for name, overrides, packed in cases}
+    return {name: _explain_layers(overrides, packed, world, name in SPLIT_CASES) for name, overrides, packed in cases}
 
 
 @pytest.mark.parametrize("world,cases", [
@@ -91,14 +140,25 @@ def _explain_cases(rank, world, cases):
          ("cp2", ["parallel.cp=2"], False)]),
 ], ids=["one-process", "two-processes"])
 def test_no_graph_breaks_inside_a_layer(world, cases):
-    """KDA dense, KDA MoE and MLA MoE layers, each one graph with no break, in every case."""
+    """KDA dense, KDA MoE and MLA MoE layers, each one graph with no break (train.compile_split=layer), in every case;
+    split at its recomputation regions (regions, the default), each region (norm, depth mix, KDA's and MLA's core,
+    the GLU activation) is one graph with no break in every case, and in SPLIT_CASES the layer's graphs break at the
+    region calls and nowhere else."""
     results = run_distributed(_explain_cases, world, cases, timeout=300)
     for rank, by_case in enumerate(results):
         for case, layers in by_case.items():
             kinds = {(mixer, ffn) for _, mixer, ffn, *_ in layers}
             assert {("kda", "dense"), ("kda", "moe"), ("mla", "moe")} <= kinds, (case, kinds)
-            for idx, mixer, ffn, graphs, breaks, reasons in layers:
-                assert (graphs, breaks) == (1, 0), (case, rank, idx, mixer, ffn, reasons)
+            alone = []
+            for idx, mixer, ffn, graphs, breaks, reasons, (split, traced) in layers:
+                where = (case, rank, idx, mixer, ffn)
+                assert (graphs, breaks) == (1, 0), (*where, reasons)
+                assert all("torch.compiler.disable" in r for r in split), (*where, split)
+                assert split or case not in SPLIT_CASES, where
+                alone += traced
+            kinds = [k for k, *_ in alone]  # core_attn twice: KDA's and MLA's
+            assert set(kinds) >= {"layernorm", "core_attn", "mlp_act"} and kinds.count("core_attn") == 2, (case, alone)
+            assert all(a[1:3] == (1, 0) for a in alone), (case, rank, alone)
 
 
 # ------------------------------------------------------------------ compiled training equals eager

@@ -9,8 +9,8 @@
   losses, the expert loads and every parameter after each step bit for bit equal to none, the routers observed once
   per micro-batch and MoE layer, the RNG state after the steps the same; in the same runs activation offload (pp2)
   and parallel.overlap_grad_reduce (DeepSpeed's overlap_comm, dp2) bit for bit, sequence tiling (tp2 + SP, ep2
-  balanced, cp2) to fp32 rounding. Under inductor (make test-compile) full
-  recomputation is bit for bit and selective agrees to fp32 rounding (test_recompute_under_inductor says why).
+  balanced, cp2) to fp32 rounding. Under inductor (make test-compile, 2 threads, train.deterministic) every policy is
+  bit for bit.
 
 Bit for bit, not within a tolerance: a recomputed region runs the same operations on the same inputs in the same
 order, so anything else is a defect. (Identical parameters after each AdamW step from identical states mean identical
@@ -105,13 +105,15 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
 # ---------------------------------------------------------------------------------------------- the Trainer
 
 
-def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER):
+def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER, threads=1):
     """2 steps of FAST + overrides under each train.recompute policy of `policies`, and each (name, overrides) of
-    `extra`: per variant (losses, loads, parameters after each step, router observations, the RNG state after)."""
+    `extra`, on `threads` CPU threads: per variant (losses, loads, parameters after each step, router observations,
+    the RNG state after)."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
+    torch.set_num_threads(threads)
     out = {}
     variants = [(p, [f"train.recompute={p}"]) for p in policies] + list(extra)
     for name, more in variants:
@@ -138,13 +140,14 @@ def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER):
     return out
 
 
-def _assert_same(results, what, rounding=()):
-    """Every variant's run equal to none's bit for bit, those in `rounding` to fp32 rounding instead (losses within
-    RTOL, parameters within PARAM_RTOL per tensor in norm, as the layout tests hold a layout to one process)."""
+def _assert_same(results, what, rounding=(), against=None):
+    """Every variant's run equal to none's (or that of the variant `against` names for it) bit for bit, those in
+    `rounding` to fp32 rounding instead (losses within RTOL, parameters within PARAM_RTOL per tensor in norm, as the
+    layout tests hold a layout to one process)."""
     for rank, res in enumerate(results):
-        ref_steps, ref_obs, expected_obs, ref_rng = res["none"]
-        assert ref_obs == expected_obs, (what, rank, ref_obs, expected_obs)
         for policy in res:
+            ref_steps, ref_obs, expected_obs, ref_rng = res[(against or {}).get(policy, "none")]
+            assert ref_obs == expected_obs, (what, rank, ref_obs, expected_obs)
             steps, obs, _, rng = res[policy]
             assert obs == ref_obs, (what, rank, policy, obs, ref_obs)
             assert torch.equal(rng, ref_rng), (what, rank, policy)
@@ -165,7 +168,7 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,overrides,extra", [
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], [TILED]),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.deterministic=true"], [TILED]),
     (2, ["parallel.pp=2"], [("offloaded", ["train.recompute=full", "train.offload_buffer_gb=1"])]),
     # dp2 (the dense parameters' data parallelism): DeepSpeed's overlap_comm changes no number either
     (2, ["parallel.ep=2"] + STATIC, [("overlap_grad_reduce", ["parallel.overlap_grad_reduce=true"])]),
@@ -173,15 +176,18 @@ TILED = ("tiled", ["train.tile_tokens=16"])  # to fp32 rounding (tests/test_tili
     (2, ["parallel.ep=2", "model.moe_overflow=balanced"], [TILED]),
     (2, ["parallel.cp=2"], [TILED]),
     (2, ["model=k3_vl_tiny", "data=multimodal", "parallel.tp=2", FULL_VOCAB], []),  # the tower's blocks, attention
-    (1, ["train.compile=true", "train.compile_backend=aot_eager"],
+    (1, ["train.compile=true", "train.compile_backend=aot_eager", "train.deterministic=true"],
      [("offloaded", ["train.recompute=full", "train.offload_buffer_gb=1"])]),
 ], ids=["tp2_sp", "pp2", "ep2_drop", "ep2_dropless", "ep2_balanced", "cp2", "vision_tp2", "compiled_aot_eager"])
 def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, overrides, extra):
     """Also, per layout: sequence tiling (to rounding), activation offload under pp2 and the overlapped gradient
-    reduction at dp2 (bit for bit), each against the same layout's none. Compiled: none, selective (whose regions
-    are traced inside the compiled layer) and full with its layer inputs offloaded (full wraps the compiled layer and
-    calls the same compiled code again, reading the inputs back from host memory; test_recompute_under_inductor
-    checks full bit for bit under inductor, make test-compile)."""
+    reduction at dp2 (bit for bit), each against the same layout's none; tp2 + SP and compiled under
+    train.deterministic. Compiled: none, selective (its regions compiled as graphs of their own, checkpointed between
+    the layer's graphs: train.compile_split=regions), full with its layer inputs offloaded (full wraps the compiled
+    layer and calls the same compiled code again, reading the inputs back from host memory) and selective with each
+    layer one graph (compile_split=layer: the regions traced inside it as torch's checkpoint operator, bit for bit
+    under aot_eager, which runs the traced operations as they are); test_recompute_under_inductor checks the
+    policies under inductor (make test-compile)."""
     policies = POLICY_ORDER[:2] if "train.compile=true" in overrides else POLICY_ORDER
     results = run_distributed(_policies, world, overrides, str(tmp_path), extra, policies, timeout=900)
     _assert_same(results, overrides, ("tiled",))
@@ -190,11 +196,15 @@ def test_recompute_is_bit_identical_under_every_layout(tmp_path, world, override
 @pytest.mark.slow
 @pytest.mark.compile
 def test_recompute_under_inductor(tmp_path):
-    """train.compile=true with inductor: full recomputation wraps the compiled layer and calls the same compiled code
-    again (bit for bit); selective regions are traced inside the compiled layer as torch's checkpoint operator and
-    inductor fuses the recomputed operations into the backward's kernels, which round differently from the forward's
-    (aot_eager, which runs the traced operations as they are, is bit for bit): fp32 rounding (losses within RTOL,
-    parameters within PARAM_RTOL)."""
-    results = run_distributed(_policies, 1, ["train.compile=true"], str(tmp_path), timeout=1500)
-    _assert_same(results, "inductor", ("selective",))
-
+    """train.compile=true with inductor on 2 threads under train.deterministic: none, selective and full bit for bit.
+    Selective checkpoints each region's own compiled graph (train.compile_split=regions), so the backward rebuilds
+    with the forward's kernels; full calls the compiled layer again. (Without train.deterministic, inductor's CPU
+    kernels accumulate scatters with atomics across threads, and two runs of none differ in the last bits.) With one
+    graph per layer (compile_split=layer) selective's regions are traced inside the layer and inductor fuses the
+    rebuilt operations into the backward's kernels, which round differently: selective agrees with that layout's
+    none to fp32 rounding, as that none agrees with the split one (other graphs sum in another order)."""
+    layer = ["train.compile_split=layer"]
+    extra = [("none_layer", layer), ("selective_layer", layer + ["train.recompute=selective"])]
+    results = run_distributed(_policies, 1, ["train.compile=true", "train.deterministic=true"], str(tmp_path),
+                              extra, POLICY_ORDER, 2, timeout=2400)
+    _assert_same(results, "inductor", ("none_layer", "selective_layer"), {"selective_layer": "none_layer"})

@@ -457,12 +457,19 @@ class TrainConfig:
     grad_clip: float = 1.0
     device: str = "auto"  # auto (cuda if available), cpu, cuda
     max_consecutive_skips: int = 3  # steps with a non-finite loss/gradient are skipped; this many in a row stop the run
-    # torch.compile each decoder layer as one region (megatron_k3.training.compile, docs/compile.md); the backend
+    # torch.compile each decoder layer (megatron_k3.training.compile, docs/compile.md); the backend
     # (inductor: C++/OpenMP kernels on CPU, Triton on CUDA; aot_eager / eager: tracing only, for debugging) and
     # the compiler's cache directory (relative: to the launch directory)
     compile: bool = False
     compile_backend: str = "inductor"
     compile_cache: str = ".cache/torchinductor"
+    # regions: a layer's recomputation regions (parallel.recompute.regions) are graphs of their own, so recomputing
+    # one calls the forward's compiled code again and every policy gives the same numbers bit for bit; layer: one
+    # graph per layer (the compiler fuses across the regions; selective then agrees with none to rounding only)
+    compile_split: str = "regions"
+    # deterministic kernels (torch.use_deterministic_algorithms, inductor's deterministic mode, cuBLAS's fixed
+    # workspace): the same numbers run after run, at some cost in speed (docs/compile.md)
+    deterministic: bool = False
     # activation recomputation (megatron_k3.parallel.recompute, docs/planning.md): none, selective (the regions of
     # recompute_modules keep only their inputs), full (a decoder layer keeps only its input; recompute_num_layers > 0:
     # that many layers per pipeline stage), auto (the least the planner says fits cluster.device_memory_gb)
@@ -503,8 +510,10 @@ class TrainConfig:
         if not isinstance(self.epochs, (int, float)) or not 0 <= self.epochs < float("inf"):
             raise ConfigError(f"{prefix}.epochs", self.epochs, "passes over the training split, >= 0 (0: train.steps)")
         _require_choice(self, prefix, "compile_backend", ("inductor", "aot_eager", "eager"))
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"{prefix}.compile", self.compile, "must be true or false")
+        _require_choice(self, prefix, "compile_split", ("regions", "layer"))
+        for key in ("compile", "deterministic"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "must be true or false")
         self._validate_recompute(prefix)
         self.guard.validate(f"{prefix}.guard")
         return self

@@ -51,10 +51,15 @@ class DepthMix(nn.Module):
         self.last_weights_N: torch.Tensor | None = None
 
     def forward(self, sources):
-        h, alpha_N = attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps, return_weights=True)
+        h, alpha_N = self.mix(sources)
         if not recomputing():
             self.last_weights_N = alpha_N.detach().flatten(1).mean(1)
         return h
+
+    def mix(self, sources):
+        """The depth mix of `sources` and its weights (what selective recomputation's `attn_res` rebuilds; the
+        forward records the weights)."""
+        return attn_res(sources, self.proj.weight[0], self.norm.weight, self.norm.eps, return_weights=True)
 
 
 class LayerStack(nn.ModuleDict):

@@ -7,7 +7,7 @@ Policies, with the planner's meanings (megatron_k3.planning.activations):
 - `none`: everything autograd keeps is kept.
 - `selective`: the regions named by `train.recompute_modules` (all of MODULES when empty) keep only their inputs;
   the terms the planner marks `cheap` for those modules are rebuilt in the backward:
-  - `attn_res`: each Block Attention Residual depth mix (its stacked fp32 sources and softmax);
+  - `attn_res`: each Block Attention Residual depth mix (its stacked fp32 sources and softmax; DepthMix.mix);
   - `layernorm`: the RMSNorms before the mixer, before the FFN, on the MoE latent and before the LM head, and the
     vision tower's;
   - `core_attn`: KDA between its input projections and o_proj (short convolutions, L2 norms, gates, the chunked
@@ -27,8 +27,12 @@ is recorded by the first pass only (model.layers.recomputing), and checkpoint re
 happen once per micro-batch whatever the policy. Collectives inside a region (sequence-parallel gathers, the MoE
 all-to-alls, context parallelism's exchanges) run again in the backward on every rank of their group alike.
 
-Under `train.compile` the whole-layer wrapper goes around the compiled region (the recomputation calls the same
-compiled code); selective regions are traced inside it as torch's checkpoint operator.
+Under `train.compile` the whole-layer wrapper goes around the compiled layer (the recomputation calls the same
+compiled code). With train.compile_split=regions (the default) each selective region is compiled as its own graph
+(training.compile splits a layer at `regions`) and the checkpoint wraps it between the layer's graphs, so the backward
+calls the region's compiled forward again: bit for bit under inductor too. With compile_split=layer the regions are
+traced inside the layer as torch's checkpoint operator (inductor fuses the rebuilt operations into the backward's
+kernels: rounding).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from ..model.norm import RMSNorm
 from ..model.vision import VisionBlock
 from .offload import HostOffload
 
-__all__ = ["POLICIES", "MODULES", "Policy", "apply"]
+__all__ = ["POLICIES", "MODULES", "Policy", "apply", "regions"]
 
 # the RMSNorms of `layernorm`, by their attribute names (DepthMix's key norm is a weight its mix reads, not called)
 _NORMS = ("input_layernorm", "post_attention_layernorm", "latent_norm", "norm", "norm0", "norm1", "final_layernorm",
@@ -87,6 +91,10 @@ def _checkpointed(fn):
         if not torch.is_grad_enabled():  # evaluation, generation: nothing is kept, nothing to recompute
             return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    if getattr(fn, "compiled", None) is not None:
+        # a region compiled as its own graph (train.compile_split=regions): the checkpoint runs between the layer's
+        # graphs and calls the region's compiled code, in the forward and again in the backward
+        run = torch.compiler.disable(run)
     run.recomputes = fn
     return run
 
@@ -100,25 +108,35 @@ def _wrap(obj, attr: str) -> int:
     return 1
 
 
-def _selective(model, kinds: frozenset) -> dict:
-    done = dict.fromkeys(kinds, 0)
+def regions(model: torch.nn.Module, kinds=MODULES):
+    """(kind, owner, attribute) of every region of `kinds` in `model` that selective recomputation wraps: a method
+    whose inputs are kept and whose work is rebuilt in the backward. `moe_act` is not among them: the routed
+    experts' activation is rebuilt inside their fused operator (GroupedExperts.recompute_act)."""
     for parent in model.modules():
         if "attn_res" in kinds and isinstance(parent, DepthMix):
-            done["attn_res"] += _wrap(parent, "forward")
+            yield "attn_res", parent, "mix"
         if "core_attn" in kinds:
             if isinstance(parent, (KimiDeltaAttention, VisionBlock)):
-                done["core_attn"] += _wrap(parent, "core")
+                yield "core_attn", parent, "core"
             elif isinstance(parent, GatedMLA):
-                done["core_attn"] += _wrap(parent.kernels, "attend")
+                yield "core_attn", parent.kernels, "attend"
         if "mlp_act" in kinds and isinstance(parent, GatedMLP):
-            done["mlp_act"] += _wrap(parent, "activation")
-        if "moe_act" in kinds and isinstance(parent, GroupedExperts):
-            parent.recompute_act = True
-            done["moe_act"] += 1
+            yield "mlp_act", parent, "activation"
         if "layernorm" in kinds and not isinstance(parent, DepthMix):
             for name, child in parent.named_children():
                 if isinstance(child, RMSNorm) and name in _NORMS:
-                    done["layernorm"] += _wrap(child, "forward")
+                    yield "layernorm", child, "forward"
+
+
+def _selective(model, kinds: frozenset) -> dict:
+    done = dict.fromkeys(kinds, 0)
+    for kind, owner, attr in regions(model, kinds):
+        done[kind] += _wrap(owner, attr)
+    if "moe_act" in kinds:
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                m.recompute_act = True
+                done["moe_act"] += 1
     return done
 
 

@@ -1,5 +1,12 @@
 """`train.compile=true`: every decoder layer (mixer, AttnRes mixes, norms, router, dispatcher, experts, SiTU) is
-compiled by torch.compile as one region, as torchtitan compiles each transformer block.
+compiled by torch.compile, as torchtitan compiles each transformer block.
+
+- `train.compile_split=regions` (default): the layer's activation-recomputation regions (parallel.recompute.regions:
+  the norms, the depth mixes, KDA's core, MLA's attention, the GLU activations) are compiled as graphs of their own,
+  which the layer's graphs call across a break. Selective recomputation checkpoints a region there, outside the
+  compiled graphs, so its backward runs the region's compiled forward again: the rebuilt tensors are the forward's
+  bit for bit and every policy gives the same numbers. `layer`: one graph per layer (the compiler fuses across the
+  regions; selective's regions are traced inside as torch's checkpoint operator and round differently).
 
 - Static shapes (`dynamic=False`): a layer sees the same shapes every micro-batch (the drop and balanced dispatchers
   fix their buffers; packed documents reach the layers as a per-token document index, not as offsets whose length
@@ -8,7 +15,8 @@ compiled by torch.compile as one region, as torchtitan compiles each transformer
   (ops.grouped_gemm), expert counting has a static shape (model.dispatcher.counts), the collectives of tensor, sequence,
   expert and context parallelism are traced as functional collectives (parallel.mappings) and the router's statistics
   for Quantile Balancing are handed out of the region (StableLatentMoE.flush_observation). tests/test_compile.py
-  asserts zero graph breaks with torch._dynamo.explain in one process and under tp2, ep2 and cp2.
+  asserts zero graph breaks with torch._dynamo.explain in one process and under tp2, ep2 and cp2 (a whole layer, and
+  each region alone).
 - The compiler's cache lives under `train.compile_cache` (default .cache/torchinductor in the launch directory),
   so a resumed run reuses the compiled code of the run before it.
 
@@ -29,6 +37,7 @@ import torch
 from ..config import ConfigError
 from ..model.decoder import DecoderLayer
 from ..model.moe import StableLatentMoE
+from ..parallel.recompute import regions as recompute_regions
 
 __all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir"]
 
@@ -90,9 +99,10 @@ def _region(layer: DecoderLayer, compiled):
     return forward
 
 
-def compile_layers(model: torch.nn.Module, backend: str = "inductor", cache: str = "") -> int:
-    """Compile every decoder layer of `model` in place as its own region (the parameters, their names and the state
-    dict are untouched); returns how many layers. The compile cache goes to `cache_dir(cache)` (inductor reads
+def compile_layers(model: torch.nn.Module, backend: str = "inductor", cache: str = "", split: str = "regions") -> int:
+    """Compile every decoder layer of `model` in place (the parameters, their names and the state dict are
+    untouched), split at its recomputation regions (`split`: train.compile_split, regions or layer); returns how
+    many layers. The compile cache goes to `cache_dir(cache)` (inductor reads
     TORCHINDUCTOR_CACHE_DIR whenever it opens its cache, and writes its own default there once it has, so the key
     sets it rather than deferring to it)."""
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
@@ -106,11 +116,26 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor", cache: str
     need = 2 * len(layers) + 8
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * need)
-    # selective recomputation's regions (parallel/recompute.py) are traced inside a layer as torch's checkpoint
-    # operator; what a region records besides its output (depth weights, router statistics) is recorded by the
-    # forward only, as in eager (model.layers.recomputing), not replayed by the recomputation
+    # split=layer: selective recomputation's regions (parallel/recompute.py) are traced inside a layer as torch's
+    # checkpoint operator; what a region records besides its output (depth weights, router statistics) is recorded
+    # by the forward only, as in eager (model.layers.recomputing), not replayed by the recomputation
     dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
+        for _, owner, attr in recompute_regions(layer) if split == "regions" else ():
+            setattr(owner, attr, _boundary(getattr(owner, attr), backend))
         compiled = torch.compile(layer.forward, backend=backend, dynamic=False, fullgraph=False)
         layer.forward = _region(layer, compiled)
     return len(layers)
+
+
+def _boundary(fn, backend: str):
+    """A recomputation region of a layer (parallel.recompute.regions) compiled as its own graph, which the layer's
+    graph calls across a break: selective recomputation checkpoints it from outside and its backward calls the
+    same compiled code again, so the rebuilt tensors are the forward's bit for bit whatever the policy."""
+    compiled = torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
+
+    def region(*args, **kwargs):
+        return compiled(*args, **kwargs)
+    region = torch.compiler.disable(region)
+    region.compiled = compiled
+    return region

@@ -63,6 +63,20 @@ def _device(run: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def _deterministic(device: torch.device) -> None:
+    """train.deterministic: every kernel, eager and generated, in a fixed order of summation, so that a step gives the
+    same numbers run after run (and every train.recompute policy the same numbers under inductor, whose CPU kernels
+    otherwise accumulate scatters with atomics across threads): torch's deterministic algorithms (ops without one
+    raise, naming the op), cuBLAS's fixed workspace on CUDA, no autotuning by benchmark in inductor."""
+    import torch._inductor.config as inductor_config
+
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+    inductor_config.deterministic = True
+
+
 @dataclass
 class _Step:
     """One step on this rank: its micro-batches' samples, what they add up, and how the optimizer step went."""
@@ -109,6 +123,8 @@ class Trainer:
         t = run.train
         if t.compile:  # a compiler that cannot work here stops the run now, in one line, before anything is built
             compile_regions.check_backend(t.compile_backend, self.device)
+        if t.deterministic:
+            _deterministic(self.device)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         self._steps_from_epochs()
@@ -175,9 +191,9 @@ class Trainer:
         offload.py, tiling.py), around the compiled layers."""
         run, t = self.run, self.run.train
         if t.compile:
-            n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache)
-            log.info("train.compile: %d decoder layers compiled (%s), cache %s", n, t.compile_backend,
-                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+            n = compile_regions.compile_layers(self.model, t.compile_backend, t.compile_cache, t.compile_split)
+            log.info("train.compile: %d decoder layers compiled (%s, split at %s), cache %s", n, t.compile_backend,
+                     t.compile_split, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         lay = plan_layout(run, self.world, self.recompute)
         wrapped = recompute.apply(self.model, recompute.Policy(self.recompute, lay.recompute_modules,
                                                                lay.recompute_num_layers, int(lay.offload_bytes)))
