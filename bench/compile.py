@@ -7,10 +7,12 @@
 
 1. train: one training step (forward, backward, AdamW; bench/train_step.py's step) of (a) bench/train_step.py's
    Kimi-Linear-shaped model: ours eager, ours with every decoder layer compiled (megatron_k3.training.compile.
-   compile_layers, as train.compile=true does) and Hugging Face's KimiLinearForCausalLM on its torch path (eager),
-   and (b) k3_tiny, eager against compiled (HF has no K3). Same weights and batch for every row of a table; the first
-   step is timed on its own (for a compiled model it includes the compile) and its loss, computed before any update,
-   is compared between the rows; then --steps steady steps (best, median).
+   compile_layers, as train.compile=true does: split at the recomputation regions, and as one graph per layer,
+   train.compile_split=layer) and Hugging Face's KimiLinearForCausalLM on its torch path (eager), and (b) k3_tiny,
+   eager against compiled both ways and compiled with train.recompute=selective (HF has no K3). Same weights and
+   batch for every row of a table; the first step is timed on its own (for a compiled model it includes the
+   compile) and its loss, computed before any update, is compared between the rows; then --steps steady steps
+   (best, median).
 2. moe: one forward+backward of the MoE layer at bench/moe.py's default shapes with batch x seq tokens (the defaults
    give its 2048): ours as K3 runs it (SiTU, Stable LatentMoE of width --latent, the default dispatch) eager (its
    fused autograd Functions) and under torch.compile(dynamic=False), HF's KimiLinearMoE with grouped_mm experts
@@ -189,13 +191,16 @@ def section_train(args):
     hf, ours = train_step.build_models(cfg)
     n = sum(p.numel() for p in ours.parameters())
     x, y = train_step.make_batch(cfg.vocab_size, args.batch, args.seq)
-    models = {"ours eager": (ours, False), "ours compiled": (compiled_copy(ours, cfg, args.backend), False),
-              "HF KimiLinearForCausalLM (torch path, eager)": (hf, True)}
+    whole = "ours compiled, one graph per layer"
     hf_name = "HF KimiLinearForCausalLM (torch path, eager)"
-    train_compare(f"(a) Kimi Linear layout (bench/train_step.py), {cfg.num_layers} layers, {n / 1e6:.1f}M params",
+    models = {"ours eager": (ours, False), whole: (compiled_copy(ours, cfg, args.backend, "layer"), False),
+              "ours compiled": (compiled_copy(ours, cfg, args.backend), False), hf_name: (hf, True)}
+    train_compare(f"(a) Kimi Linear layout (bench/train_step.py), {cfg.num_layers} layers, {n / 1e6:.1f}M params; "
+                  "compiled split at the recomputation regions (the default) and as one graph per layer",
                   models, x, y, args.steps,
-                  checks=[("ours compiled", "ours eager"), ("ours eager", hf_name)],
-                  ratios=[("ours eager", hf_name), ("ours compiled", hf_name), ("ours compiled", "ours eager")],
+                  checks=[("ours compiled", "ours eager"), (whole, "ours eager"), ("ours eager", hf_name)],
+                  ratios=[("ours eager", hf_name), ("ours compiled", hf_name), (whole, hf_name),
+                          ("ours compiled", "ours eager"), (whole, "ours eager"), ("ours compiled", whole)],
                   profile_top=args.profile_top)
     del models, hf, ours
 
