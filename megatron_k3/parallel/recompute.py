@@ -92,8 +92,9 @@ def _checkpointed(fn):
             return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     if getattr(fn, "compiled", None) is not None:
-        # a region compiled as its own graph (train.compile_split=regions): the checkpoint runs between the layer's
-        # graphs and calls the region's compiled code, in the forward and again in the backward
+        # compiled code (training.compile): a region compiled as its own graph (train.compile_split=regions), whose
+        # checkpoint then runs between the layer's graphs and calls the region's compiled code in the forward and
+        # again in the backward, or a compiled layer under full (called from eager code anyway)
         run = torch.compiler.disable(run)
     run.recomputes = fn
     return run
