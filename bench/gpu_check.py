@@ -164,15 +164,13 @@ def recompute_check(args, rows, device=None, backend="inductor"):
     activation offload (pinned host buffers, side streams, prefetch: parallel/offload.py's CUDA path) against none,
     eager and compiled; every gradient must be equal to the bit. Rows: time and peak memory as ratios to none."""
     from megatron_k3.config import load_model_config
+    from megatron_k3.training.compile import set_deterministic
 
     device = device or torch.device("cuda")
     cfg = load_model_config("k3_tiny")
     ids = torch.randint(0, cfg.vocab_size, (2, args.recompute_seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    import torch._inductor.config as inductor_config
-
-    torch.use_deterministic_algorithms(True)
-    inductor_config.deterministic = True
+    set_deterministic(True, device)
     try:
         for compiled in (False, True):
             ref = None
@@ -186,8 +184,7 @@ def recompute_check(args, rows, device=None, backend="inductor"):
                              f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB; gradients vs none: "
                              + ("equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})")))
     finally:
-        torch.use_deterministic_algorithms(False)
-        inductor_config.deterministic = False
+        set_deterministic(False, device)
     return rows
 
 
@@ -341,8 +338,8 @@ def main():
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
         return 2
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (recompute_check), read
-    # when the first handle is made
+    # recompute_check sets it too, but cuBLAS reads it when the first handle is made: before kda_check
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     rows = [("check", "ours", "fla", "result")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for fn in (kda_check, model_check, recompute_check, precision_check):

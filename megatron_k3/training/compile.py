@@ -39,7 +39,7 @@ from ..model.decoder import DecoderLayer
 from ..model.moe import StableLatentMoE
 from ..parallel.recompute import regions as recompute_regions
 
-__all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir"]
+__all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir", "set_deterministic"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -83,6 +83,21 @@ def check_backend(backend: str, device: torch.device) -> None:
         if r.returncode != 0:
             err = (r.stderr.strip().splitlines() or ["no output"])[0]
             raise ConfigError("train.compile", True, f"the C++ compiler {cxx} does not compile a test file: {err}")
+
+
+def set_deterministic(on: bool, device: torch.device) -> None:
+    """train.deterministic (on) or torch's defaults (off): every kernel, eager and generated, in a fixed order of
+    summation, so that a step gives the same numbers run after run (and every train.recompute policy the same numbers
+    under inductor, whose CPU kernels otherwise add scattered gradients with atomics across threads): torch's
+    deterministic algorithms (ops without one raise, naming the op), no autotuning by benchmark in inductor, and on
+    CUDA cuBLAS's fixed workspace (read when the first handle is made: set before any GEMM)."""
+    import torch._inductor.config as inductor_config
+
+    if on and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(on)
+    inductor_config.deterministic = on
 
 
 def _region(layer: DecoderLayer, compiled):

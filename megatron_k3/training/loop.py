@@ -63,20 +63,6 @@ def _device(run: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _deterministic(device: torch.device) -> None:
-    """train.deterministic: every kernel, eager and generated, in a fixed order of summation, so that a step gives the
-    same numbers run after run (and every train.recompute policy the same numbers under inductor, whose CPU kernels
-    otherwise accumulate scatters with atomics across threads): torch's deterministic algorithms (ops without one
-    raise, naming the op), cuBLAS's fixed workspace on CUDA, no autotuning by benchmark in inductor."""
-    import torch._inductor.config as inductor_config
-
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True)
-    inductor_config.deterministic = True
-
-
 @dataclass
 class _Step:
     """One step on this rank: its micro-batches' samples, what they add up, and how the optimizer step went."""
@@ -124,7 +110,7 @@ class Trainer:
         if t.compile:  # a compiler that cannot work here stops the run now, in one line, before anything is built
             compile_regions.check_backend(t.compile_backend, self.device)
         if t.deterministic:
-            _deterministic(self.device)
+            compile_regions.set_deterministic(True, self.device)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_data(run, self.rank)
         self._steps_from_epochs()
