@@ -402,7 +402,8 @@ def test_balanced_dispatch_memory_and_traffic_by_hand():
     n_moe = cfg.ffn_types().count("moe")
     assert n_moe == 7
     # memory (pp = 1: one micro-batch in flight): the kept replicas S x P x 2 B per MoE layer in the activations;
-    # the exchange buffers 2 (El + S) P x 2 B and both hops' token buffers replace drop's 2 M L x 2 B
+    # the exchange buffers 2 (El + S) P x 2 B and both hops' token buffers replace drop's 2 M L x 2 B; the [w1; w3]
+    # concatenation the experts' GEMMs run against also holds the replicas' (2/3 of S x P x 2 B)
     drop = training_memory(cfg, cl, lay, replace(w, moe_overflow="drop"))[0]
     bal = training_memory(cfg, cl, lay, w)[0]
     kept = 6 * 12288 * 2
@@ -410,13 +411,14 @@ def test_balanced_dispatch_memory_and_traffic_by_hand():
     assert bal.activation_detail["moe_replicas"] == bal.moe_replicas == n_moe * kept
     exchange = 2 * (4 + 6) * 12288 * 2 + 2 * (1024 + 1036) * (64 * 2 + 8)
     assert bal.moe_exchange == exchange
-    assert bal.transient - drop.transient == pytest.approx(exchange - 2 * 1024 * 64 * 2)
+    concat = 2 * 6 * 12288 // 3 * 2
+    assert bal.transient - drop.transient == pytest.approx(exchange - 2 * 1024 * 64 * 2 + concat)
     assert (bal.weights, bal.gradients, bal.optimizer) == (drop.weights, drop.gradients, drop.optimizer)
     # full recomputation: one layer's replicas, as a transient
     full = training_memory(cfg, cl, replace(lay, recompute="full"), w)[0]
     full_drop = training_memory(cfg, cl, replace(lay, recompute="full"), replace(w, moe_overflow="drop"))[0]
     assert full.activations == full_drop.activations and full.moe_replicas == kept
-    assert full.transient - full_drop.transient == pytest.approx(kept + exchange - 2 * 1024 * 64 * 2)
+    assert full.transient - full_drop.transient == pytest.approx(kept + exchange - 2 * 1024 * 64 * 2 + concat)
     # S = 3 < El: the compute buffer's worst case, R N min(El, k) = 4096 rows, pads 3072 rows of the experts'
     # kept terms (fused, bf16: inputs 64 x 2, gate/up 128 x 2, hidden 64 x 2, outputs 65 x 2 = 642 B per row)
     short = training_memory(cfg, cl, lay, replace(w, redundant_experts=3))[0]
@@ -502,8 +504,9 @@ def test_check_fits_names_redundant_experts_when_the_replicas_push_it_over():
     mem = {S: gb(redundant_experts=S) for S in range(1, 13)}
     assert mem[4] < mem[3]  # at S = E/ep the compute buffer drops from its worst case to M rows
     assert all(mem[S] < mem[S + 1] for S in range(4, 12)) and gb(moe_overflow="drop") < mem[4]
-    # each slot: the replica kept by every MoE layer (one micro-batch in flight) + 2 exchange buffers, fp32
-    assert (mem[9] - mem[8]) * GB == pytest.approx((7 + 2) * 12288 * 4)
+    # each slot: the replica kept by every MoE layer (one micro-batch in flight) + 2 exchange buffers, fp32, and its
+    # gate and up matrices (2/3 of it) in the [w1; w3] concatenation the experts' GEMMs run against
+    assert (mem[9] - mem[8]) * GB == pytest.approx((7 + 2 + 2 / 3) * 12288 * 4)
     for capacity, fix in (((mem[8] + mem[9]) / 2, "the largest that fits is moe.redundant_experts=8"),
                           ((mem[4] + gb(moe_overflow="drop")) / 2, "no value fits this layout")):
         small = compose_config(over + [f"cluster.device_memory_gb={capacity}"])[0]
@@ -753,7 +756,7 @@ def test_plan_reports_the_vision_tower(plan_tool, capsys):
 
 
 def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_offload():
-    """K3 at 1M tokens on supernodes_8x64: tp8 pp8 ep64 cp8 with full recomputation alone needs 149.9 GB per device;
+    """K3 at 1M tokens on supernodes_8x64: tp8 pp8 ep64 cp8 with full recomputation alone needs 150.5 GB per device;
     the layer inputs it keeps go to host memory (train.offload_buffer_gb: up to that many bytes per device, the rest
     stays), the MoE blocks and the LM head run over token tiles (train.tile_tokens), and it fits, with the host
     memory per node within cluster.host_memory_gb; a host too small is refused naming train.offload_buffer_gb."""
@@ -765,7 +768,7 @@ def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_of
     w = Workload(1 << 20, 1, 64, "bf16", "muon")
     lay = Layout(world=512, tp=8, pp=8, ep=64, cp=8, recompute="full")
     base = plan_training(cfg, cl, lay, w)
-    assert not base.fits and round(base.memory_per_device / GB, 1) == 149.9
+    assert not base.fits and round(base.memory_per_device / GB, 1) == 150.5
     first = training_memory(cfg, cl, lay, w)[0]
     kept = first.activation_detail["layer_inputs"]
     half = replace(lay, offload_bytes=kept / 2)

@@ -14,6 +14,8 @@
   backward, a budget too small keeps the inputs on the device and is still exact.
 - The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
+- Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
+  copy of the block's weights, is live through its backward), as the planner counts it.
 - Bad input names the key: a tile that does not divide the tokens, tiling with the drop dispatcher, offload without
   full recomputation.
 """
@@ -174,3 +176,67 @@ def test_bad_tiling_and_offload_name_the_key():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             run.validate()
 
+
+
+def _accumulations(tile: int) -> tuple:
+    """One forward and backward of TINY_MODEL at `tile`: (how many times each parameter of the MoE blocks and the LM
+    head had its gradient accumulated, as a set; the expert weight-gradient GEMMs run; the model; the MoE layers)."""
+    from megatron_k3.model.moe import StableLatentMoE
+    from megatron_k3.ops import grouped_gemm
+
+    model, cfg, _ = wrapped_model(TINY_MODEL, Policy("none"), tile)
+    moes = [m for m in model.modules() if isinstance(m, StableLatentMoE)]
+    watched = [p for m in moes for p in m.parameters()] + list(model.lm_head.parameters())
+    fired = {id(p): 0 for p in watched}
+
+    def accumulated(p):
+        fired[id(p)] += 1
+
+    def counted(*args):
+        fired["wgrad"] += 1
+        return real(*args)
+
+    hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in watched]
+    fired["wgrad"], real = 0, grouped_gemm.wgrad_mm
+    grouped_gemm.wgrad_mm = counted
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+        model(ids, labels=ids).loss.backward()
+    finally:
+        grouped_gemm.wgrad_mm = real
+        for h in hooks:
+            h.remove()
+    wgrads = fired.pop("wgrad")
+    return set(fired.values()), wgrads, model, moes
+
+
+def test_a_tiled_block_sums_its_weight_gradients_over_the_tiles_as_the_planner_counts():
+    """Every tile of a MoE block (and of the LM head) runs the same weights, so autograd adds the tiles' weight
+    gradients in its input buffer and accumulates each parameter's once, after the block's last tile: 4 tiles
+    compute 4 expert weight gradients per MoE layer and weight, one accumulation follows. That buffered sum, one copy
+    of the block's weights in their dtype, is live through the block's backward; planning.memory's
+    expert_workspace_bytes counts it beside the experts' [w1; w3] concatenation (checked by hand here; measured at full
+    width in docs/scale.md)."""
+    from megatron_k3.config import compose_config
+    from megatron_k3.planning.candidates import Layout
+    from megatron_k3.planning.memory import expert_workspace_bytes
+    from megatron_k3.planning.params import model_params
+    from megatron_k3.planning.run import workload
+
+    once, untiled_wgrads, _, _ = _accumulations(0)
+    tiled_once, tiled_wgrads, model, moes = _accumulations(32)
+    assert once == tiled_once == {1}  # one accumulation per parameter and backward, tiled or not
+    assert tiled_wgrads == 4 * untiled_wgrads == 4 * 3 * len(moes)  # w1, w3, w2 of each MoE layer, per tile
+    # the planner: the [w1; w3] concatenation (2/3 of the rank's experts), and tiled the block's weights once more
+    run = compose_config(TINY_MODEL + ["train.seq_length=128", "train.micro_batch_size=1"])[0]
+    cfg, w = run.model, workload(run)
+    mp = model_params(cfg)
+    moe_layers = [i for i, f in enumerate(cfg.ffn_types()) if f == "moe"]
+    block = {i: sum(p.numel() for n, p in model.model.layers[i].mlp.named_parameters() if not n.startswith("experts."))
+             for i in moe_layers}
+    assert all(mp.layers[i].moe_dense == block[i] for i in moe_layers)
+    experts = mp.layers[moe_layers[0]].experts.total
+    untiled = expert_workspace_bytes(cfg, Layout(world=1), w, mp, moe_layers, None)
+    tiled = expert_workspace_bytes(cfg, Layout(world=1, tile_tokens=32), w, mp, moe_layers, None)
+    assert untiled == pytest.approx(2 / 3 * experts * w.weight_bytes)
+    assert tiled - untiled == pytest.approx((experts + block[moe_layers[0]]) * w.weight_bytes)

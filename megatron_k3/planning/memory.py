@@ -490,7 +490,8 @@ def frozen_expert_decode_bytes(cfg, w: Workload) -> float:
     return block * 5 * cfg.moe_intermediate_size * cfg.expert_width * w.act_bytes
 
 
-def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int) -> tuple:
+def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int,
+                       head_weights: float = 0.0) -> tuple:
     """(activation bytes kept on the device for the backward, by category, transient bytes, bytes offloaded to host)
     of the stage's micro-batches in flight under the layout's recomputation, tiling and offload, the LM head's
     transients included on the last stage:
@@ -504,7 +505,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       (lay.offload_bytes) up to that many bytes of the kept inputs live in host memory instead;
     - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only, KDA's chunk kernel its tiles'
       inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
-      selective region) rebuilds, its MoE block and KDA chunk terms are a tile's."""
+      selective region) rebuilds, its MoE block and KDA chunk terms are a tile's; the tiled head's backward also
+      holds the sum of its tiles' weight gradients (`head_weights` bytes, as expert_workspace_bytes explains)."""
     sources, out_src = attn_res_sources(cfg)
     rec, full = lay.recomputed, lay.full_layers(a, b)
     fm, fh = tile_shares(lay, w)
@@ -519,6 +521,7 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
         _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
         head_t = fh * (sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
                        + (_head_tiled_bytes(cfg, lay, w, out_src) if fh < 1 else 0.0))
+        head_t += head_weights if fh < 1 else 0.0
     transient = head_t
     if fm < 1:  # one MoE tile's working set at a time (forward, and its recomputation in the backward)
         transient = max(transient, fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b)))
@@ -548,13 +551,34 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
     return in_flight * per_micro - host, detail, transient, host
 
 
-def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh: _Sharding) -> tuple:
+def expert_workspace_bytes(cfg, lay: Layout, w: Workload, mp, moe_layers, bal: BalancedMoE | None) -> float:
+    """Bytes one MoE layer's routed experts make beside their rows (ops.grouped_gemm), at most, of the stage's MoE
+    layers: the [w1; w3] concatenation of the own experts and the balanced dispatch's replicas, made in the weights'
+    dtype and cast to the GEMMs' (in the forward, and again in the backward, which then makes the two weight
+    gradients, as large). Under train.tile_tokens also the gradients of the tiled block's weights (routed experts,
+    replicas, router, shared experts, latent projections): every tile runs the same weights, so autograd sums the
+    tiles' gradients in its input buffer, in the weights' dtype, through the block's backward and accumulates once.
+    Under peft=lora the frozen experts' decoded block stands for the concatenation (frozen_expert_decode_bytes)."""
+    if not moe_layers or w.peft:
+        return 0.0
+    own = max(mp.layers[i].experts.total for i in moe_layers)  # w1, w3, w2 of the own experts
+    slots = bal.S * bal.P if bal is not None else 0
+    cast = w.act_bytes if w.act_bytes != w.weight_bytes else 0
+    ws = 2 / 3 * (own + slots) * (w.weight_bytes + cast)
+    if tile_shares(lay, w)[0] < 1:
+        ws += (max(mp.layers[i].experts.total + mp.layers[i].moe_dense for i in moe_layers) + slots) * w.weight_bytes
+    return ws
+
+
+def _stage_moe(cfg, lay: Layout, w: Workload, a: int, b: int, in_flight: int, sh: _Sharding, mp) -> tuple:
     """(activation bytes, their categories, transient bytes, replica bytes, exchange buffer bytes) of the stage's
     MoE layers beyond their activation terms: balanced dispatch's replicas, padding, exchange buffers and relay
-    stores (BalancedMoE), or dispatch's all-to-all buffers under EP."""
+    stores (BalancedMoE), or dispatch's all-to-all buffers under EP; the experts' weight workspace
+    (expert_workspace_bytes)."""
     moe_layers = [i for i in range(a, b) if cfg.ffn_types()[i] == "moe"]
     bal = balanced_moe(cfg, lay, w)
-    acts, detail, transient, replicas, exchange = 0.0, {}, 0.0, 0.0, 0.0
+    acts, detail, replicas, exchange = 0.0, {}, 0.0, 0.0
+    transient = expert_workspace_bytes(cfg, lay, w, mp, moe_layers, bal)
     if moe_layers and bal is not None:  # balanced dispatch (BalancedMoE)
         pad = 0.0
         if bal.cap > bal.M:  # below E/ep slots: the compute buffer's worst-case rows beyond M
@@ -606,8 +630,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         first, last = s == 0, s == len(stages) - 1
         dense, frozen, experts, weights, grads, optimizer = _stage_states(mp, a, b, first, last, cfg, w, sh)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
-        acts, detail, transient, host = _stage_activations(cfg, lay, w, a, b, last, in_flight)
-        moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh)
+        head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
+        acts, detail, transient, host = _stage_activations(cfg, lay, w, a, b, last, in_flight, head_weights)
+        moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh, mp)
         acts, transient = acts + moe_acts, transient + moe_trans
         detail.update(moe_detail)
         if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)

@@ -84,6 +84,7 @@ class LayerKindParams:
     dense: ParamGroup  # everything but the routed experts, on one TP rank
     experts: ParamGroup  # the routed experts of the layer on one EP rank
     buffer_bytes: int = 0  # persistent buffers (state-dict entries that are not parameters: the router's bias)
+    moe_dense: int = 0  # of `dense`, the MoE block's (router, shared experts, latent projections): tiling runs them
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ def _buffer_bytes(module) -> int:
     return n
 
 
+def _moe_dense(layer, frozen_base: bool) -> int:
+    """Elements of a decoder layer's MoE block on one TP rank beside its routed experts (0 for a dense MLP)."""
+    if getattr(layer, "ffn_type", "") != "moe":
+        return 0
+    return _group(layer.mlp, f"model.layers.{layer.layer_idx}.mlp", frozen_base)[0].total
+
+
 def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
     """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model; under
     peft=lora adapted as the run adapts it), then counted per layer, embedding and head."""
@@ -165,7 +173,8 @@ def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
     if peft:
         apply_lora(model, _peft_config(peft), groups.tp)
     f = bool(peft)
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f), _buffer_bytes(layer))
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f), _buffer_bytes(layer),
+                                   _moe_dense(layer, f))
                    for layer in model.model.layers)
     emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f)
     head, head_buffers = ParamGroup(), 0
@@ -200,7 +209,8 @@ def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = ()) -> ModelParams
     if tp == 1 or ep == 1:
         return _built(cfg, tp, ep, peft)
     dense, experts = _built(cfg, tp, 1, peft), _built(cfg, 1, ep, peft)
-    layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes) for d, e in zip(dense.layers, experts.layers))
+    layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes, d.moe_dense)
+                   for d, e in zip(dense.layers, experts.layers))
     return ModelParams(tp, ep, layers, dense.embedding, dense.head, dense.embedding_buffer_bytes,
                        dense.head_buffer_bytes, dense.vision_tower, dense.mm_projector)
 
