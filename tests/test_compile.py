@@ -247,16 +247,18 @@ def _one_step_gradients(backend):
 @pytest.mark.compile
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_one_step_gradients_equal_eager(backend):
-    """One forward/backward, before any optimizer amplifies differences: the compiled layers' loss within 1e-7 of
-    eager, and every gradient within 1e-5 of the fp64 gradient (per tensor, in norm; the suite's fp32 tolerance) as
-    eager's are. A compiled graph sums in its own order (a gradient with several contributions in the joint graph's
-    order; inductor's CPU reductions of up to 4096 terms accumulate linearly where ATen sums in a cascade), so it
-    cannot equal eager to the bit; a wrong derivative or a dropped contribution is off by O(1). Measured: aot_eager
-    equal to the bit in the loss and in 61 of 110 gradients, the rest within 4.9e-7 of eager, 2e-6 of fp64 as eager;
-    inductor's loss equal to the bit, its gradients within 4.4e-6 of eager and 3.9e-6 of fp64 (KDA's A_log, a
-    per-head sum over every token and key channel; eager 1.2e-6)."""
+    """One forward/backward, before any optimizer amplifies differences: the compiled layers' loss within 4 fp32 ulps of
+    eager (4 x 1.2e-7 relative), and every gradient within 1e-5 of the fp64 gradient (per tensor, in norm; the suite's
+    fp32 tolerance) as eager's are. A compiled graph sums in its own order (a gradient with several contributions in the
+    joint graph's order; inductor's CPU reductions of up to 4096 terms accumulate linearly where ATen sums in a
+    cascade), so it cannot equal eager to the bit; a wrong derivative or a dropped contribution is off by O(1).
+    Measured (2026-12-04, cold compiles): aot_eager equal to the bit in the loss and in 31 of 110 gradients, the rest
+    within 4.4e-7 of eager, 2.2e-6 of fp64 as eager; inductor's loss one ulp apart (9.037881851 against 9.037882805,
+    1.1e-7; the same with train.compile_split=layer, deterministic or not, on 1 or 2 threads; the old bound, 1e-7, was
+    below one ulp), its gradients within 2.4e-6 of eager and 2.6e-6 of fp64 (KDA's A_log, a per-head sum over every
+    token and key channel; eager 2.2e-6)."""
     (l_x, g_x), (l_e, g_e), (l_c, g_c) = _one_step_gradients(backend)
-    assert abs(l_c - l_e) <= 1e-7 * abs(l_e), (l_c, l_e)
+    assert abs(l_c - l_e) <= 4 * torch.finfo(torch.float32).eps * abs(l_e), (l_c, l_e)
     assert g_c.keys() == g_e.keys() == g_x.keys() and len(g_e) > 100
     eager_err = {n: norm_rel(g, g_x[n]) for n, g in g_e.items()}
     comp_err = {n: norm_rel(g, g_x[n]) for n, g in g_c.items()}
