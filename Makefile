@@ -43,7 +43,8 @@ test-fast: install-test
 
 # train.compile with inductor: one compiled step's gradients against eager and fp64, compiled training equals eager in
 # one process, tp2, ep2 and pp2, a resumed run reuses the compile cache, and the README's train.compile=true command
-# (tests/test_readme.py; 7.6 minutes). Inductor's C++ code generation takes minutes per layer on 2 cores: ~38 minutes
+# (tests/test_readme.py; 2.3 minutes). Inductor's C++ code generation dominates: ~16 minutes on 2 cores from an empty
+# cache (TORCHINDUCTOR_CACHE_DIR), ~13 with a warm one
 test-compile: install-test
 	$(THREADS) $(PY) -m pytest -m compile $(PYTEST_ARGS)
 
