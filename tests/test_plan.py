@@ -188,6 +188,10 @@ def test_layout_rules():
     kinds = {planner_problems(cfg, cl, lay, w)[0].kind
              for lay in (Layout(world=512, tp=8, pp=4, ep=128), Layout(world=512, tp=4, pp=2, ep=256))}
     assert kinds == {"parallel.ep: EP <= supernode size"}, kinds
+    # train.tile_tokens: 4096 tokens at tp8 + SP are 512 per TP rank in the MoE layers: a 384-token tile cuts neither
+    # them nor the head's 4096; 1024 leaves the MoE layers untiled and cuts the head in four
+    assert "nearest that work are 256 and 512" in reasons(replace(ok, tile_tokens=384))
+    assert planner_problems(cfg, cl, replace(ok, tile_tokens=1024), w) == []
     res = search_training(load_model_config("k3_tiny"), cl, w, top=1, find_min_world=False)
     assert res.invalid == {"parallel.tp: divides model.kda_num_heads": 90}, res.invalid
     assert stage_layers(cfg, 8)[0] == (0, 12) and stage_layers(cfg, 8)[-1] == (84, 93)  # whole 12-layer blocks

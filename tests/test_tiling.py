@@ -16,8 +16,9 @@
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
   copy of the block's weights, is live through its backward), as the planner counts it.
-- Bad input names the key: a tile that does not divide the tokens, tiling with the drop dispatcher, offload without
-  full recomputation.
+- A tile of at least a device's tokens runs untiled (bit for bit).
+- Bad input names the key: a tile that does not divide the tokens (with the nearest sizes that do, from the config's
+  layout check, before anything is built), tiling with the drop dispatcher, offload without full recomputation.
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ def _step(policy: Policy, tile: int = 0, extra=()):
     return out.loss.detach(), grads, (counter.calls, counter.rows), loads, during, off
 
 
+def test_a_tile_of_at_least_the_tokens_runs_untiled():
+    """128 tokens on the device: a 128- or 200-token tile is one tile, which runs as untiled does, bit for bit (as
+    the planner counts it: memory.tile_shares caps the share at 1)."""
+    loss, grads, *_ = _step(Policy("none"))
+    for tile in (128, 200):
+        t_loss, t_grads, *_ = _step(Policy("none"), tile)
+        assert torch.equal(t_loss, loss) and all(torch.equal(t_grads[n], g) for n, g in grads.items()), tile
+
+
 @pytest.mark.parametrize("policy", [Policy("none"), Policy("selective"), Policy("full")], ids=lambda p: p.name)
 @pytest.mark.parametrize("tile", [16, 32])
 def test_tiled_equals_untiled_to_rounding(policy, tile):
@@ -163,8 +173,28 @@ def test_a_memory_measurement_counts_the_offloaded_copies_as_host_memory():
 
 
 def test_bad_tiling_and_offload_name_the_key():
+    """The config's layout check (every rank, before anything is built) names train.tile_tokens, the tokens it must
+    divide and the nearest tile sizes that work; the tiled forward refuses the same as a backstop."""
     from megatron_k3.config import ConfigError, compose_config
 
+    seq = ["train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    for overrides, world, message in (
+            (["train.tile_tokens=48"], 1, r"=48: does not divide the 128 tokens a MoE layer .* are 32 and 64;"),
+            (["train.tile_tokens=48", "parallel.cp=2"], 2, r"=48: does not divide the 64 tokens a MoE .* are 32 and "
+                                                           r"64;"),
+            (["train.tile_tokens=24", "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+             r"=24: does not divide the 64 tokens a MoE layer .* 64 per TP rank .* are 16 and 32;"),
+            (["train.tile_tokens=96", "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+             r"=96: does not divide the 128 tokens the LM head .* are 64 and 128;"),
+            (["train.tile_tokens=1", "parallel.tp=2", "parallel.sequence_parallel=false"], 2,
+             r"=1: a MoE tile's rows are routed 1/tp per TP rank.* are 2;"),
+            (["train.tile_tokens=32", "model.moe_overflow=drop"], 1,
+             r"=32: does not run with model\.moe_overflow=drop")):
+        run, _, _ = compose_config(seq + overrides)
+        with pytest.raises(ConfigError, match=r"train\.tile_tokens" + message):
+            run.validate(world)
+    for ok in ("train.tile_tokens=64", "train.tile_tokens=128", "train.tile_tokens=4096"):
+        compose_config(seq + [ok])[0].validate()
     with pytest.raises(ConfigError, match=r"train\.tile_tokens=48.*does not divide the 128 tokens"):
         _step(Policy("none"), 48)
     with pytest.raises(ConfigError, match=r"train\.tile_tokens=32.*moe_overflow=drop"):

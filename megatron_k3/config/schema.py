@@ -859,7 +859,7 @@ class RunConfig:
                                    supernode_size=self.cluster.supernode_size,
                                    sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
                                    global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                                   redundant_experts=self.moe.redundant_experts)
+                                   redundant_experts=self.moe.redundant_experts, tile_tokens=t.tile_tokens)
         if problems:
             raise problems[0].error()
         self._validate_pairings()

@@ -14,13 +14,18 @@ Rules, in the order they are reported:
 4. context parallelism: 2 cp equal zigzag chunks per sequence, each at least the short convolution's halo;
 5. tokens: under tensor parallelism each rank routes (or, with sequence parallelism, holds) 1/tp of them;
 6. batch: the global batch is whole micro-batches on every data-parallel rank;
-7. balanced expert dispatch: the replica slots per EP rank lie in [1, E - E/ep] (`replica_slots`).
+7. balanced expert dispatch: the replica slots per EP rank lie in [1, E - E/ep] (`replica_slots`);
+8. token tiles (train.tile_tokens, checked when the layout is otherwise valid): a part whose tokens on a device fit
+   one tile runs untiled; a tiled part's tokens divide into whole tiles (the MoE layers' 1/tp share under sequence
+   parallelism, the LM head's micro_batch_size*seq_length/cp); without sequence parallelism a MoE tile's rows divide
+   over tp; never with the drop dispatcher (its capacity would be per tile).
 
 Each Problem carries its `rule` in words without the numbers, by which the planner counts the layouts it rejects.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from ..errors import ParallelConfigError
@@ -53,9 +58,10 @@ def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
                     order: str = DEFAULT_ORDER, supernode_size: int | None = None, sequence_parallel: bool = False,
                     micro_batch_size: int | None = None, global_batch_size: int | None = None,
                     seq_length: int | None = None, redundant_experts: int | None = None,
-                    moe_overflow: str | None = None) -> list:
+                    moe_overflow: str | None = None, tile_tokens: int = 0) -> list:
     """Every Problem of this layout (empty: it runs). Batch rules apply when the batch sizes are given, the replica
-    slots of balanced dispatch when moe.redundant_experts is (`moe_overflow`: in place of the model's)."""
+    slots of balanced dispatch when moe.redundant_experts is (`moe_overflow`: in place of the model's), the token
+    tiles when train.tile_tokens is (> 0, with the micro-batch and sequence length)."""
     out = []
     for key, size, what in (("parallel.tp", tp, "TP"), ("parallel.ep", ep, "EP")):
         if supernode_size and isinstance(size, int) and size > supernode_size:
@@ -86,6 +92,9 @@ def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
                            "a multiple of micro_batch_size*dp"))
     if redundant_experts is not None:
         out += _replica_problems(model, ep, redundant_experts, moe_overflow)
+    if tile_tokens and micro_batch_size is not None and seq_length is not None and not out:
+        out += _tile_problems(model, tp, cp, sequence_parallel, micro_batch_size * seq_length // cp, tile_tokens,
+                              moe_overflow or model.moe_overflow)
     return out
 
 
@@ -144,6 +153,41 @@ def _token_problems(model, tp, cp, sequence_parallel, micro_batch_size, seq_leng
                                                   "train.micro_batch_size*train.seq_length divisible by parallel.tp",
                                "tokens divide over tp"))
     return out
+
+
+def _tile_breaks(model, tp: int, sequence_parallel: bool, tokens: int, tile: int) -> str:
+    """Why `tile` tokens per tile cannot cut the `tokens` of a micro-batch on one device ('': it can). A part whose
+    tokens fit one tile runs untiled."""
+    split = tp > 1 and not sequence_parallel  # each TP rank routes 1/tp of every tile's rows
+    moe_tokens = tokens // tp if tp > 1 and sequence_parallel else tokens
+    if has_moe(model) and tile < moe_tokens:
+        if moe_tokens % tile:
+            return f"does not divide the {moe_tokens} tokens a MoE layer gets per micro-batch on this device"
+        if split and tile % tp:
+            return f"a MoE tile's rows are routed 1/tp per TP rank: must be a multiple of parallel.tp={tp}"
+    if tile < tokens and tokens % tile:
+        return f"does not divide the {tokens} tokens the LM head gets per micro-batch on this device"
+    return ""
+
+
+def _tile_problems(model, tp, cp, sequence_parallel, tokens, tile, moe_overflow) -> list:
+    if has_moe(model) and moe_overflow == "drop":
+        return [Problem("train.tile_tokens", tile, "does not run with model.moe_overflow=drop: its per-expert "
+                        "capacity would be per tile and drop other assignments (use dropless, auto or balanced)",
+                        "no tiles with the drop dispatcher")]
+    why = _tile_breaks(model, tp, sequence_parallel, tokens, tile)
+    if not why:
+        return []
+    small = [d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0]
+    ok = sorted(d for d in {*small, *(tokens // d for d in small)}
+                if not _tile_breaks(model, tp, sequence_parallel, tokens, d))
+    near = [d for d in ok if d < tile][-1:] + [d for d in ok if d > tile][:1]
+    where = (f"micro_batch_size*seq_length/cp = {tokens} tokens per device"
+             + (f", {tokens // tp} per TP rank in the MoE layers" if has_moe(model) and tp > 1 and sequence_parallel
+                else ""))
+    return [Problem("train.tile_tokens", tile, f"{why} ({where}): the nearest that work are "
+                    f"{' and '.join(map(str, near))}; 0 or >= {tokens} leaves it untiled",
+                    "tiles divide a device's tokens")]
 
 
 def check_layout(model, world: int, **sizes) -> RankGrid:

@@ -17,10 +17,12 @@ What the tiled forward records is what the untiled one records: the routers' sco
 per micro-batch, concatenated (not tile by tile), the load counts and dropped assignments are the tiles' sums, and
 the balanced dispatch's statistics the tiles' loads summed (replica slots in use: the largest).
 
-Rules (ConfigError naming train.tile_tokens, checked when applied, before the first step): the tokens of a
-micro-batch on a device divide into tiles of `tile_tokens` (KDA's tiles are the whole chunks of
-model.kda_chunk_size covering that many tokens, `kda_tile`); the drop dispatcher is refused (its per-expert capacity
-would be per tile, dropping other assignments than the untiled layer).
+Rules (layout.rules, rule 8: the config's layout check names train.tile_tokens, the tokens and the nearest tile sizes
+that work, on every rank before anything is built; the planner skips such layouts): a part whose tokens on a device
+fit one tile runs untiled; a tiled part's tokens divide into whole tiles (KDA's tiles are the whole chunks of
+model.kda_chunk_size covering that many tokens, `kda_tile`, the last one shorter); without sequence parallelism a
+MoE tile's rows divide over tp; the drop dispatcher is refused (its per-expert capacity would be per tile, dropping
+other assignments than the untiled layer).
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ def _tiled_moe(moe, tile: int):
         B, T, D = x_BTD.shape
         rows = x_BTD.reshape(1, B * T, D)
         n = B * T
-        if n % tile:
+        if n <= tile or not torch.is_grad_enabled():
+            return forward(x_BTD)
+        if n % tile:  # the config's layout check refuses this first (layout.rules, rule 8)
             raise ConfigError("train.tile_tokens", tile, f"does not divide the {n} tokens a MoE layer gets per "
                               "micro-batch on this device")
-        if n == tile or not torch.is_grad_enabled():
-            return forward(x_BTD)
         balance, collect = moe.balance, None
         if balance is not None and not recomputing() and not torch.compiler.is_compiling():
             collect = moe.balance = _Collect()
@@ -107,6 +109,8 @@ def _tiled_head(model, tile: int):
         x = x.reshape(-1, x.shape[-1])
         y = labels.reshape(-1)
         n = x.shape[0]
+        if n <= tile:
+            return output(h, labels, cache)
         if n % tile:
             raise ConfigError("train.tile_tokens", tile, f"does not divide the {n} tokens the LM head gets per "
                               "micro-batch on this device")

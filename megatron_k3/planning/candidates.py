@@ -86,15 +86,16 @@ def planner_problems(cfg, cluster, lay: Layout, w) -> list:
     """Why `lay` is not a layout the planner considers on `cluster` for workload `w` (a memory.Workload; empty
     list: it is), as layout.Problem: first the rules every layout must obey (megatron_k3.layout: the rank grid in
     the default order, sharding, pipeline stages, context-parallel chunks, tokens per rank, the batch, balanced
-    dispatch's replica slots), then the planner's own preferences (tensor parallelism inside a node and TP x CP
-    inside a supernode, no EP without experts), and that a vision-language model runs without context parallelism
-    (parallel.context refuses media)."""
+    dispatch's replica slots, the token tiles), then the planner's own preferences (tensor parallelism inside a node
+    and TP x CP inside a supernode, no EP without experts), and that a vision-language model runs without context
+    parallelism (parallel.context refuses media)."""
     if lay.recompute not in ("none", "selective", "full"):
         return [Problem("train.recompute", lay.recompute, "valid: none, selective, full", "a known policy")]
     out = rules.layout_problems(
         cfg, lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, cp=lay.cp, supernode_size=cluster.supernode_size,
         sequence_parallel=lay.sp, micro_batch_size=w.micro_batch_size, global_batch_size=w.global_batch_size,
-        seq_length=w.seq_length, redundant_experts=w.redundant_experts, moe_overflow=w.moe_overflow)
+        seq_length=w.seq_length, redundant_experts=w.redundant_experts, moe_overflow=w.moe_overflow,
+        tile_tokens=lay.tile_tokens)
     sn, node = cluster.supernode_size, cluster.devices_per_node
     if lay.tp > node and node > 1:
         out.append(Problem("parallel.tp", lay.tp, f"a TP group of {lay.tp} spans more than one node of {node}",
