@@ -39,7 +39,7 @@ from ..model.decoder import DecoderLayer
 from ..model.moe import StableLatentMoE
 from ..parallel.recompute import regions as recompute_regions
 
-__all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir", "set_deterministic"]
+__all__ = ["BACKENDS", "check_backend", "compile_layers", "cache_dir", "set_deterministic", "restore_determinism"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -85,19 +85,40 @@ def check_backend(backend: str, device: torch.device) -> None:
             raise ConfigError("train.compile", True, f"the C++ compiler {cxx} does not compile a test file: {err}")
 
 
+# the process's determinism settings that set_deterministic(True) replaced, until restore_determinism puts them back
+_REPLACED = []
+
+
 def set_deterministic(on: bool, device: torch.device) -> None:
     """train.deterministic (on) or torch's defaults (off): every kernel, eager and generated, in a fixed order of
     summation, so that a step gives the same numbers run after run (and every train.recompute policy the same numbers
     under inductor, whose CPU kernels otherwise add scattered gradients with atomics across threads): torch's
     deterministic algorithms (ops without one raise, naming the op), no autotuning by benchmark in inductor, and on
-    CUDA cuBLAS's fixed workspace (read when the first handle is made: set before any GEMM)."""
+    CUDA cuBLAS's fixed workspace (read when the first handle is made: set before any GEMM). Process-wide: the
+    settings it replaces are kept for `restore_determinism` (engine.shutdown, at the run's end)."""
     import torch._inductor.config as inductor_config
 
+    if on and not _REPLACED:
+        _REPLACED.append((torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled(), inductor_config.deterministic,
+                          torch.backends.cudnn.benchmark))
     if on and device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(on)
     inductor_config.deterministic = on
+
+
+def restore_determinism() -> None:
+    """Put back the settings set_deterministic(True) replaced (none: nothing to do), so that a later run in the same
+    process (tests, notebooks) starts from the process's own, not from an earlier run's train.deterministic."""
+    import torch._inductor.config as inductor_config
+
+    if _REPLACED:
+        algorithms, warn_only, inductor, benchmark = _REPLACED.pop()
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+        inductor_config.deterministic = inductor
+        torch.backends.cudnn.benchmark = benchmark
 
 
 def _region(layer: DecoderLayer, compiled):

@@ -37,6 +37,7 @@ from ..parallel import state
 from ..parallel.balanced import flush_replica_gradients
 from ..parallel.mappings import Group
 from ..parallel.mpu import get_mpu
+from .compile import restore_determinism
 from .expert_optimizer import ExpertOptimizer
 
 log = logging.getLogger("megatron_k3.engine")
@@ -60,8 +61,10 @@ def ensure_distributed(backend: str = "gloo") -> None:
 
 
 def shutdown() -> None:
-    """Forget the parallel state and DeepSpeed's cached groups, so a later run in the same process (tests, notebooks)
-    starts clean. The process group itself is left to whoever created it."""
+    """Forget the parallel state and DeepSpeed's cached groups and put back the determinism settings
+    train.deterministic replaced, so a later run in the same process (tests, notebooks) starts clean. The process
+    group itself is left to whoever created it."""
+    restore_determinism()
     if state.model_parallel_is_initialized():
         state.destroy_model_parallel()
     groups = ds_groups
