@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("model.no_such_key=1", "model.no_such_key"),
     ("optim=sgd", "optim"),
     ("checkpoint.load=/no/such/dir", "checkpoint.load"),
+    ("train.tile_tokens=48", "train.tile_tokens"),  # does not divide the 1024 tokens of a micro-batch
 ])
 def test_bad_override_exits_with_one_line(override, key, tmp_path):
     t = time.time()
