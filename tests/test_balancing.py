@@ -1,5 +1,6 @@
 """Quantile Balancing and the sign update (training/balancing.py), the static-shape dispatcher (model/dispatcher.py)
-against a plain per-assignment reference, and the no-host-sync property of a MoE layer under expert parallelism."""
+against a plain per-assignment reference, and the no-host-sync property of a MoE layer under expert parallelism,
+also over token tiles with recomputation (train.tile_tokens, train.recompute)."""
 
 from types import SimpleNamespace
 
@@ -151,11 +152,13 @@ def test_static_dispatch_equals_per_assignment_reference_and_drops_over_capacity
 _SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
-def _static_worker(rank, world, overflow="drop"):
+def _static_worker(rank, world, overflow="drop", tile=0, modules=()):
+    """One MoE layer's forward and backward at ep=`world` under `overflow`, with `tile`-token tiles and the selective
+    recomputation of `modules` applied from outside (0, (): none): the host reads trapped, the all-to-alls' splits."""
     import torch.distributed as dist
 
     from megatron_k3.model.moe import StableLatentMoE
-    from megatron_k3.parallel import ParallelGroups, parallelize, state
+    from megatron_k3.parallel import ParallelGroups, parallelize, recompute, state, tiling
     from megatron_k3.training.balancing import BiasBalancer as Balancer
 
     ps = state.initialize_model_parallel(ep=world)
@@ -166,6 +169,9 @@ def _static_worker(rank, world, overflow="drop"):
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.05)
         moe.balance = Balancer(moe, MoEConfig(quantile_estimator="histogram"), state.get_group("tp-dp-cp"))
+        if modules:
+            recompute.apply(moe, recompute.Policy("selective", modules))
+        tiling.apply(moe, tile, overflow)
         x = torch.randn(2, 64, cfg.hidden_size, requires_grad=True)
         calls, splits = [], []
         real_a2a = dist.all_to_all_single
@@ -199,28 +205,39 @@ def _static_worker(rank, world, overflow="drop"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overflow,exchanges", [("drop", 4), ("balanced", 14)])
-def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes(overflow, exchanges):
+@pytest.mark.parametrize("overflow,exchanges,tile,modules", [
+    ("drop", 4, 0, ()), ("balanced", 14, 0, ()),
+    # 4 tiles of 32 rows, each exchanging as the whole layer does, and again in the backward (the tile's
+    # checkpoint runs its forward's 8 once more); the routed experts' activation rebuilt in the backward
+    ("balanced", 4 * (14 + 8), 32, ("moe_act", "layernorm"))], ids=["drop", "balanced", "balanced_tiled"])
+def test_static_dispatch_never_syncs_with_the_host_and_sends_no_split_sizes(overflow, exchanges, tile, modules):
     """drop: dispatch and combine, forward and backward. balanced: forward 8 (weights to the relays and on to the
     replicas, the rows' destinations and the rows through the relays, their outputs back), backward 6 (the
-    differentiable ones reversed)."""
-    for calls, splits, has_grad in run_distributed(_static_worker, 2, overflow, timeout=120):
+    differentiable ones reversed). Tiled and recomputed (train.tile_tokens, train.recompute=selective): the same per
+    tile, and no host read either."""
+    for calls, splits, has_grad in run_distributed(_static_worker, 2, overflow, tile, modules, timeout=120):
         assert has_grad
         assert len(splits) == exchanges
         assert all(s == (None, None) for s in splits), splits
         assert calls == [], calls
 
 
-def test_dropless_one_rank_never_syncs_with_the_host():
+@pytest.mark.parametrize("tile", [0, 32], ids=["untiled", "tiled"])
+def test_dropless_one_rank_never_syncs_with_the_host(tile):
     """One EP rank, dropless (the default there): grouped GEMMs with device offsets, fused gate/up and combine;
-    nothing in forward or backward reads a tensor on the host."""
+    nothing in forward or backward reads a tensor on the host, untiled or over 32-token tiles (train.tile_tokens)
+    with the routed experts' activation recomputed (train.recompute=selective)."""
     from megatron_k3.model.moe import StableLatentMoE
+    from megatron_k3.parallel import recompute, tiling
 
     cfg = load_model_config("k3_tiny", ["moe_overflow=dropless"])
     torch.manual_seed(0)
     moe = StableLatentMoE(cfg).train()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.05)
+    if tile:
+        recompute.apply(moe, recompute.Policy("selective", ("moe_act",)))
+        tiling.apply(moe, tile, "dropless")
     x = torch.randn(2, 64, cfg.hidden_size, requires_grad=True)
     calls, saved = [], {name: getattr(torch.Tensor, name) for name in _SYNCING}
 

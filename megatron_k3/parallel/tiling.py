@@ -88,7 +88,8 @@ def _tiled_moe(moe, tile: int):
             s, b, x = zip(*collect.seen)
             balance.observe(torch.cat(s), b[0], None if x[0] is None else torch.cat(x))
         if stats:
-            bal.stats = (sum(st[0] for st in stats), max(st[1] for st in stats))
+            # the largest on the device (Python's max would read each comparison on the host)
+            bal.stats = (sum(st[0] for st in stats), torch.stack([st[1] for st in stats]).amax())
         return torch.cat(outs, 1).view(B, T, -1)
     return run
 
