@@ -102,19 +102,18 @@ def _tiled_head(model, tile: int):
     output = model._output
 
     def run(h, labels, cache):
-        if model.lm_head is None or labels is None or not torch.is_grad_enabled() or cache is not None:
+        if (model.lm_head is None or labels is None or not torch.is_grad_enabled() or cache is not None
+                or labels.numel() <= tile):  # the labels: one per token the head gets (SP gathers h to them)
             return output(h, labels, cache)
+        n = labels.numel()
+        if n % tile:
+            raise ConfigError("train.tile_tokens", tile, f"does not divide the {n} tokens the LM head gets per "
+                              "micro-batch on this device")
         head = model.lm_head
         tp = getattr(head, "tp", None)
         x = tp.enter(h) if tp is not None and getattr(head, "input_mode", "") == "enter" else h
         x = x.reshape(-1, x.shape[-1])
         y = labels.reshape(-1)
-        n = x.shape[0]
-        if n <= tile:
-            return output(h, labels, cache)
-        if n % tile:
-            raise ConfigError("train.tile_tokens", tile, f"does not divide the {n} tokens the LM head gets per "
-                              "micro-batch on this device")
         loss_fn = model.loss_fn
         inner, seq = (loss_fn.inner, loss_fn.seq) if hasattr(loss_fn, "seq") else (loss_fn, None)
         ignore = getattr(inner, "ignore_index", -100)
