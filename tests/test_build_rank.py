@@ -222,3 +222,28 @@ def test_the_step_runs_the_trainers_recomputation_and_the_planner_bounds_it():
         peaks[rc] = m["step"]["live_peak_bytes"]
         assert 0.4 < m["measured_over_planned"] <= 1.0, (rc, m["measured_over_planned"])
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
+
+
+def test_the_step_figure_plans_the_runs_moe_dispatch():
+    """The planner's figure --step compares against plans the run's model.moe_overflow: under balanced dispatch its
+    replica slots and weight-exchange buffers too (it planned the default dispatch whatever the run's: measured at
+    full width, balanced selective was 1.40 of that figure and 0.885 of this one, docs/scale.md)."""
+    from megatron_k3.config import compose_config
+    from megatron_k3.planning.dry_run import planner_step_memory
+    from megatron_k3.planning.memory import training_memory
+    from megatron_k3.planning.run import layout, workload
+
+    base = ["model=k3_tiny", "cluster.num_nodes=1", "cluster.devices_per_node=2", "parallel.ep=2",
+            "train.seq_length=256", "train.micro_batch_size=1", "train.global_batch_size=2"]
+    figs, runs = {}, {}
+    for overflow in ("dropless", "balanced"):
+        runs[overflow] = compose_config(base + [f"model.moe_overflow={overflow}"])[0]
+        figs[overflow] = planner_step_memory(runs[overflow], 2, 0, "selective")
+    run = runs["balanced"]
+    stage = training_memory(run.model, run.cluster, layout(run, 2, "selective"), workload(run))[0]
+    assert stage.moe_exchange > 0 and stage.moe_replicas > 0
+    # the replicas kept for the backward, and the exchange buffers in place of dropless' all-to-all buffers
+    assert figs["balanced"]["activations_one_micro_bytes"] - figs["dropless"]["activations_one_micro_bytes"] == \
+        stage.moe_replicas
+    assert figs["balanced"]["transient_bytes"] > figs["dropless"]["transient_bytes"]
+

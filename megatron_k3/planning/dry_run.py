@@ -23,7 +23,7 @@ import contextlib
 import math
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -350,11 +350,10 @@ def planner_step_memory(run, world: int, stage: int, recompute: str = "none") ->
     optimizer (no step is taken), one micro-batch's activations and the transients, eager kernels (the torch paths
     that run on the CPU). Also the planner's whole per-device figure for the run (optimizer, reserved, all
     micro-batches in flight) for reference."""
-    w = workload(run, kernels="eager")
-    w_step = type(w)(w.seq_length, w.micro_batch_size, w.global_batch_size, w.precision, "adamw", w.zero_stage,
-                     "bf16", "eager", image_share=0.0, peft=w.peft)
     # adamw: no Newton-Schulz workspace among the transients (no step taken); no image share: the step feeds token
-    # ids only (the vision tower's weights and gradients still count)
+    # ids only (the vision tower's weights and gradients still count); the run's MoE dispatch (balanced: its replica
+    # slots and exchange buffers) as it runs
+    w_step = replace(workload(run, kernels="eager"), optimizer="adamw", grad_dtype="bf16", image_share=0.0)
     lay = layout(run, world, recompute)
     s = training_memory(run.model, run.cluster, lay, w_step)[stage]
     acts_one = s.activations / s.in_flight
