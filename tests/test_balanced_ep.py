@@ -2,7 +2,8 @@
 (every rank exactly M pairs, at most one donor and at most E/R replicas per rank, for any loads), and the dispatch
 over 2 and 4 gloo ranks against the single-process dropless layer, output and every gradient, for random,
 Zipf-skewed and adversarial routing. fp32; the tolerance (1e-6 relative) covers the changed order of the k-term fp32
-combine and of the replica gradients summed into their owner's."""
+combine and of the replica gradients summed into their owner's. The replicas' copies ([w1; w3] with the replicas,
+their matrices split off the received block, the relay store's rows) are exact, and each makes one tensor."""
 
 import pytest
 import torch
@@ -67,6 +68,61 @@ def test_alias_plan_balances_exactly_with_one_donor_and_at_most_El_replicas(R, E
             load_R, replicas_R = _check_plan(loads, R, M, El)
             assert torch.all(load_R == M), (kind, loads, load_R)
             assert torch.all(replicas_R <= El)
+
+
+def test_the_replica_copies_are_exact_and_single():
+    """The replicas' helpers are plain copies of what torch's ops give (values, dtype promotion, gradients), each
+    making one tensor: the [w1; w3] of own experts and replicas written at once (not a concatenation of two), the
+    replicas' matrices split off one received block (one gradient tensor back, not a zero-filled one per matrix), the
+    relay store's rows taken with the gradients added in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_k3.ops.grouped_gemm import _cat13
+    from megatron_k3.parallel.balanced import _TakeRows, _unflatten
+
+    class Made(TorchDispatchMode):  # the elements of every new storage an op returns (not views, not in place)
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    self.sizes.append(t.numel())
+                    seen.add(t.untyped_storage().data_ptr())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    for dtypes in ((torch.bfloat16,) * 4, (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)):
+        w1, w3, r1, r3 = (torch.randn(n, 4, 5, generator=g).to(d) for n, d in zip((3, 3, 2, 2), dtypes))
+        with Made() as made:
+            got = _cat13(w1, w3, r1, r3)
+        want = torch.cat([torch.cat([w1, w3], 1), torch.cat([r1, r3], 1)])
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert made.sizes == [got.numel()], made.sizes
+    ws = (torch.empty(3, 4, 5), torch.empty(3, 4, 5), torch.empty(3, 5, 4))
+    for width in (60, 64):  # P = 60, padded or not
+        flat = torch.randn(2, width, generator=g, requires_grad=True)
+        parts = _unflatten(flat, ws)
+        assert [p.shape for p in parts] == [(2, 4, 5), (2, 4, 5), (2, 5, 4)]
+        assert torch.equal(torch.cat([p.reshape(2, -1) for p in parts], 1), flat[:, :60])
+        loss = sum((p * (i + 1)).sum() for i, p in enumerate(parts))
+        with Made() as made:
+            loss.backward()
+        want = torch.cat([torch.full((2, 20), float(i + 1)) for i in range(3)] + [torch.zeros(2, width - 60)], 1)
+        assert torch.equal(flat.grad, want)
+        # the parts' gradients joined once (and put in the padded width once): slicing made one per matrix
+        assert len([n for n in made.sizes if n >= 2 * 60]) == (1 if width == 60 else 2), made.sizes
+    store = torch.randn(6, 3, generator=g, requires_grad=True)
+    rows = torch.tensor([4, 0, 4, 2])
+    up = torch.randn(4, 3, generator=g)
+    (_TakeRows.apply(store, rows) * up).sum().backward()
+    ref = store.detach().clone().requires_grad_()
+    (ref.index_select(0, rows) * up).sum().backward()
+    assert torch.equal(store.grad, ref.grad)
 
 
 def test_fewer_slots_than_El_drop_nothing_and_report_the_imbalance():

@@ -169,10 +169,18 @@ class GateUpGLU(torch.autograd.Function):
 
 
 def _cat13(w1, w3, r1, r3):
-    """[E (+ replicas), 2I, L]: gate and up weights of every group, the replicas' after the own experts'."""
+    """[E (+ replicas), 2I, L]: gate and up weights of every group, the replicas' after the own experts', written
+    into one new tensor (in torch.cat's promoted dtype; concatenating the two concatenations would hold them too,
+    twice the workspace at once)."""
     if r1 is None:
         return torch.cat([w1, w3], 1)
-    return torch.cat([torch.cat([w1, w3], 1), torch.cat([r1, r3], 1)])
+    E, I = w1.shape[0], w1.shape[1]
+    dtype = torch.promote_types(torch.promote_types(w1.dtype, w3.dtype), torch.promote_types(r1.dtype, r3.dtype))
+    out = w1.new_empty((E + r1.shape[0], 2 * I) + tuple(w1.shape[2:]), dtype=dtype)
+    for part, (rows, cols) in zip((w1, w3, r1, r3), ((slice(0, E), slice(0, I)), (slice(0, E), slice(I, 2 * I)),
+                                                     (slice(E, None), slice(0, I)), (slice(E, None), slice(I, 2 * I)))):
+        out[rows, cols].copy_(part)
+    return out
 
 
 class GroupedDown(torch.autograd.Function):

@@ -120,13 +120,30 @@ def exchanged(experts) -> list:
 
 
 def _unflatten(flat: torch.Tensor, ws) -> tuple:
-    """[n, >= P] rows of experts flattened as (w1, w3, w2) -> views shaped [n, ...] like each of `ws`."""
-    parts, at = [], 0
-    for w in ws:
-        size = w[0].numel()
-        parts.append(flat[:, at:at + size].reshape((flat.shape[0],) + tuple(w.shape[1:])))
-        at += size
-    return tuple(parts)
+    """[n, >= P] rows of experts flattened as (w1, w3, w2) -> views shaped [n, ...] like each of `ws`. One split:
+    its backward concatenates the parts' gradients into one [n, P] tensor (a slice per part would make a zero-filled
+    [n, >= P] gradient for each and add them: three times the replicas' size at the layer's backward)."""
+    sizes = [w[0].numel() for w in ws]
+    body = flat if flat.shape[1] == sum(sizes) else flat[:, :sum(sizes)]
+    return tuple(part.reshape((flat.shape[0],) + tuple(w.shape[1:]))
+                 for part, w in zip(torch.split(body, sizes, dim=1), ws))
+
+
+class _TakeRows(torch.autograd.Function):
+    """store.index_select(0, rows), whose backward adds the rows' gradients into one zero tensor in place (torch's
+    makes the zero tensor and an out-of-place index_add of it: twice the relay store's size at the exchange's
+    backward, the balanced layer's peak)."""
+
+    @staticmethod
+    def forward(ctx, store, rows):
+        ctx.save_for_backward(rows)
+        ctx.store_rows = store.shape[0]
+        return store.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, = ctx.saved_tensors
+        return grad.new_zeros((ctx.store_rows,) + tuple(grad.shape[1:])).index_add_(0, rows, grad), None
 
 
 def _overlap(a0, a1, b0, b1):
@@ -268,7 +285,7 @@ class BalancedDispatch:
             S, out = self.S, ()
             for store, (ws, _) in zip(stores, sets):
                 Pp = store.shape[1] * R
-                mine = store.index_select(0, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
+                mine = _TakeRows.apply(store, rep_RS.reshape(-1))  # [R hosts * S, Pp/R]
                 got = all_to_all(mine, self.group).view(R, S, Pp // R).transpose(0, 1).reshape(S, Pp)
                 out += _unflatten(got, ws)
             return out
