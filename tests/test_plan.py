@@ -387,7 +387,7 @@ def test_balanced_dispatch_shapes_by_hand():
     assert b.weight_exchange_bytes(2) == pytest.approx((2 + 2) * 12 * 2 / 3 * 2)  # El + S experts, padded P
     assert b.token_bytes(2) == pytest.approx(2 * (12 + 3 * 5) * 2 / 3 * 7 * 2)  # dispatch + combine, two hops
     assert b.metadata_bytes() == pytest.approx(2 * 6 * 8 + 27 * 2 / 3 * 8)  # counts all-gather + int64 codes
-    assert b.replica_bytes(2) == 2 * 12 * 2 and b.exchange_buffer_bytes(2) == 2 * (2 + 2) * 12 * 2
+    assert b.replica_bytes(2) == 2 * 12 * 2 and b.exchange_buffer_bytes(2) == (2 + 2) * 12 * 2
     assert b.token_buffer_bytes(2) == 2 * 27 * (7 * 2 + 8)
     assert b.drop_rows(1.25) == 6 * 3  # E x ceil(1.25 x 10 / 6)
     short = BalancedMoE(R=3, E=6, S=1, N=5, k=2, L=7, P=10)  # S < El: worst case R N min(El, k) rows
@@ -406,14 +406,14 @@ def test_balanced_dispatch_memory_and_traffic_by_hand():
     n_moe = cfg.ffn_types().count("moe")
     assert n_moe == 7
     # memory (pp = 1: one micro-batch in flight): the kept replicas S x P x 2 B per MoE layer in the activations;
-    # the exchange buffers 2 (El + S) P x 2 B and both hops' token buffers replace drop's 2 M L x 2 B; the [w1; w3]
+    # the exchange buffers (El + S) P x 2 B and both hops' token buffers replace drop's 2 M L x 2 B; the [w1; w3]
     # concatenation the experts' GEMMs run against also holds the replicas' (2/3 of S x P x 2 B)
     drop = training_memory(cfg, cl, lay, replace(w, moe_overflow="drop"))[0]
     bal = training_memory(cfg, cl, lay, w)[0]
     kept = 6 * 12288 * 2
     assert bal.activations - drop.activations == pytest.approx(n_moe * kept)
     assert bal.activation_detail["moe_replicas"] == bal.moe_replicas == n_moe * kept
-    exchange = 2 * (4 + 6) * 12288 * 2 + 2 * (1024 + 1036) * (64 * 2 + 8)
+    exchange = (4 + 6) * 12288 * 2 + 2 * (1024 + 1036) * (64 * 2 + 8)
     assert bal.moe_exchange == exchange
     concat = 2 * 6 * 12288 // 3 * 2
     assert bal.transient - drop.transient == pytest.approx(exchange - 2 * 1024 * 64 * 2 + concat)
@@ -508,9 +508,9 @@ def test_check_fits_names_redundant_experts_when_the_replicas_push_it_over():
     mem = {S: gb(redundant_experts=S) for S in range(1, 13)}
     assert mem[4] < mem[3]  # at S = E/ep the compute buffer drops from its worst case to M rows
     assert all(mem[S] < mem[S + 1] for S in range(4, 12)) and gb(moe_overflow="drop") < mem[4]
-    # each slot: the replica kept by every MoE layer (one micro-batch in flight) + 2 exchange buffers, fp32, and its
+    # each slot: the replica kept by every MoE layer (one micro-batch in flight) + 1 exchange buffer, fp32, and its
     # gate and up matrices (2/3 of it) in the [w1; w3] concatenation the experts' GEMMs run against
-    assert (mem[9] - mem[8]) * GB == pytest.approx((7 + 2 + 2 / 3) * 12288 * 4)
+    assert (mem[9] - mem[8]) * GB == pytest.approx((7 + 1 + 2 / 3) * 12288 * 4)
     for capacity, fix in (((mem[8] + mem[9]) / 2, "the largest that fits is moe.redundant_experts=8"),
                           ((mem[4] + gb(moe_overflow="drop")) / 2, "no value fits this layout")):
         small = compose_config(over + [f"cluster.device_memory_gb={capacity}"])[0]

@@ -194,9 +194,12 @@ class BalancedMoE:
         return 2 * self.El * self.Pp * 4
 
     def exchange_buffer_bytes(self, weight_bytes: int) -> float:
-        """Weight-exchange buffers of one layer: the send buffer and the relay store (El x Pp each), the outgoing
-        and the received replicas (S x Pp each); the backward's gradients of the same sizes."""
-        return 2 * (self.El + self.S) * self.Pp * weight_bytes
+        """Weight-exchange buffers of one layer beside its kept replicas: the relay store (El x Pp), which the
+        forward holds until the layer returns, and one replica-sized buffer more (S x Pp: the outgoing rows while the
+        replicas are received; in the backward the replicas' gradient on its way back, then the store's, two at a
+        time). Not the send buffer, the rows and the backward's gradients all at once, 2 (El + S) x Pp: at K3's width
+        that overcounted the measured peak by 1.9 GB (docs/scale.md)."""
+        return (self.El + self.S) * self.Pp * weight_bytes
 
     def token_buffer_bytes(self, act_bytes: int) -> float:
         """Token buffers of one layer's dispatch, alive until it returns: both hops' send and receive rows (Mp at
