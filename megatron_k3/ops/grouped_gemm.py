@@ -177,9 +177,7 @@ def _cat13(w1, w3, r1, r3):
     E, I = w1.shape[0], w1.shape[1]
     dtype = torch.promote_types(torch.promote_types(w1.dtype, w3.dtype), torch.promote_types(r1.dtype, r3.dtype))
     out = w1.new_empty((E + r1.shape[0], 2 * I) + tuple(w1.shape[2:]), dtype=dtype)
-    for part, (rows, cols) in zip((w1, w3, r1, r3), ((slice(0, E), slice(0, I)), (slice(0, E), slice(I, 2 * I)),
-                                                     (slice(E, None), slice(0, I)), (slice(E, None), slice(I, 2 * I)))):
-        out[rows, cols].copy_(part)
+    out[:E, :I], out[:E, I:], out[E:, :I], out[E:, I:] = w1, w3, r1, r3
     return out
 
 
