@@ -11,7 +11,9 @@
   the load counts are equal.
 - Offload, one process: bit for bit equal to full recomputation (the host round trip copies values; the graph is
   full's), the completed AttnRes blocks held once however many layers read them, all host memory released by the
-  backward, a budget too small keeps the inputs on the device and is still exact.
+  backward, a budget too small keeps the inputs on the device and is still exact; in the backward every layer's
+  inputs but the first read's are prefetched, and what is loaded back at once, and what the first read waits for, are
+  the planner's figures exactly.
 - The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
@@ -148,6 +150,40 @@ def test_offload_is_bit_identical_to_full_and_releases_its_host_memory():
         held = 4 * 2 * 64 * 64 * 4
         assert (used, on_device) == ((held, 0) if budget > held else (0, held)), (budget, used, on_device)
         assert off.used == 0 and not off._by_storage  # all read back and released by the backward
+
+
+@pytest.mark.parametrize("layers,block,num_layers", [(4, 2, 0), (8, 2, 0), (6, 1, 0), (6, 6, 0), (7, 3, 5), (5, 0, 0)],
+                         ids=["4x2", "8x2", "6x1", "6x6", "7x3_first5", "5_no_attn_res"])
+def test_offload_loads_back_what_the_planner_counts(layers, block, num_layers):
+    """The backward's first read of a layer's offloaded inputs loads them all and starts loading the next layer's
+    (the one packed before): every read but the first finds its tensor loaded already; what is loaded back at once
+    (the completed blocks a layer reads, its partial sum and the next layer's) and what the first read waits for (the
+    last offloaded layer's inputs) are the planner's figures (planning.memory), exactly; bit for bit equal to full
+    recomputation."""
+    from megatron_k3.planning.memory import Layout, Workload, _offload_reload_bytes, offload_first_load_bytes
+
+    shape = [f"model.num_layers={layers}", "model.hidden_size=64", "model.dense_intermediate_size=128"]
+    shape += [f"model.attn_res_block_size={block}"] if block else ["model.attn_res=false"]
+    results = []
+    for budget in (0, 10**9):
+        model, cfg, _ = wrapped_model(shape, Policy("full", num_layers=num_layers, offload_bytes=budget))
+        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+        off, misses, first = getattr(model, "host_offload", None), [], []
+        if off is not None:
+            def unpack(packed, _unpack=off.unpack, _off=off, _misses=misses, _first=first):
+                _misses.append(packed[1].back is None)
+                _first.extend([] if _first else [{id(h): h.nbytes for _, h in _off._layers[packed[2]]}])
+                return _unpack(packed)
+            off.unpack = unpack
+        model(ids, labels=ids).loss.backward()
+        results.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert all(torch.equal(results[1][n], g) for n, g in results[0].items())
+    assert sum(misses) == 1 and misses[0] and len(misses) >= (num_layers or layers), misses
+    lay = Layout(world=1, recompute="full", recompute_num_layers=num_layers, offload_bytes=10**9)
+    w = Workload(64, 2, 2, "fp32")
+    planned = _offload_reload_bytes(cfg, lay, w, 0, num_layers or layers, float("inf"))
+    assert off.reload_peak == planned > 0 and off.reloaded == 0, (off.reload_peak, planned)
+    assert sum(first[0].values()) == offload_first_load_bytes(cfg, lay, w, 0, layers, float("inf")) > 0
 
 
 def test_a_memory_measurement_counts_the_offloaded_copies_as_host_memory():

@@ -10,9 +10,12 @@ layer's input, goes to host memory in the forward and comes back for the layer's
   `kept_on_device`), so a run never allocates unbounded host memory. On CUDA the host buffers are pinned.
 - Overlapped on CUDA: the device-to-host copy runs on a side stream after the current stream's work that made the
   tensor (the device memory is released when the copy is done, `record_stream`); in the backward, reading a layer's
-  inputs back also starts the copy of the inputs saved before them, on another side stream, so the next layer's
-  load runs while this layer recomputes and back-propagates. On the CPU the same code runs with synchronous copies
-  (made under `host_context`, so a memory measurement can count them as host memory).
+  inputs back also starts loading the inputs of the layer packed before it (the one whose backward comes next), on
+  another side stream, so that load runs while this layer recomputes and back-propagates. A tensor loaded back
+  stays on the device until its last reader has read it: in one micro-batch's backward the device holds the
+  completed blocks the layer reads, its running partial sum and the next layer's (what the planner counts,
+  planning.memory). On the CPU the same code runs with synchronous copies (made under `host_context`, so a memory
+  measurement can count them as host memory).
 
 Exact: the host round trip copies the values and the graph is full recomputation's: bit-identical gradients
 (tests/test_tiling.py).
@@ -45,8 +48,9 @@ class HostOffload:
         self.used = 0
         self.peak = 0
         self.kept_on_device = 0  # bytes the budget could not take
+        self.reloaded = self.reload_peak = 0  # bytes loaded back onto the device and not yet read for the last time
         self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
-        self._order = []  # packed, in order: the backward reads them in reverse
+        self._layers = []  # per layer packed, in order, the _Held of each input: the backward reads them in reverse
         self._streams = None
         self.host_context = contextlib.nullcontext  # what the host copies are made under (a memory measurement's tag)
 
@@ -55,7 +59,15 @@ class HostOffload:
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
         return self._streams
 
-    def pack(self, t: torch.Tensor):
+    def pack_layer(self, tensors) -> list:
+        """One layer's inputs, after its forward: their host copies (each tensor once, however many layers read it),
+        as the handles `unpack` takes."""
+        layer = len(self._layers)
+        helds = [self._pack(t) for t in tensors]
+        self._layers.append(helds)
+        return [(key, held, layer) for key, held in helds]
+
+    def _pack(self, t: torch.Tensor):
         # the same tensor saved by several layers is held once; a key is trusted only while the tensor it was made
         # for is alive (after that its memory may hold another tensor)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -64,7 +76,6 @@ class HostOffload:
             held = self._offload(t)
             held.src = weakref.ref(t)
             self._by_storage[key] = held
-            self._order.append(held)
         held.users += 1
         return key, held
 
@@ -72,8 +83,8 @@ class HostOffload:
         """Forget what a step left unread (a forward without its backward): the trainer calls it at each step's
         start, when every backward of the step before has run."""
         self._by_storage.clear()
-        self._order.clear()
-        self.used = 0
+        self._layers.clear()
+        self.used = self.reloaded = 0
 
     def _offload(self, t: torch.Tensor) -> _Held:
         nbytes = t.numel() * t.element_size()
@@ -97,8 +108,10 @@ class HostOffload:
         return _Held(host, t.device, nbytes, event)
 
     def _load(self, held: _Held) -> None:
-        if held.back is not None or held.on_device:
+        if held.back is not None or held.on_device or held.host is None:  # loaded, never moved, or read and released
             return
+        self.reloaded += held.nbytes
+        self.reload_peak = max(self.reload_peak, self.reloaded)
         if held.device.type != "cuda":  # a device copy, as on CUDA (the host copy is released after its last read)
             held.back = held.host.to(held.device, copy=True)
             return
@@ -110,14 +123,15 @@ class HostOffload:
             held.back_event.record(up)
 
     def unpack(self, packed) -> torch.Tensor:
-        key, held = packed
+        key, held, layer = packed
         if held.on_device:
             out = held.host
         else:
-            self._load(held)
-            i = self._order.index(held) if held in self._order else -1
-            if i > 0:  # prefetch the inputs saved before these: the layer whose backward comes next
-                self._load(self._order[i - 1])
+            # the first read of a layer's inputs starts loading all of them, then those of the layer packed before
+            # (the one whose backward comes next): a prefetch
+            for group in self._layers[max(layer - 1, 0):layer + 1][::-1]:
+                for _, h in group:
+                    self._load(h)
             out = held.back
             if held.back_event is not None:
                 torch.cuda.current_stream(held.device).wait_event(held.back_event)
@@ -130,10 +144,10 @@ class HostOffload:
     def _release(self, key, held: _Held) -> None:
         if self._by_storage.get(key) is held:
             del self._by_storage[key]
-        if held in self._order:
-            self._order.remove(held)
         if not held.on_device:
             self.used -= held.nbytes
+        if held.back is not None:
+            self.reloaded -= held.nbytes
         held.host = held.back = None
 
 

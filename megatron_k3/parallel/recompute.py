@@ -158,7 +158,7 @@ def _offloaded(fn, off):
             s = ResidualState(blocks=list(ts[:-1]), partial=ts[-1]) if attn_res else ResidualState(hidden=ts[0])
             return fn(s, cu_seqlens, cache_state, seq_idx)
         out = checkpoint(inner, use_reentrant=False, preserve_rng_state=True)
-        box["packed"], box["live"] = [off.pack(t) for t in box["live"]], None
+        box["packed"], box["live"] = off.pack_layer(box["live"]), None
         return out
     run.recomputes = fn
     return run

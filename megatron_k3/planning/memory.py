@@ -391,16 +391,54 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
     return total, by_cat, largest
 
 
+def _layer_input_bytes(cfg, lay: Layout, w: Workload, end: int) -> tuple:
+    """(bytes of one layer input per micro-batch: a running partial sum, the residual stream or a completed AttnRes
+    block; how many completed blocks full recomputation keeps for a stage ending at layer `end`)."""
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    tokens = n / lay.tp if lay.sp else n
+    blocks = -(-end // cfg.attn_res_block_size) + 1 if cfg.attn_res else 0  # embedding + the blocks up to `end`
+    return cfg.hidden_size * w.act_bytes * tokens, blocks
+
+
 def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: int) -> float:
     """Per micro-batch under full recomputation: each layer keeps its input (the running partial sum, or the
     residual stream), and the completed AttnRes blocks the stage reads are kept once."""
-    n = w.micro_batch_size * w.seq_length / lay.cp
-    tokens = n / lay.tp if lay.sp else n
-    per_layer = cfg.hidden_size * w.act_bytes * tokens
-    blocks = 0
-    if cfg.attn_res:
-        blocks = -(-end // cfg.attn_res_block_size) + 1  # embedding + the blocks up to this stage's end
+    per_layer, blocks = _layer_input_bytes(cfg, lay, w, end)
     return per_layer * (end - start + blocks)
+
+
+def _offload_reload_bytes(cfg, lay: Layout, w: Workload, start: int, end: int, host: float) -> float:
+    """What activation offload has loaded back onto the device at once in a micro-batch's backward (parallel.offload),
+    at most, over the offloaded layers start..end-1: when layer k's inputs are first read, the completed blocks it
+    reads (b_0 and one per block before k's; each stays until its last reader, and a block-start layer's partial sum
+    is its block), its partial sum and the prefetched one of layer k - 1; without AttnRes the two layers' residual
+    streams. At most what is on the host."""
+    per_layer, _ = _layer_input_bytes(cfg, lay, w, end)
+    most = max(_layer_reads(cfg, k) + _layer_reads(cfg, k - 1, partial_only=True) * (k > start)
+               for k in range(start, end))
+    return min(host, per_layer * most)
+
+
+def _layer_reads(cfg, k: int, partial_only: bool = False) -> int:
+    """How many distinct layer-input tensors layer k reads: with AttnRes the completed blocks (b_0 and one per block
+    before k's) and its running partial sum, which at a block's first layer is that block; else the residual
+    stream. `partial_only`: the partial sum alone, 0 where it is a block."""
+    if not cfg.attn_res:
+        return 1
+    bs = cfg.attn_res_block_size
+    partial = int(k % bs != 0)
+    return partial if partial_only else 1 + k // bs + partial
+
+
+def offload_first_load_bytes(cfg, lay: Layout, w: Workload, a: int, b: int, host: float) -> float:
+    """Per micro-batch, what a stage of layers a..b-1 waits for at the start of its backward under activation
+    offload: the inputs of its last offloaded layer, which the backward reads first and nothing has prefetched (each
+    later layer's are loaded while the one after it recomputes); at most the micro-batch's share on the host."""
+    full = lay.full_layers(a, b)
+    if not host or not len(full):
+        return 0.0
+    per_layer, _ = _layer_input_bytes(cfg, lay, w, full.stop)
+    return min(host, per_layer * _layer_reads(cfg, full.stop - 1))
 
 
 def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: frozenset | None = None) -> tuple:
@@ -504,8 +542,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       its own during its layer's backward, when the later layers' (and the head's) kept activations of that
       micro-batch are already freed: the transient is the largest region's rebuilt terms beyond what was freed, or
       the loss gradient if larger;
-    - full: the layers it covers keep their inputs and one of them is rebuilt, whole, at a time; with offload
-      (lay.offload_bytes) up to that many bytes of the kept inputs live in host memory instead;
+    - full: the layers it covers keep their inputs and one of them is rebuilt, whole, at a time; with offload up to
+      lay.offload_bytes of the kept inputs live in host memory, the backward's loaded back ones transient;
     - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only, KDA's chunk kernel its tiles'
       inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
       selective region) rebuilds, its MoE block and KDA chunk terms are a tile's; the tiled head's backward also
@@ -541,7 +579,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
         detail["layer_inputs"] = in_flight * ckpt - host
         if host:
             detail["layer_inputs_on_host"] = host
-        transient += largest  # one layer recomputed at a time during the backward
+        # one layer recomputed at a time during the backward, beside the inputs offload has loaded back for it
+        transient += largest + _offload_reload_bytes(cfg, lay, w, full.start, full.stop, host)
     if rec and b > a:
         freed = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, rec)[0]  # the head's kept terms
         worst = 0.0

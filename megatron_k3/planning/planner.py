@@ -61,6 +61,7 @@ from .memory import (
     inference_memory,
     kda_state_bytes_per_sequence,
     mla_cache_bytes_per_token,
+    offload_first_load_bytes,
     training_memory,
 )
 from .params import count_parameters, model_params
@@ -288,14 +289,17 @@ def _balanced_summary(cfg, cluster, lay: Layout, w: Workload, worst, comm) -> di
 def _stage_times(cfg, cluster, lay: Layout, w: Workload, stages, mem, rate: float) -> list:
     """Per pipeline stage (seconds per micro-batch, forward, backward and recomputed FLOPs, its StepComm, the
     stage): compute, communication on the critical path and, with activation offload, the layer inputs' copies to
-    host and back (side streams while the stage computes) beyond the compute."""
+    host and back (side streams while the stage computes) beyond the compute, and the first load of the backward,
+    which nothing prefetches."""
     out = []
     for s, (a, b) in enumerate(stages):
         fwd, bwd, rec = _stage_flops(cfg, lay, w, a, b, s == len(stages) - 1, s == 0)
         comm = training_comm(cfg, cluster, lay, w, s)
         t = (fwd + bwd + rec) / rate + sum(comm.per_micro_time.values())
-        copies = 2 * mem[s].host / mem[s].in_flight / (cluster.host_copy_gbps * GB) if mem[s].host else 0.0
-        out.append((t + max(0.0, copies - (fwd + bwd + rec) / rate), fwd, bwd, rec, comm, s))
+        per_micro = mem[s].host / mem[s].in_flight
+        copies = 2 * per_micro / (cluster.host_copy_gbps * GB)
+        first = offload_first_load_bytes(cfg, lay, w, a, b, per_micro) / (cluster.host_copy_gbps * GB)
+        out.append((t + max(0.0, copies - (fwd + bwd + rec) / rate) + first, fwd, bwd, rec, comm, s))
     return out
 
 
