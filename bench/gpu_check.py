@@ -132,7 +132,8 @@ RECOMPUTE_VARIANTS = (("none", {}), ("selective", {}), ("full", {}), ("full", {"
 
 def _recompute_step(cfg, ids, name, kw, compiled, backend):
     """One k3_tiny forward+backward under recomputation `name` (Policy kwargs `kw`), eager or with its layers
-    compiled (split at the regions, train.compile's default): (gradients, seconds per step, peak GiB, host GiB)."""
+    compiled (split at the regions, train.compile's default): (gradients, seconds per step, peak GiB, the offload's
+    host buffers in GiB, whether they are pinned: None without offload or off CUDA)."""
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.parallel.recompute import Policy
     from megatron_k3.parallel.recompute import apply as apply_recompute
@@ -156,7 +157,11 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend):
     t = timed(step, 3) if ids.is_cuda else 0.0
     peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else 0.0
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, t, peak, (off.peak / 2**30 if off is not None else 0.0)
+    if off is None:
+        return grads, t, peak, 0.0, None
+    # after the step every host buffer is free for reuse: registered with the driver (pinned) on CUDA
+    pinned = all(b.data.is_pinned() for bufs in off._free.values() for b in bufs) if ids.is_cuda else None
+    return grads, t, peak, off.allocated / 2**30, pinned
 
 
 def recompute_check(args, rows, device=None, backend="inductor"):
@@ -175,13 +180,14 @@ def recompute_check(args, rows, device=None, backend="inductor"):
         for compiled in (False, True):
             ref = None
             for name, kw in RECOMPUTE_VARIANTS:
-                grads, t, peak, host = _recompute_step(cfg, ids, name, kw, compiled, backend)
+                grads, t, peak, host, pinned = _recompute_step(cfg, ids, name, kw, compiled, backend)
                 ref = ref or (grads, t, peak)
                 bad = [n for n in ref[0] if not torch.equal(grads[n], ref[0][n])]
                 label = f"{name}{' + offload' if kw else ''}, {'compiled' if compiled else 'eager'}"
                 rows.append((f"k3_tiny recompute={label}, 2 x {args.recompute_seq} fp32", f"{t * 1e3:.1f} ms",
                              "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} GiB "
-                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB; gradients vs none: "
+                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}); "
+                             "gradients vs none: "
                              + ("equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})")))
     finally:
         set_deterministic(False, device)

@@ -152,6 +152,55 @@ def test_offload_is_bit_identical_to_full_and_releases_its_host_memory():
         assert off.used == 0 and not off._by_storage  # all read back and released by the backward
 
 
+def test_offload_reuses_its_host_buffers_within_the_budget():
+    """The host copies live in buffers of exactly a tensor's size, made as first needed and reused: two
+    micro-batches' forwards, then their backwards (as 1F1B holds them), a forward whose backward never runs (the
+    trainer's reset at the next step's start gives its buffers back), then another step: the buffers come to the most
+    held at once, not the sum over the steps; a budget of 3.5 tensors keeps the fourth on the device. Every gradient
+    bit for bit full recomputation's."""
+    one = 2 * 64 * 64 * 4  # a [2, 64, 64] fp32 layer input; 4 distinct per micro-batch (b0, 2 blocks, partials)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 8192, (2, 64), generator=g) for _ in range(2)]
+
+    def steps(budget):
+        model, _, _ = wrapped_model(TINY_MODEL, Policy("full", offload_bytes=budget))
+        off, grads = getattr(model, "host_offload", None), []
+        outs = [model(ids, labels=ids) for ids in batches]
+        for out in outs:
+            out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        sizes = None if off is None else [off.allocated, off.used]
+        model(batches[0], labels=batches[0])  # no backward
+        if off is not None:
+            off.reset()
+        model.zero_grad(set_to_none=True)
+        model(batches[1], labels=batches[1]).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return grads, sizes, off
+
+    ref, _, _ = steps(0)
+    # 3.5 tensors: the first micro-batch's fourth input and all the second's stay on the device, then one input of
+    # each later forward: 7 in all
+    for budget, allocated, on_device in ((10**9, 8 * one, 0), (3.5 * one, 3 * one, 7 * one)):
+        grads, sizes, off = steps(int(budget))
+        assert all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), budget
+        assert sizes == [allocated, 0] and off.allocated == allocated <= budget, (budget, sizes, off.allocated)
+        assert off.kept_on_device == on_device, (budget, off.kept_on_device)
+
+
+def test_offload_drops_idle_buffers_of_another_size_for_room():
+    """A tensor of a new size takes a new buffer; if the budget has no room, idle buffers of other sizes go first;
+    the values come back exact; a reused buffer holds the new tensor's values."""
+    from megatron_k3.parallel.offload import HostOffload
+
+    off = HostOffload(400)
+    for n in (50, 60, 60, 30):  # fp32: 200, 240, 240 (the 240 buffer again), 120 bytes
+        t = torch.randn(n)
+        (packed,) = off.pack_layer([t])
+        assert torch.equal(off.unpack(packed), t)
+    assert off.allocated == 360 and sorted(off._free) == [120, 200, 240] and not off._free[200], off._free
+
+
 @pytest.mark.parametrize("layers,block,num_layers", [(4, 2, 0), (8, 2, 0), (6, 1, 0), (6, 6, 0), (7, 3, 5), (5, 0, 0)],
                          ids=["4x2", "8x2", "6x1", "6x6", "7x3_first5", "5_no_attn_res"])
 def test_offload_loads_back_what_the_planner_counts(layers, block, num_layers):

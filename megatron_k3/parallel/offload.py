@@ -6,8 +6,12 @@ layer's input, goes to host memory in the forward and comes back for the layer's
   layer's inputs: the layer reads them from a box that holds the device tensors during the forward and, after it,
   their `HostOffload` copies; the recomputation reads them back from there. A tensor several layers read (the
   completed AttnRes blocks every later layer mixes) is copied once and shared.
-- Bounded: the host copies of one rank use at most `budget` bytes; what does not fit stays on the device (counted in
-  `kept_on_device`), so a run never allocates unbounded host memory. On CUDA the host buffers are pinned.
+- Bounded: the host copies of one rank live in host buffers of at most `budget` bytes in all, allocated as a run
+  first needs them, each of exactly a tensor's size, and reused (a released buffer takes the next tensor of its size:
+  the layer inputs of one run are all alike), so the host memory is the most a step holds at once, the planner's
+  figure; what does not fit stays on the device (counted in `kept_on_device`). On CUDA the buffers are pinned by
+  registering them with the driver (cudaHostRegister), not through torch's pinned allocator, which rounds every
+  allocation up to a power of two (up to twice the budget) and caches it.
 - Overlapped on CUDA: the device-to-host copy runs on a side stream after the current stream's work that made the
   tensor (the device memory is released when the copy is done, `record_stream`); in the backward, reading a layer's
   inputs back also starts loading the inputs of the layer packed before it (the one whose backward comes next), on
@@ -31,15 +35,39 @@ import torch
 __all__ = ["HostOffload"]
 
 
-class _Held:
-    """One offloaded tensor: its host copy (or the device tensor itself when the budget is spent), the device and the
-    copy's completion event (CUDA)."""
+def _unregister(data: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
 
-    def __init__(self, host, device, nbytes: int, event=None, on_device: bool = False):
+
+class _Held:
+    """One offloaded tensor: its host copy (a view of its _Buffer; the device tensor itself when the budget is spent),
+    the device and the copy's completion event (CUDA)."""
+
+    def __init__(self, host, device, nbytes: int, event=None, on_device: bool = False, buffer=None):
         self.host, self.device, self.nbytes, self.event, self.on_device = host, device, nbytes, event, on_device
+        self.buffer = buffer
         self.back = None  # the device copy, once loaded (prefetched or on demand)
         self.back_event = None
         self.users = 0
+
+
+class _Buffer:
+    """`nbytes` of host memory, pinned by registration when `pinned`; `ready`: the CUDA event after which its last
+    copy back to the device has read it (the next copy into it waits for it)."""
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.data = torch.empty(nbytes, dtype=torch.uint8)
+        self.ready = None
+        if pinned:
+            ptr = self.data.data_ptr()
+            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"train.offload_buffer_gb: pinning {nbytes} bytes of host memory failed "
+                                   f"(cudaHostRegister: {err}); lower train.offload_buffer_gb")
+            weakref.finalize(self, _unregister, self.data)  # holds the memory until it is unregistered
+
+    def view(self, shape, dtype) -> torch.Tensor:
+        return self.data.view(dtype).view(shape)
 
 
 class HostOffload:
@@ -48,6 +76,8 @@ class HostOffload:
         self.used = 0
         self.peak = 0
         self.kept_on_device = 0  # bytes the budget could not take
+        self.allocated = 0  # bytes of host buffers, in use or free for reuse (at most the budget)
+        self._free = {}  # nbytes -> the _Buffers of that size no tensor uses now
         self.reloaded = self.reload_peak = 0  # bytes loaded back onto the device and not yet read for the last time
         self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
         self._layers = []  # per layer packed, in order, the _Held of each input: the backward reads them in reverse
@@ -80,32 +110,61 @@ class HostOffload:
         return key, held
 
     def reset(self) -> None:
-        """Forget what a step left unread (a forward without its backward): the trainer calls it at each step's
-        start, when every backward of the step before has run."""
+        """Forget what a step left unread (a forward without its backward; their host buffers are reused): the
+        trainer calls it at each step's start, when every backward of the step before has run."""
+        for layer in self._layers:
+            for _, held in layer:
+                self._give_back(held, held.event if held.back_event is None else held.back_event)
         self._by_storage.clear()
         self._layers.clear()
         self.used = self.reloaded = 0
 
+    def _take(self, nbytes: int, pinned: bool):
+        """A host buffer of `nbytes`: a free one of that size, else a new one if the budget has room (made by
+        dropping free buffers of other sizes if need be), else None."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        for size, bufs in self._free.items():
+            while bufs and self.allocated + nbytes > self.budget:
+                bufs.pop()
+                self.allocated -= size
+        if self.allocated + nbytes > self.budget:
+            return None
+        with self.host_context():
+            buf = _Buffer(nbytes, pinned)
+        self.allocated += nbytes
+        return buf
+
+    def _give_back(self, held: _Held, ready) -> None:
+        if held.buffer is not None:
+            held.buffer.ready = ready
+            self._free.setdefault(held.nbytes, []).append(held.buffer)
+            held.buffer = None
+
     def _offload(self, t: torch.Tensor) -> _Held:
         nbytes = t.numel() * t.element_size()
-        if self.used + nbytes > self.budget:
+        cuda = t.device.type == "cuda"
+        buf = self._take(nbytes, pinned=cuda)
+        if buf is None:
             self.kept_on_device += nbytes
             return _Held(t, t.device, nbytes, on_device=True)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
-        if t.device.type != "cuda":  # the same path, synchronous: a host copy the device tensor no longer backs
-            with self.host_context():
-                host = t.detach().to("cpu", copy=True)
-            return _Held(host, t.device, nbytes)
+        host = buf.view(t.shape, t.dtype)
+        if not cuda:  # the same path, synchronous: a host copy the device tensor no longer backs
+            host.copy_(t)
+            return _Held(host, t.device, nbytes, buffer=buf)
         down, _ = self._cuda_streams()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         down.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(down):
+            if buf.ready is not None:  # a reused buffer: after its last copy back to the device has read it
+                down.wait_event(buf.ready)
             host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(down)
         t.record_stream(down)  # the device memory stays allocated until the copy has read it
-        return _Held(host, t.device, nbytes, event)
+        return _Held(host, t.device, nbytes, event, buffer=buf)
 
     def _load(self, held: _Held) -> None:
         if held.back is not None or held.on_device or held.host is None:  # loaded, never moved, or read and released
@@ -148,6 +207,7 @@ class HostOffload:
             self.used -= held.nbytes
         if held.back is not None:
             self.reloaded -= held.nbytes
+        self._give_back(held, held.back_event)  # the copy back has read it (CUDA: when its event has passed)
         held.host = held.back = None
 
 
