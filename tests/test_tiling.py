@@ -201,6 +201,32 @@ def test_offload_drops_idle_buffers_of_another_size_for_room():
     assert off.allocated == 360 and sorted(off._free) == [120, 200, 240] and not off._free[200], off._free
 
 
+def test_pinned_offload_buffers_are_whole_registered_pages(monkeypatch):
+    """CUDA's host buffers (here with the driver's registration stood in for: no GPU on this machine): each is
+    registered once, page-aligned and whole pages, no two sharing a page, within the budget counted in those pages;
+    unregistered when dropped; the tensor's view starts at the registered address."""
+    import gc
+
+    from megatron_k3.parallel import offload
+
+    calls = []
+    fake = type("cudart", (), {"cudaHostRegister": lambda self, p, n, f: calls.append(("reg", p, n)) or 0,
+                               "cudaHostUnregister": lambda self, p: calls.append(("unreg", p)) or 0})()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    off = offload.HostOffload(3 * 8192)
+    bufs = [off._take(n, pinned=True) for n in (5000, 5000, 8192, 100)]
+    assert bufs[-1] is None and off.allocated == 3 * 8192 == sum(b.size for b in bufs[:3])
+    regs = [(p, n) for kind, p, n in calls]
+    assert all(p % 4096 == 0 and n % 4096 == 0 for p, n in regs) and [n for _, n in regs] == [8192, 8192, 8192]
+    spans = sorted(regs)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert [b.data.data_ptr() for b in bufs[:3]] == [p for p, _ in regs]
+    assert bufs[0].view((1250,), torch.float32).shape == (1250,)
+    del bufs
+    gc.collect()
+    assert sorted(p for kind, p, *_ in calls if kind == "unreg") == sorted(p for p, _ in regs)
+
+
 @pytest.mark.parametrize("layers,block,num_layers", [(4, 2, 0), (8, 2, 0), (6, 1, 0), (6, 6, 0), (7, 3, 5), (5, 0, 0)],
                          ids=["4x2", "8x2", "6x1", "6x6", "7x3_first5", "5_no_attn_res"])
 def test_offload_loads_back_what_the_planner_counts(layers, block, num_layers):

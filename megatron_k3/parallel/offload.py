@@ -34,6 +34,12 @@ import torch
 
 __all__ = ["HostOffload"]
 
+_PAGE = 4096  # host page size: what cudaHostRegister pins in
+
+
+def _buffer_size(nbytes: int, pinned: bool) -> int:
+    return -(-nbytes // _PAGE) * _PAGE if pinned else nbytes
+
 
 def _unregister(data: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
@@ -52,19 +58,25 @@ class _Held:
 
 
 class _Buffer:
-    """`nbytes` of host memory, pinned by registration when `pinned`; `ready`: the CUDA event after which its last
-    copy back to the device has read it (the next copy into it waits for it)."""
+    """`nbytes` of host memory, pinned by registration when `pinned` (page-aligned and whole pages, so no two
+    registered ranges share a page); `ready`: the CUDA event after which its last copy back to the device has read
+    it (the next copy into it waits for it); `size`: the bytes it takes."""
 
     def __init__(self, nbytes: int, pinned: bool):
-        self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.ready = None
-        if pinned:
-            ptr = self.data.data_ptr()
-            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"train.offload_buffer_gb: pinning {nbytes} bytes of host memory failed "
-                                   f"(cudaHostRegister: {err}); lower train.offload_buffer_gb")
-            weakref.finalize(self, _unregister, self.data)  # holds the memory until it is unregistered
+        self.size = _buffer_size(nbytes, pinned)
+        if not pinned:
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+            return
+        raw = torch.empty(self.size + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        region = raw[start:start + self.size]
+        err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), self.size, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"train.offload_buffer_gb: pinning {self.size} bytes of host memory failed "
+                               f"(cudaHostRegister: {err}); lower train.offload_buffer_gb")
+        weakref.finalize(self, _unregister, region)  # holds the memory until it is unregistered
+        self.data = region[:nbytes]
 
     def view(self, shape, dtype) -> torch.Tensor:
         return self.data.view(dtype).view(shape)
@@ -125,15 +137,15 @@ class HostOffload:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        for size, bufs in self._free.items():
-            while bufs and self.allocated + nbytes > self.budget:
-                bufs.pop()
-                self.allocated -= size
-        if self.allocated + nbytes > self.budget:
+        need = _buffer_size(nbytes, pinned)
+        for bufs in self._free.values():
+            while bufs and self.allocated + need > self.budget:
+                self.allocated -= bufs.pop().size
+        if self.allocated + need > self.budget:
             return None
         with self.host_context():
             buf = _Buffer(nbytes, pinned)
-        self.allocated += nbytes
+        self.allocated += buf.size
         return buf
 
     def _give_back(self, held: _Held, ready) -> None:
