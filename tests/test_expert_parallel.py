@@ -49,16 +49,18 @@ def reference_dropless(tmp_path_factory):
 def test_balanced_expert_parallel_equals_single_process_dropless(reference_dropless, tmp_path, world, overrides):
     """model.moe_overflow=balanced: every EP rank computes exactly the same number of pairs (the logged
     expert_load.rank_max_over_mean is 1), nothing is dropped, and the run equals one process with dropless routing
-    after 5 steps of the default optimizer, QB on: losses 1e-5 relative (measured <= 8e-8), every parameter 1e-5 per
-    tensor in norm. Measured: ep2 2.2e-6, tp2 x ep2 8.6e-6 (with moe.replica_exchange=step or without), the MoE
-    layers' router, latent projections, shared and routed experts <= 6.5e-7; the worst tensor is always an AttnRes
-    query (`*_res.proj`, a vector AdamW updates), the noisiest for the reason test_engine's docstring gives: the
-    dense tp2 layout alone measures 1.05e-5 there, so these layouts sit near that floor, not below it by design."""
+    after 5 steps of the default optimizer, QB on: losses 1e-5 relative (measured <= 8e-8), every parameter 2e-5 per
+    tensor in norm, the bound test_engine holds the dense layouts to with this optimizer. Measured: ep2 2.2e-6, tp2 x
+    ep2 8.6e-6 (with moe.replica_exchange=step or without) on an AVX-512 EPYC, 1.17e-5 on an AMX Xeon (2026-12-05:
+    other kernels, another rounding); the MoE layers' router, latent projections, shared and routed experts
+    <= 6.5e-7; the worst tensor is always an AttnRes query (`*_res.proj`, a vector AdamW updates), the noisiest for
+    the reason test_engine's docstring gives: the dense tp2 layout alone measures 1.05e-5 there, so these layouts sit
+    at that floor, which a wrong dispatch or reduction (off by O(1)) is far above."""
     ref_steps = reference_dropless[3]["steps"]
     results = run_distributed(train_layout_default_optimizer, world, ["model.moe_overflow=balanced"] + overrides,
                               str(tmp_path), timeout=300)
     for rank, (_, _, _, extra) in enumerate(results):
-        assert compare(ref_steps, extra["steps"], RTOL, 1e-5, f"rank {rank}") == len(ref_steps)
+        assert compare(ref_steps, extra["steps"], RTOL, 2e-5, f"rank {rank}") == len(ref_steps)
         assert extra["dropped"] == [0.0] * len(extra["dropped"])
         for s in extra["steps"]:
             load = s.record["expert_load"]
