@@ -93,6 +93,7 @@ class HostOffload:
         self.reloaded = self.reload_peak = 0  # bytes loaded back onto the device and not yet read for the last time
         self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
         self._layers = []  # per layer packed, in order, the _Held of each input: the backward reads them in reverse
+        self._started = set()  # the layers whose inputs the backward has begun to read
         self._streams = None
         self.host_context = contextlib.nullcontext  # what the host copies are made under (a memory measurement's tag)
 
@@ -129,6 +130,7 @@ class HostOffload:
                 self._give_back(held, held.event if held.back_event is None else held.back_event)
         self._by_storage.clear()
         self._layers.clear()
+        self._started.clear()
         self.used = self.reloaded = 0
 
     def _take(self, nbytes: int, pinned: bool):
@@ -198,11 +200,12 @@ class HostOffload:
         if held.on_device:
             out = held.host
         else:
-            # the first read of a layer's inputs starts loading all of them, then those of the layer packed before
-            # (the one whose backward comes next): a prefetch
-            for group in self._layers[max(layer - 1, 0):layer + 1][::-1]:
-                for _, h in group:
-                    self._load(h)
+            if layer not in self._started:  # the first read of a layer's inputs starts loading all of them, then
+                self._started.add(layer)  # those of the layer packed before (whose backward comes next): a prefetch
+                for group in self._layers[max(layer - 1, 0):layer + 1][::-1]:
+                    for _, h in group:
+                        self._load(h)
+            self._load(held)
             out = held.back
             if held.back_event is not None:
                 torch.cuda.current_stream(held.device).wait_event(held.back_event)
