@@ -18,6 +18,8 @@
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
   copy of the block's weights, is live through its backward), as the planner counts it.
+- Under cp2, a rank whose share of the row has no label (a chat's long prompt): the tiled head's loss finite and
+  equal to untiled's, the gradients to rounding.
 - A tile of at least a device's tokens runs untiled (bit for bit).
 - Bad input names the key: a tile that does not divide the tokens (with the nearest sizes that do, from the config's
   layout check, before anything is built), tiling with the drop dispatcher, offload without full recomputation.
@@ -381,3 +383,40 @@ def test_a_tiled_block_sums_its_weight_gradients_over_the_tiles_as_the_planner_c
     tiled = expert_workspace_bytes(cfg, Layout(world=1, tile_tokens=32), w, mp, moe_layers, None)
     assert untiled == pytest.approx(2 / 3 * experts * w.weight_bytes)
     assert tiled - untiled == pytest.approx((experts + block[moe_layers[0]]) * w.weight_bytes)
+
+
+def _cp_masked_share(rank, world, tile):
+    """cp2, tiled as train.tile_tokens does: the loss and gradients of a 64-token row whose middle half, rank 1's
+    zigzag share, carries no label (a chat's long prompt)."""
+    from megatron_k3.config import compose_config
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.parallel import ParallelGroups, parallelize, state, tiling
+
+    ps = state.initialize_model_parallel(cp=world)
+    try:
+        run = compose_config(TINY_MODEL)[0]
+        torch.manual_seed(0)
+        model = parallelize(K3ForCausalLM(run.model), ParallelGroups.from_state(ps, False))
+        tiling.apply(model, tile, run.model.moe_overflow)
+        ids = torch.randint(0, run.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+        labels = ids.clone()
+        labels[:, 16:48] = -100
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_tiled_head_under_context_parallelism_with_a_share_without_labels():
+    """A CP rank whose share has no label adds nothing to the loss, tiled as untiled (the tiled head once divided its
+    tiles' sum by the share's count, 0: a NaN loss on every rank, which the guards withhold as non-finite)."""
+    from dist_utils import run_distributed
+
+    untiled = run_distributed(_cp_masked_share, 2, 0, timeout=300)
+    tiled = run_distributed(_cp_masked_share, 2, 16, timeout=300)
+    for (loss, grads), (t_loss, t_grads) in zip(untiled, tiled):
+        assert torch.isfinite(loss) and abs(t_loss - loss) <= LOSS_RTOL * abs(loss), (t_loss, loss)
+        assert t_grads.keys() == grads.keys()
+        assert max(max_abs_rel(t_grads[n], g) for n, g in grads.items()) < GRAD_RTOL

@@ -126,9 +126,10 @@ def _tiled_head(model, tile: int):
         total = sum(checkpoint(tile_sum, x[i * tile:(i + 1) * tile], y[i * tile:(i + 1) * tile], use_reentrant=False)
                     for i in range(n // tile))
         count = (y != ignore).sum()
-        loss = total / count
-        if seq is not None:
-            loss = seq.shard.global_mean(loss, count)
+        if seq is None:
+            loss = total / count
+        else:  # a share without labels adds nothing, as ContextParallelLoss has it (its 0/0 would be NaN everywhere)
+            loss = seq.shard.global_mean(torch.where(count > 0, total / count.clamp_min(1), 0.0), count)
         return CausalLMOutput(logits=None, loss=loss, cache=None)
     return run
 
