@@ -11,7 +11,8 @@ Exactness: every token's forward is computed by the same operations on the same 
 logits-free forward agree with untiled up to the loss's sum over tiles (fp32 reordering: the mean over the
 non-ignored tokens is the count-weighted sum of the tiles' means); the weight gradients are sums over tokens, which
 tiles add in another order (fp32 reordering), and the input gradients are row by row the same. tests/test_tiling.py
-measures both.
+measures both. With bf16 weights the tiles' weight gradients are summed in bf16 (autograd's input buffer, in the
+weights' dtype): within 1.1x untiled's error against fp64 up to 128 tiles, measured there too.
 
 What the tiled forward records is what the untiled one records: the routers' scores reach Quantile Balancing once
 per micro-batch, concatenated (not tile by tile), the load counts and dropped assignments are the tiles' sums, and
