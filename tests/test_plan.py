@@ -791,6 +791,46 @@ def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_of
         check_fits(compose_for_planning(args + ["cluster.host_memory_gb=64"])[0], 512)
 
 
+M1 = ["model=k3", "cluster=supernodes_8x64", "precision=bf16", "parallel.tp=8", "parallel.pp=8", "parallel.ep=64",
+      "parallel.cp=8", "parallel.sequence_parallel=true", "train.seq_length=1048576", "train.global_batch_size=64",
+      "train.recompute=full"]
+
+
+@pytest.mark.parametrize("memory,keys,gb", [
+    (141, "train.recompute=full train.tile_tokens=2048", 139.7),  # tiling alone; 4096-token tiles need offload too
+    # less device memory: offload too, the whole GB the kept layer inputs take (26.3 GB on the first stage)
+    (125, "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=27", 120.5)])
+def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_that_fit(memory, keys, gb):
+    """K3 at 1M tokens, tp8 pp8 ep64 cp8 with full recomputation alone does not fit: the refusal names the
+    train.tile_tokens / train.offload_buffer_gb that make it fit (the fastest by the planner's step time, the largest
+    tile on a tie), and with them the same check passes."""
+    from megatron_k3.config import ConfigError
+    from megatron_k3.planning.run import check_fits, compose_for_planning
+
+    args = M1 + [f"cluster.device_memory_gb={memory}"]
+    with pytest.raises(ConfigError, match=r"no recomputation alone fits this layout; " + keys + f" fits \\({gb} GB\\)"):
+        check_fits(compose_for_planning(args)[0], 512)
+    assert max(s.total for s in check_fits(compose_for_planning(args + keys.split())[0], 512)) <= memory * GB
+
+
+@pytest.mark.slow
+def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_tool, capsys):
+    """tools/plan.py --search at 1M tokens without tiling or offload finds no layout on 512 accelerators: it names
+    the keys (and the layout) that fit these 512 before the accelerator count that would fit without them."""
+    base = M1[:3] + ["train.seq_length=1048576", "train.global_batch_size=64"]
+    got = plan_json(plan_tool, capsys, *base, "--search")
+    assert got["fits"] == [] and got["min_accelerators"] == 1024
+    ls = got["long_sequence"]
+    assert ls["overrides"] == "train.recompute=full train.tile_tokens=2048" and ls["fits"]
+    assert (ls["layout"]["tp"], ls["layout"]["pp"], ls["layout"]["ep"], ls["layout"]["cp"]) == (8, 8, 64, 8)
+    text = run_plan(plan_tool, capsys, *base, "--search")
+    keys = "train.recompute=full train.tile_tokens=2048"
+    assert f"with the trainer's long-sequence knobs {keys}: tp8 pp8 ep64 cp8" in text
+    assert "without them, training needs at least 1024 accelerators" in text
+    again = plan_json(plan_tool, capsys, *base, *ls["overrides"].split()[1:], "--search")
+    assert again["fits"] and again["memory_per_device_gb"] <= 141
+
+
 def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_that_fits():
     """tp8 pp8 ep64 at 4096 tokens (the search's best on supernodes_8x64): train.recompute=auto (train=pretrain)
     resolves to selective and fits; none is refused before anything is built, naming train.recompute and what fits."""

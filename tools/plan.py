@@ -163,7 +163,9 @@ def main(argv):
                        "active_params": counts["active"], "evaluated": res.evaluated, "invalid": res.invalid,
                        "fits": [p.as_dict() for p in res.fits],
                        "over_memory": [p.as_dict() for p in res.over_memory[:3]],
-                       "model_state_bytes": res.state_floor_bytes, "min_accelerators": res.min_world}
+                       "model_state_bytes": res.state_floor_bytes, "min_accelerators": res.min_world,
+                       "long_sequence": None if res.long_sequence is None else {
+                           "overrides": res.long_sequence.layout.trainer_keys(), **res.long_sequence.as_dict()}}
                 if res.fits:
                     out.update({k: v for k, v in res.fits[0].as_dict().items() if k not in out})
                     out["checkpoint"] = checkpoint(run, res.fits[0], flags).as_dict()

@@ -59,6 +59,17 @@ class Layout:
                 "recompute_modules": sorted(self.recomputed), "recompute_num_layers": self.recompute_num_layers,
                 "tile_tokens": self.tile_tokens, "offload_gb": self.offload_bytes / 1e9}
 
+    def trainer_keys(self) -> str:
+        """The train.* overrides that run this layout's recomputation, tiling and offload."""
+        keys = [f"train.recompute={self.recompute}"]
+        if self.recompute == "full" and self.recompute_num_layers:
+            keys.append(f"train.recompute_num_layers={self.recompute_num_layers}")
+        if self.tile_tokens:
+            keys.append(f"train.tile_tokens={self.tile_tokens}")
+        if self.recompute == "full" and self.offload_bytes:
+            keys.append(f"train.offload_buffer_gb={self.offload_bytes / 1e9:g}")
+        return " ".join(keys)
+
     def short(self) -> str:
         rc = self.recompute
         if self.recompute == "selective" and self.recompute_modules:

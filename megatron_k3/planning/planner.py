@@ -67,7 +67,7 @@ from .memory import (
 from .params import count_parameters, model_params
 
 __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_training", "search_inference",
-           "SearchResult", "min_world_for_training", "model_state_bytes"]
+           "long_sequence_plan", "SearchResult", "min_world_for_training", "model_state_bytes"]
 
 CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
 # forward FLOP terms that selective recomputation runs again, by the module kind that rebuilds them
@@ -503,6 +503,9 @@ class SearchResult:
     min_world: int | None = None  # training: smallest accelerator count (whole supernodes) that fits
     min_world_plan: object = None
     state_floor_bytes: float = 0.0
+    # training, nothing fits with the run's knobs: the fastest of the least-memory layouts with full recomputation,
+    # sequence tiling and activation offload (long_sequence_plan), or None
+    long_sequence: object = None
 
 
 @functools.lru_cache(maxsize=32)
@@ -526,8 +529,39 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
     over.sort(key=lambda p: p.memory_per_device)
     res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
     if not fits and find_min_world:
+        res.long_sequence = long_sequence_plan(cfg, cluster, [p.layout for p in over[:top]], w, counts)
         res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts, knobs=knobs)
     return res
+
+
+def long_sequence_plan(cfg, cluster, layouts, w: Workload, counts=None):
+    """The fastest plan that fits among `layouts` (their parallel sizes) with the trainer's long-sequence knobs:
+    full recomputation with train.tile_tokens (every power of two from 128 below a device's tokens that the config's
+    layout check accepts; the largest on a tie: fewest tiles), train.offload_buffer_gb (the whole GB the kept layer
+    inputs take, within the host memory per device), or both; None when none fits."""
+    counts = counts or count_parameters(cfg)
+    host = cluster.host_memory_gb / max(cluster.devices_per_node, 1) * GB
+    seen, plans = set(), []
+    for lay in layouts:
+        if (lay.tp, lay.pp, lay.ep, lay.cp, lay.sp) in seen:
+            continue
+        seen.add((lay.tp, lay.pp, lay.ep, lay.cp, lay.sp))
+        tokens = w.micro_batch_size * w.seq_length // lay.cp
+        for tile in [0] + [t for t in _pow2_upto(tokens - 1) if t >= 128]:
+            for offload in (0.0, host):
+                cand = replace(lay, recompute="full", recompute_modules=(), recompute_num_layers=0,
+                               tile_tokens=tile, offload_bytes=offload)
+                if not (tile or offload) or planner_problems(cfg, cluster, cand, w):
+                    continue
+                if offload:  # as much as the kept inputs take, in whole GB
+                    used = max(s.host for s in training_memory(cfg, cluster, cand, w))
+                    cand = replace(cand, offload_bytes=math.ceil(used / GB) * GB)
+                    if not used or cand.offload_bytes > host:
+                        continue
+                p = plan_training(cfg, cluster, cand, w, counts)
+                if p.fits:
+                    plans.append(p)
+    return min(plans, key=lambda p: (p.step_time, -p.layout.tile_tokens, p.layout.offload_bytes), default=None)
 
 
 def min_world_for_training(cfg, cluster, w: Workload, counts=None, max_supernodes: int = 256,

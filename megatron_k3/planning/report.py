@@ -262,7 +262,24 @@ def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: Sea
             out += ["  " + line for line in render_checkpoint(checkpoint)]
         out += _why_best(res)
         return out
-    out += [f"NO training layout fits {world} x {cluster.device_memory_gb:g} GB."]
+    out += _no_fit(cluster, res, pool)
+    if infer is not None:
+        batch, context = infer_args
+        if infer.fits:
+            q = infer.fits[0]
+            out.append(f"inference (--mode infer; routed experts MXFP4, the rest bf16; {batch} sequences x "
+                       f"{context} tokens): FITS on {world} accelerators: {q.memory.total / GB:.1f} GB per device "
+                       f"with tp{q.tp} ep{q.ep} pp{q.pp} ({_infer_parts(q)})")
+        else:
+            out.append(f"inference (--mode infer, {batch} x {context}): does not fit either")
+    return out
+
+
+def _no_fit(cluster, res: SearchResult, pool: float) -> list:
+    """Why no layout fits: the model-state floor, the least-memory layouts, the long-sequence keys that fit, the
+    accelerator count that would."""
+    world, floor = cluster.world_size, res.state_floor_bytes
+    out = [f"NO training layout fits {world} x {cluster.device_memory_gb:g} GB."]
     if floor > pool:
         out.append(f"  why: the model states alone need {_bytes(floor)}, {floor / pool:.1f}x the {_bytes(pool)} "
                    f"these {world} accelerators hold; even perfectly sharded that is "
@@ -276,23 +293,20 @@ def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: Sea
                    f"weights {b['weights']:.0f}, gradients {b['gradients']:.0f}, optimizer {b['optimizer']:.0f} "
                    f"({_h(least.params_per_device['routed_experts'])} routed-expert parameters on each device: "
                    f"the experts split at most ep x pp = {least.layout.ep * least.layout.pp} ways here)")
+    if res.long_sequence is not None:
+        p = res.long_sequence
+        out.append(f"  with the trainer's long-sequence knobs {p.layout.trainer_keys()}: {p.layout.short()} fits these "
+                   f"{world}, {p.memory_per_device / GB:.1f} GB per device, step {p.step_time:.3g} s, MFU {p.mfu:.1%} "
+                   "(add the keys to the command to rank every layout with them)")
     if res.min_world:
         p = res.min_world_plan
-        out.append(f"  training needs at least {res.min_world} accelerators ({res.min_world // cluster.supernode_size}"
+        out.append(f"  {'without them, ' if res.long_sequence is not None else ''}training needs at least "
+                   f"{res.min_world} accelerators ({res.min_world // cluster.supernode_size}"
                    f" supernodes of {cluster.supernode_size}) of this kind: best layout there "
                    f"{p.layout.short()}, {p.memory_per_device / GB:.0f} GB per device, step {p.step_time:.3g} s, "
                    f"MFU {p.mfu:.1%}")
     else:
         out.append("  no whole number of supernodes up to the search limit fits either")
-    if infer is not None:
-        batch, context = infer_args
-        if infer.fits:
-            q = infer.fits[0]
-            out.append(f"inference (--mode infer; routed experts MXFP4, the rest bf16; {batch} sequences x "
-                       f"{context} tokens): FITS on {world} accelerators: {q.memory.total / GB:.1f} GB per device "
-                       f"with tp{q.tp} ep{q.ep} pp{q.pp} ({_infer_parts(q)})")
-        else:
-            out.append(f"inference (--mode infer, {batch} x {context}): does not fit either")
     return out
 
 

@@ -18,6 +18,7 @@ from .candidates import Layout
 from .flops import DEFAULT_IMAGE_SHARE
 from .memory import GB, Workload, balanced_slots, training_memory
 from .params import peft_spec
+from .planner import long_sequence_plan
 
 __all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits"]
 
@@ -164,9 +165,12 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
         order = ("none", "selective", "full")
         more = ((rc, _largest_stage(run, world, rc, w)) for rc in order[order.index(recompute) + 1:])
         fits = [(rc, gb) for rc, gb in more if gb <= capacity][:1]
+        long = None if fits else long_sequence_plan(run.model, run.cluster, [layout(run, world, "full")], w)
         fix = (f"train.recompute={fits[0][0]} fits ({fits[0][1] / GB:.1f} GB)" if fits else
-               f"no recomputation fits this layout; tools/plan.py model={run.model.name} cluster={run.cluster.name} "
-               "--search lists layouts that fit")
+               f"no recomputation alone fits this layout; {long.layout.trainer_keys()} fits "
+               f"({long.memory_per_device / GB:.1f} GB)" if long else
+               f"no recomputation, tiling or offload fits this layout; tools/plan.py model={run.model.name} "
+               f"cluster={run.cluster.name} --search lists layouts that fit")
         key = "train.recompute" if fits else "parallel"
         raise ConfigError(key, recompute if fits else _layout_keys(run), (
             (f"layout {_layout_keys(run)}: " if fits else "")
