@@ -105,6 +105,26 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
 # ---------------------------------------------------------------------------------------------- the Trainer
 
 
+@pytest.mark.slow
+def test_auto_says_what_it_resolved_to_and_that_an_offload_it_cannot_use_is_unused(caplog, tmp_path):
+    """train.recompute=auto (train=pretrain's default) on k3 tiny resolves to none: rank 0 logs the policy it chose;
+    train.offload_buffer_gb, which only full uses, is named unused instead of being dropped in silence."""
+    from helpers import make_trainer
+
+    from megatron_k3.training.engine import shutdown
+
+    with caplog.at_level("INFO", logger="megatron_k3"):
+        try:
+            t = make_trainer(1, ["train.recompute=auto", "train.offload_buffer_gb=1"], steps=1,
+                             run_dir=str(tmp_path))
+        finally:
+            shutdown()
+    assert t.recompute == "none" and getattr(t.model, "host_offload", None) is None
+    assert "train.recompute=none (auto: the least the planner says fits)" in caplog.text
+    assert "train.offload_buffer_gb=1 unused" in caplog.text and "resolved to none" in caplog.text
+
+
+
 def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER, threads=1):
     """2 steps of FAST + overrides under each train.recompute policy of `policies`, and each (name, overrides) of
     `extra`, on `threads` CPU threads: per variant (losses, loads, parameters after each step, router observations,

@@ -184,9 +184,13 @@ class Trainer:
         wrapped = recompute.apply(self.model, recompute.Policy(self.recompute, lay.recompute_modules,
                                                                lay.recompute_num_layers, int(lay.offload_bytes)))
         wrapped.update(tiling.apply(self.model, t.tile_tokens, run.model.moe_overflow))
-        if wrapped and self.rank == 0:
-            log.info("train.recompute=%s, train.tile_tokens=%d: %s", self.recompute, t.tile_tokens,
-                     ", ".join(f"{k} {v}" for k, v in wrapped.items()))
+        if self.rank == 0 and (wrapped or t.recompute == "auto"):
+            log.info("train.recompute=%s%s, train.tile_tokens=%d: %s", self.recompute,
+                     " (auto: the least the planner says fits)" if t.recompute == "auto" else "", t.tile_tokens,
+                     ", ".join(f"{k} {v}" for k, v in wrapped.items()) or "nothing wrapped")
+        if self.rank == 0 and t.offload_buffer_gb and self.recompute != "full":
+            log.warning("train.offload_buffer_gb=%g unused: it offloads the layer inputs full recomputation keeps, and "
+                        "train.recompute=auto resolved to %s", t.offload_buffer_gb, self.recompute)
 
     def _steps_from_epochs(self) -> None:
         """train.epochs > 0: train.steps becomes the steps of that many passes over the training split (the same
