@@ -816,7 +816,8 @@ def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_t
 @pytest.mark.slow
 def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_tool, capsys):
     """tools/plan.py --search at 1M tokens without tiling or offload finds no layout on 512 accelerators: it names
-    the keys (and the layout) that fit these 512 before the accelerator count that would fit without them."""
+    the keys (and the layout) that fit these 512 before the accelerator count that would fit without them; so does
+    tools/build_rank.py --search's refusal."""
     base = M1[:3] + ["train.seq_length=1048576", "train.global_batch_size=64"]
     got = plan_json(plan_tool, capsys, *base, "--search")
     assert got["fits"] == [] and got["min_accelerators"] == 1024
@@ -829,6 +830,10 @@ def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_
     assert "without them, training needs at least 1024 accelerators" in text
     again = plan_json(plan_tool, capsys, *base, *ls["overrides"].split()[1:], "--search")
     assert again["fits"] and again["memory_per_device_gb"] <= 141
+    from megatron_k3.config import ConfigError  # tools/build_rank.py --search: the same keys in its refusal
+
+    with pytest.raises(ConfigError, match=f"with {keys} tp8 pp8 ep64 cp8 .* fits"):
+        _tool("build_rank").compose(base, {"--search": True})
 
 
 def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_that_fits():
