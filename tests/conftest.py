@@ -6,9 +6,12 @@ import pytest
 import torch
 from helpers import OBS_FAST, STATIC, one_process, train_layout
 
+from megatron_k3.ops.numerics import start_cpu_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+start_cpu_threads()  # the process's first parallel region computes nothing a test compares (ops/numerics.py says why)
 
 
 # make test runs two pytest-xdist workers, each taking one test module at a time in collection order (Makefile:

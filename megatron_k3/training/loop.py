@@ -26,6 +26,7 @@ from ..config import ConfigError, RunConfig
 from ..data.build import build_data
 from ..data.dataset import make_batch, rank_sample_ids
 from ..errors import DataError
+from ..ops.numerics import start_cpu_threads
 from ..optim.schedule import lr_at
 from ..parallel import ParallelGroups, build_model, pipeline, recompute, state, tiling
 from ..parallel import mappings as M
@@ -106,6 +107,8 @@ class Trainer:
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.link = pipeline.StageLink(self.pp_group) if self.pp > 1 else None
         self.device = _device(run)
+        if self.device.type == "cpu":
+            start_cpu_threads()  # before anything that counts (ops/numerics.py says why)
         t = run.train
         if t.compile:  # a compiler that cannot work here stops the run now, in one line, before anything is built
             compile_regions.check_backend(t.compile_backend, self.device)
