@@ -57,10 +57,13 @@ log = logging.getLogger("megatron_k3.train")
 
 
 def _device(run: RunConfig) -> torch.device:
+    """The run's device; on the CPU, its thread pool started by a throwaway parallel exp before anything that counts
+    (ops.numerics.start_cpu_threads says why)."""
     if run.train.device == "cuda" or (run.train.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", "no CUDA device is visible; use cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    start_cpu_threads()
     return torch.device("cpu")
 
 
@@ -107,8 +110,6 @@ class Trainer:
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.link = pipeline.StageLink(self.pp_group) if self.pp > 1 else None
         self.device = _device(run)
-        if self.device.type == "cpu":
-            start_cpu_threads()  # before anything that counts (ops/numerics.py says why)
         t = run.train
         if t.compile:  # a compiler that cannot work here stops the run now, in one line, before anything is built
             compile_regions.check_backend(t.compile_backend, self.device)
