@@ -796,18 +796,22 @@ M1 = ["model=k3", "cluster=supernodes_8x64", "precision=bf16", "parallel.tp=8", 
       "train.recompute=full"]
 
 
-@pytest.mark.parametrize("memory,keys,gb", [
-    (141, "train.recompute=full train.tile_tokens=2048", 139.7),  # tiling alone; 4096-token tiles need offload too
+@pytest.mark.parametrize("memory,given,keys,gb", [
+    (141, [], "train.recompute=full train.tile_tokens=2048", 139.7),  # tiling alone; 4096-token tiles need offload
     # less device memory: offload too, the whole GB the kept layer inputs take (26.3 GB on the first stage)
-    (125, "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=27", 120.5)])
-def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_that_fit(memory, keys, gb):
+    (125, [], "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=27", 120.5),
+    # the run's own tiles kept (the keys name what differs from the run)
+    (125, ["train.tile_tokens=4096"], "train.recompute=full train.offload_buffer_gb=27", 120.5),
+    (141, ["train.tile_tokens=4096", "train.recompute_num_layers=4"],
+     "train.recompute=full train.recompute_num_layers=0 train.tile_tokens=2048", 139.7)])
+def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_that_fit(memory, given, keys, gb):
     """K3 at 1M tokens, tp8 pp8 ep64 cp8 with full recomputation alone does not fit: the refusal names the
     train.tile_tokens / train.offload_buffer_gb that make it fit (the fastest by the planner's step time, the largest
     tile on a tie), and with them the same check passes."""
     from megatron_k3.config import ConfigError
     from megatron_k3.planning.run import check_fits, compose_for_planning
 
-    args = M1 + [f"cluster.device_memory_gb={memory}"]
+    args = M1 + [f"cluster.device_memory_gb={memory}"] + given
     with pytest.raises(ConfigError, match=r"no recomputation alone fits this layout; " + keys + f" fits \\({gb} GB\\)"):
         check_fits(compose_for_planning(args)[0], 512)
     assert max(s.total for s in check_fits(compose_for_planning(args + keys.split())[0], 512)) <= memory * GB

@@ -67,7 +67,7 @@ def parse(argv):
 
 def compose(overrides, flags):
     from megatron_k3.planning.planner import long_sequence_plan, search_training
-    from megatron_k3.planning.run import compose_for_planning, workload
+    from megatron_k3.planning.run import compose_for_planning, search_knobs, workload
 
     run, optimizer, given = compose_for_planning(overrides)
     run.optim.name = optimizer
@@ -77,12 +77,11 @@ def compose(overrides, flags):
     world = run.cluster.world_size
     if flags.get("--search"):
         w = workload(run)
-        res = search_training(run.model, run.cluster, w, top=10, find_min_world=False,
-                              knobs=(tuple(run.train.recompute_modules), run.train.recompute_num_layers,
-                                     run.train.tile_tokens, run.train.offload_buffer_gb * 1e9))
+        res = search_training(run.model, run.cluster, w, top=10, find_min_world=False, knobs=search_knobs(run))
         if not res.fits:
             long = long_sequence_plan(run.model, run.cluster, [p.layout for p in res.over_memory], w)
-            hint = f"; with {long.layout.trainer_keys()} {long.layout.short()} fits" if long else ""
+            keys = long.layout.trainer_keys(search_knobs(run)[1:]) if long else ""
+            hint = f"; with {keys} {long.layout.short()} fits" if long else ""
             raise ConfigError("--search", True, f"no layout of model={run.model.name} fits on "
                               f"cluster={run.cluster.name}{hint} (tools/plan.py --search says why)")
         best = res.fits[0].layout

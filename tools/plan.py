@@ -60,7 +60,7 @@ from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
 from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.params import count_parameters, peft_spec  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
-from megatron_k3.planning.run import compose_for_planning, layout  # noqa: E402
+from megatron_k3.planning.run import compose_for_planning, layout, search_knobs  # noqa: E402
 
 BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
               "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
@@ -134,7 +134,7 @@ def main(argv):
     as_json = flags.get("--json", False)
     # --recompute, else train.recompute when given, else auto; the knobs from train.recompute_modules / _num_layers
     recompute = flags.get("--recompute") or (t.recompute if "train.recompute" in given else "auto")
-    knobs = (tuple(t.recompute_modules), t.recompute_num_layers, t.tile_tokens, t.offload_buffer_gb * 1e9)
+    knobs = search_knobs(run)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])
     try:
@@ -165,7 +165,7 @@ def main(argv):
                        "over_memory": [p.as_dict() for p in res.over_memory[:3]],
                        "model_state_bytes": res.state_floor_bytes, "min_accelerators": res.min_world,
                        "long_sequence": None if res.long_sequence is None else {
-                           "overrides": res.long_sequence.layout.trainer_keys(), **res.long_sequence.as_dict()}}
+                           "overrides": res.long_sequence_keys, **res.long_sequence.as_dict()}}
                 if res.fits:
                     out.update({k: v for k, v in res.fits[0].as_dict().items() if k not in out})
                     out["checkpoint"] = checkpoint(run, res.fits[0], flags).as_dict()

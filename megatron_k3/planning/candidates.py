@@ -59,16 +59,15 @@ class Layout:
                 "recompute_modules": sorted(self.recomputed), "recompute_num_layers": self.recompute_num_layers,
                 "tile_tokens": self.tile_tokens, "offload_gb": self.offload_bytes / 1e9}
 
-    def trainer_keys(self) -> str:
-        """The train.* overrides that run this layout's recomputation, tiling and offload."""
-        keys = [f"train.recompute={self.recompute}"]
-        if self.recompute == "full" and self.recompute_num_layers:
-            keys.append(f"train.recompute_num_layers={self.recompute_num_layers}")
-        if self.tile_tokens:
-            keys.append(f"train.tile_tokens={self.tile_tokens}")
-        if self.recompute == "full" and self.offload_bytes:
-            keys.append(f"train.offload_buffer_gb={self.offload_bytes / 1e9:g}")
-        return " ".join(keys)
+    def trainer_keys(self, given: tuple = (0, 0, 0.0)) -> str:
+        """The train.* overrides that run this layout's recomputation, tiling and offload over a run whose
+        (train.recompute_num_layers, train.tile_tokens, train.offload_buffer_gb in bytes) are `given`: each key whose
+        value differs from the run's, and train.recompute."""
+        full = self.recompute == "full"
+        mine = (self.recompute_num_layers if full else 0, self.tile_tokens, self.offload_bytes if full else 0.0)
+        names = ("train.recompute_num_layers={}", "train.tile_tokens={}", "train.offload_buffer_gb={:g}")
+        return " ".join([f"train.recompute={self.recompute}"] + [
+            name.format(v / 1e9 if i == 2 else v) for i, (name, v, g) in enumerate(zip(names, mine, given)) if v != g])
 
     def short(self) -> str:
         rc = self.recompute

@@ -506,6 +506,7 @@ class SearchResult:
     # training, nothing fits with the run's knobs: the fastest of the least-memory layouts with full recomputation,
     # sequence tiling and activation offload (long_sequence_plan), or None
     long_sequence: object = None
+    long_sequence_keys: str = ""  # the train.* overrides that run it, over the search's knobs
 
 
 @functools.lru_cache(maxsize=32)
@@ -530,6 +531,7 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
     res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
     if not fits and find_min_world:
         res.long_sequence = long_sequence_plan(cfg, cluster, [p.layout for p in over[:top]], w, counts)
+        res.long_sequence_keys = res.long_sequence.layout.trainer_keys(knobs[1:]) if res.long_sequence else ""
         res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts, knobs=knobs)
     return res
 

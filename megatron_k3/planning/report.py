@@ -295,7 +295,7 @@ def _no_fit(cluster, res: SearchResult, pool: float) -> list:
                    f"the experts split at most ep x pp = {least.layout.ep * least.layout.pp} ways here)")
     if res.long_sequence is not None:
         p = res.long_sequence
-        out.append(f"  with the trainer's long-sequence knobs {p.layout.trainer_keys()}: {p.layout.short()} fits these "
+        out.append(f"  with the trainer's long-sequence knobs {res.long_sequence_keys}: {p.layout.short()} fits these "
                    f"{world}, {p.memory_per_device / GB:.1f} GB per device, step {p.step_time:.3g} s, MFU {p.mfu:.1%} "
                    "(add the keys to the command to rank every layout with them)")
     if res.min_world:

@@ -20,7 +20,7 @@ from .memory import GB, Workload, balanced_slots, training_memory
 from .params import peft_spec
 from .planner import long_sequence_plan
 
-__all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits"]
+__all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits", "search_knobs"]
 
 
 def compose_for_planning(overrides, optimizer: str | None = None):
@@ -95,6 +95,14 @@ def resolve_recompute(run, world: int, w: Workload | None = None, recompute: str
     return next((rc for rc in ("none", "selective") if _largest_stage(run, world, rc, w) <= capacity), "full")
 
 
+def search_knobs(run) -> tuple:
+    """The run's recomputation, tiling and offload knobs as the search takes them (planner.search_training's
+    `knobs`): (train.recompute_modules as a tuple, train.recompute_num_layers, train.tile_tokens,
+    train.offload_buffer_gb in bytes)."""
+    t = run.train
+    return tuple(t.recompute_modules), t.recompute_num_layers, t.tile_tokens, t.offload_buffer_gb * 1e9
+
+
 def _layout_keys(run) -> str:
     p = run.parallel
     return " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "pp", "ep", "cp"))
@@ -167,7 +175,7 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
         fits = [(rc, gb) for rc, gb in more if gb <= capacity][:1]
         long = None if fits else long_sequence_plan(run.model, run.cluster, [layout(run, world, "full")], w)
         fix = (f"train.recompute={fits[0][0]} fits ({fits[0][1] / GB:.1f} GB)" if fits else
-               f"no recomputation alone fits this layout; {long.layout.trainer_keys()} fits "
+               f"no recomputation alone fits this layout; {long.layout.trainer_keys(search_knobs(run)[1:])} fits "
                f"({long.memory_per_device / GB:.1f} GB)" if long else
                f"no recomputation, tiling or offload fits this layout; tools/plan.py model={run.model.name} "
                f"cluster={run.cluster.name} --search lists layouts that fit")
