@@ -124,7 +124,6 @@ def test_auto_says_what_it_resolved_to_and_that_an_offload_it_cannot_use_is_unus
     assert "train.offload_buffer_gb=1 unused" in caplog.text and "resolved to none" in caplog.text
 
 
-
 def _policies(rank, world, overrides, run_dir, extra=(), policies=POLICY_ORDER, threads=1):
     """2 steps of FAST + overrides under each train.recompute policy of `policies`, and each (name, overrides) of
     `extra`, on `threads` CPU threads: per variant (losses, loads, parameters after each step, router observations,
