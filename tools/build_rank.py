@@ -66,7 +66,7 @@ def parse(argv):
 
 
 def compose(overrides, flags):
-    from megatron_k3.planning.planner import long_sequence_plan, search_training
+    from megatron_k3.planning.planner import search_training
     from megatron_k3.planning.run import compose_for_planning, search_knobs, workload
 
     run, optimizer, given = compose_for_planning(overrides)
@@ -76,12 +76,11 @@ def compose(overrides, flags):
         run.parallel.sequence_parallel = True  # with TP, as tools/plan.py plans it (no effect at tp = 1)
     world = run.cluster.world_size
     if flags.get("--search"):
-        w = workload(run)
-        res = search_training(run.model, run.cluster, w, top=10, find_min_world=False, knobs=search_knobs(run))
+        res = search_training(run.model, run.cluster, workload(run), top=1, find_min_world=False,
+                              knobs=search_knobs(run))
         if not res.fits:
-            long = long_sequence_plan(run.model, run.cluster, [p.layout for p in res.over_memory], w)
-            keys = long.layout.trainer_keys(search_knobs(run)[1:]) if long else ""
-            hint = f"; with {keys} {long.layout.short()} fits" if long else ""
+            long = res.long_sequence
+            hint = f"; with {res.long_sequence_keys} {long.layout.short()} fits" if long else ""
             raise ConfigError("--search", True, f"no layout of model={run.model.name} fits on "
                               f"cluster={run.cluster.name}{hint} (tools/plan.py --search says why)")
         best = res.fits[0].layout

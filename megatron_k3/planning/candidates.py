@@ -64,10 +64,13 @@ class Layout:
         (train.recompute_num_layers, train.tile_tokens, train.offload_buffer_gb in bytes) are `given`: each key whose
         value differs from the run's, and train.recompute."""
         full = self.recompute == "full"
-        mine = (self.recompute_num_layers if full else 0, self.tile_tokens, self.offload_bytes if full else 0.0)
-        names = ("train.recompute_num_layers={}", "train.tile_tokens={}", "train.offload_buffer_gb={:g}")
-        return " ".join([f"train.recompute={self.recompute}"] + [
-            name.format(v / 1e9 if i == 2 else v) for i, (name, v, g) in enumerate(zip(names, mine, given)) if v != g])
+        keys = [f"train.recompute={self.recompute}"]
+        for name, mine, theirs in (("recompute_num_layers", self.recompute_num_layers if full else 0, given[0]),
+                                   ("tile_tokens", self.tile_tokens, given[1]),
+                                   ("offload_buffer_gb", (self.offload_bytes if full else 0.0) / 1e9, given[2] / 1e9)):
+            if mine != theirs:
+                keys.append(f"train.{name}={format(mine, 'g') if isinstance(mine, float) else mine}")
+        return " ".join(keys)
 
     def short(self) -> str:
         rc = self.recompute

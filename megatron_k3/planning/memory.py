@@ -391,20 +391,19 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
     return total, by_cat, largest
 
 
-def _layer_input_bytes(cfg, lay: Layout, w: Workload, end: int) -> tuple:
-    """(bytes of one layer input per micro-batch: a running partial sum, the residual stream or a completed AttnRes
-    block; how many completed blocks full recomputation keeps for a stage ending at layer `end`)."""
+def _layer_input_bytes(cfg, lay: Layout, w: Workload) -> float:
+    """Bytes of one layer input per micro-batch: a running partial sum, the residual stream or a completed AttnRes
+    block."""
     n = w.micro_batch_size * w.seq_length / lay.cp
     tokens = n / lay.tp if lay.sp else n
-    blocks = -(-end // cfg.attn_res_block_size) + 1 if cfg.attn_res else 0  # embedding + the blocks up to `end`
-    return cfg.hidden_size * w.act_bytes * tokens, blocks
+    return cfg.hidden_size * w.act_bytes * tokens
 
 
 def _full_recompute_checkpoints(cfg, lay: Layout, w: Workload, start: int, end: int) -> float:
     """Per micro-batch under full recomputation: each layer keeps its input (the running partial sum, or the
     residual stream), and the completed AttnRes blocks the stage reads are kept once."""
-    per_layer, blocks = _layer_input_bytes(cfg, lay, w, end)
-    return per_layer * (end - start + blocks)
+    blocks = -(-end // cfg.attn_res_block_size) + 1 if cfg.attn_res else 0  # embedding + the blocks up to `end`
+    return _layer_input_bytes(cfg, lay, w) * (end - start + blocks)
 
 
 def _offload_reload_bytes(cfg, lay: Layout, w: Workload, start: int, end: int, host: float) -> float:
@@ -413,7 +412,7 @@ def _offload_reload_bytes(cfg, lay: Layout, w: Workload, start: int, end: int, h
     reads (b_0 and one per block before k's; each stays until its last reader, and a block-start layer's partial sum
     is its block), its partial sum and the prefetched one of layer k - 1; without AttnRes the two layers' residual
     streams. At most what is on the host."""
-    per_layer, _ = _layer_input_bytes(cfg, lay, w, end)
+    per_layer = _layer_input_bytes(cfg, lay, w)
     most = max(_layer_reads(cfg, k) + _layer_reads(cfg, k - 1, partial_only=True) * (k > start)
                for k in range(start, end))
     return min(host, per_layer * most)
@@ -437,8 +436,7 @@ def offload_first_load_bytes(cfg, lay: Layout, w: Workload, a: int, b: int, host
     full = lay.full_layers(a, b)
     if not host or not len(full):
         return 0.0
-    per_layer, _ = _layer_input_bytes(cfg, lay, w, full.stop)
-    return min(host, per_layer * _layer_reads(cfg, full.stop - 1))
+    return min(host, _layer_input_bytes(cfg, lay, w) * _layer_reads(cfg, full.stop - 1))
 
 
 def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1, recomputed: frozenset | None = None) -> tuple:

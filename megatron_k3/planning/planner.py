@@ -70,6 +70,7 @@ __all__ = ["TrainPlan", "InferPlan", "plan_training", "plan_inference", "search_
            "long_sequence_plan", "SearchResult", "min_world_for_training", "model_state_bytes"]
 
 CP_MIN_SHARD = 4096  # tokens per context-parallel rank below which the search does not try CP
+LONG_SEQUENCE_LAYOUTS = 10  # a search that finds no fit tries tiling and offload on this many least-memory layouts
 # forward FLOP terms that selective recomputation runs again, by the module kind that rebuilds them
 # (parallel.recompute; the elementwise work of the other kinds is not counted as FLOPs)
 _CHEAP_FLOPS = {name: "core_attn" for name in (
@@ -503,8 +504,8 @@ class SearchResult:
     min_world: int | None = None  # training: smallest accelerator count (whole supernodes) that fits
     min_world_plan: object = None
     state_floor_bytes: float = 0.0
-    # training, nothing fits with the run's knobs: the fastest of the least-memory layouts with full recomputation,
-    # sequence tiling and activation offload (long_sequence_plan), or None
+    # training, nothing fits with the run's knobs: the fastest of the LONG_SEQUENCE_LAYOUTS least-memory layouts with
+    # full recomputation, sequence tiling and activation offload (long_sequence_plan), or None
     long_sequence: object = None
     long_sequence_keys: str = ""  # the train.* overrides that run it, over the search's knobs
 
@@ -529,10 +530,12 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
     fits.sort(key=lambda p: (p.step_time, p.memory_per_device))
     over.sort(key=lambda p: p.memory_per_device)
     res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
-    if not fits and find_min_world:
-        res.long_sequence = long_sequence_plan(cfg, cluster, [p.layout for p in over[:top]], w, counts)
+    if not fits:
+        res.long_sequence = long_sequence_plan(cfg, cluster, [p.layout for p in over[:LONG_SEQUENCE_LAYOUTS]], w,
+                                               counts)
         res.long_sequence_keys = res.long_sequence.layout.trainer_keys(knobs[1:]) if res.long_sequence else ""
-        res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts, knobs=knobs)
+        if find_min_world:
+            res.min_world, res.min_world_plan = min_world_for_training(cfg, cluster, w, counts, knobs=knobs)
     return res
 
 
@@ -545,9 +548,10 @@ def long_sequence_plan(cfg, cluster, layouts, w: Workload, counts=None):
     host = cluster.host_memory_gb / max(cluster.devices_per_node, 1) * GB
     seen, plans = set(), []
     for lay in layouts:
-        if (lay.tp, lay.pp, lay.ep, lay.cp, lay.sp) in seen:
+        sizes = (lay.tp, lay.pp, lay.ep, lay.cp, lay.sp)
+        if sizes in seen:
             continue
-        seen.add((lay.tp, lay.pp, lay.ep, lay.cp, lay.sp))
+        seen.add(sizes)
         tokens = w.micro_batch_size * w.seq_length // lay.cp
         for tile in [0] + [t for t in _pow2_upto(tokens - 1) if t >= 128]:
             for offload in (0.0, host):
