@@ -791,6 +791,26 @@ def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_of
         check_fits(compose_for_planning(args + ["cluster.host_memory_gb=64"])[0], 512)
 
 
+def test_a_plan_over_the_hosts_memory_says_so():
+    """The offloaded layer inputs of K3 at 1M tokens take 210 GB per node: with cluster.host_memory_gb=100 the plan
+    does not fit though its 120.5 GB per device do, and the report says why (the host line reads OVER, with the
+    share per device that fits), as does a search's no-fit explanation; --json carries both host figures."""
+    from megatron_k3.planning.planner import SearchResult
+    from megatron_k3.planning.report import _no_fit, render_train
+
+    run = compose_config(["model=k3", "cluster=supernodes_8x64", "precision=bf16", "cluster.host_memory_gb=100"])[0]
+    lay = Layout(world=512, tp=8, pp=8, ep=64, cp=8, recompute="full", tile_tokens=4096, offload_bytes=40e9)
+    p = plan_training(run.model, run.cluster, lay, Workload(1 << 20, 1, 64, "bf16", "muon"))
+    assert not p.fits and p.host_over and p.memory_per_device <= 141 * GB
+    text = "\n".join(render_train(p))
+    assert "DOES NOT FIT (host memory: see below)" in text and "within" not in text
+    assert "210 GB (every device's share up to train.offload_buffer_gb) of cluster.host_memory_gb=100 -> OVER: at " \
+           "most 12.5 GB per device fits" in text
+    assert p.as_dict()["host_memory_gb"] == 100 and round(p.as_dict()["host_per_node_gb"]) == 210
+    why = "\n".join(_no_fit(run.cluster, SearchResult([], [p], {}, 1), 512 * 141 * GB))
+    assert "1 of them fit the 141 GB but not the host memory" in why and "even " not in why
+
+
 M1 = ["model=k3", "cluster=supernodes_8x64", "precision=bf16", "parallel.tp=8", "parallel.pp=8", "parallel.ep=64",
       "parallel.cp=8", "parallel.sequence_parallel=true", "train.seq_length=1048576", "train.global_batch_size=64",
       "train.recompute=full"]
@@ -803,7 +823,11 @@ M1 = ["model=k3", "cluster=supernodes_8x64", "precision=bf16", "parallel.tp=8", 
     # the run's own tiles kept (the keys name what differs from the run)
     (125, ["train.tile_tokens=4096"], "train.recompute=full train.offload_buffer_gb=27", 120.5),
     (141, ["train.tile_tokens=4096", "train.recompute_num_layers=4"],
-     "train.recompute=full train.recompute_num_layers=0 train.tile_tokens=2048", 139.7)])
+     "train.recompute=full train.recompute_num_layers=0 train.tile_tokens=2048", 139.7),
+    # a host of 100 GB per node takes 12.5 GB per device: the offload is capped there, the rest of the kept layer
+    # inputs stays on the device (the whole GB above the host's share was refused: "nothing fits")
+    (136, ["cluster.host_memory_gb=100"], "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=12",
+     131.9)])
 def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_that_fit(memory, given, keys, gb):
     """K3 at 1M tokens, tp8 pp8 ep64 cp8 with full recomputation alone does not fit: the refusal names the
     train.tile_tokens / train.offload_buffer_gb that make it fit (the fastest by the planner's step time, the largest

@@ -110,6 +110,13 @@ class TrainPlan:
     peft: dict = field(default_factory=dict)  # peft=lora only (_peft_summary)
     stage_trainable: list = field(default_factory=list)  # parameters with gradients on one device of each stage
     host_per_node_gb: float = 0.0  # activation offload: host memory per node the offloaded layer inputs take
+    host_capacity_gb: float = 0.0  # cluster.host_memory_gb: what host_per_node_gb must stay within
+    devices_per_node: int = 1  # cluster.devices_per_node: the devices that share it
+
+    @property
+    def host_over(self) -> bool:
+        """The offloaded layer inputs take more host memory per node than the node has."""
+        return self.host_per_node_gb > self.host_capacity_gb
 
     def as_dict(self) -> dict:
         workload = {"seq_length": self.workload.seq_length, "micro_batch_size": self.workload.micro_batch_size,
@@ -121,7 +128,7 @@ class TrainPlan:
             workload["image_share"] = self.workload.image_share
             extra["vision"] = self.vision
         if self.host_per_node_gb:
-            extra["host_per_node_gb"] = self.host_per_node_gb
+            extra.update(host_per_node_gb=self.host_per_node_gb, host_memory_gb=self.host_capacity_gb)
         if self.peft:
             extra["peft"] = self.peft
         if self.moe_dispatch:
@@ -353,7 +360,8 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     return TrainPlan(
         model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
         active_params=counts["active"], fits=worst.total <= capacity and host_node <= cluster.host_memory_gb * GB,
-        memory_per_device=worst.total, host_per_node_gb=host_node / GB,
+        memory_per_device=worst.total, host_per_node_gb=host_node / GB, host_capacity_gb=cluster.host_memory_gb,
+        devices_per_node=max(cluster.devices_per_node, 1),
         memory_breakdown=worst.breakdown_gb(),
         activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
         stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
@@ -543,7 +551,8 @@ def long_sequence_plan(cfg, cluster, layouts, w: Workload, counts=None):
     """The fastest plan that fits among `layouts` (their parallel sizes) with the trainer's long-sequence knobs:
     full recomputation with train.tile_tokens (every power of two from 128 below a device's tokens that the config's
     layout check accepts; the largest on a tie: fewest tiles), train.offload_buffer_gb (the whole GB the kept layer
-    inputs take, within the host memory per device), or both; None when none fits."""
+    inputs take, capped at the whole GB of cluster.host_memory_gb's share per device: the rest stays on the device),
+    or both; None when none fits."""
     counts = counts or count_parameters(cfg)
     host = cluster.host_memory_gb / max(cluster.devices_per_node, 1) * GB
     seen, plans = set(), []
@@ -559,10 +568,10 @@ def long_sequence_plan(cfg, cluster, layouts, w: Workload, counts=None):
                                tile_tokens=tile, offload_bytes=offload)
                 if not (tile or offload) or planner_problems(cfg, cluster, cand, w):
                     continue
-                if offload:  # as much as the kept inputs take, in whole GB
+                if offload:  # as much as the kept inputs take, in whole GB, within the host's share
                     used = max(s.host for s in training_memory(cfg, cluster, cand, w))
-                    cand = replace(cand, offload_bytes=math.ceil(used / GB) * GB)
-                    if not used or cand.offload_bytes > host:
+                    cand = replace(cand, offload_bytes=min(math.ceil(used / GB), math.floor(host / GB)) * GB)
+                    if not cand.offload_bytes:
                         continue
                 p = plan_training(cfg, cluster, cand, w, counts)
                 if p.fits:

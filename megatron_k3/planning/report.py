@@ -173,14 +173,16 @@ def render_train(p: TrainPlan) -> list:
            f"{lay.ep} x {lay.edp}; {p.micro_batches} micro-batches per step per pipeline)",
            _params_line(p),
            f"memory per device: {p.memory_per_device / GB:.2f} GB of {p.capacity_gb:g} GB -> "
-           f"{'FITS' if p.fits else 'DOES NOT FIT'}",
+           f"{'FITS' if p.fits else 'DOES NOT FIT'}" + (" (host memory: see below)" if p.host_over else ""),
            "  " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) + " (GB)",
            "  activations by part: " + ", ".join(f"{k} {v:.3g}" for k, v in p.activation_breakdown.items()
                                                   if v > 0) + " (GB)",
            f"  stages (GB): {p.stage_memory_gb}"]
     if p.host_per_node_gb:
+        over = f" -> OVER: at most {p.host_capacity_gb / p.devices_per_node:.4g} GB per device fits"
         out.append(f"  host memory per node for offloaded layer inputs: {p.host_per_node_gb:.3g} GB (every device's "
-                   "share up to train.offload_buffer_gb; within cluster.host_memory_gb)")
+                   f"share up to train.offload_buffer_gb) of cluster.host_memory_gb={p.host_capacity_gb:g}"
+                   + (over if p.host_over else ""))
     out += ["communication per step and device: " + (", ".join(
                f"{k} {_bytes(v)} ({_t(p.comm_time[k])})" for k, v in p.comm_bytes.items() if v > 0) or "none"),
            "time per step: " + ", ".join(f"{k} {_t(v)}" for k, v in p.time_breakdown.items() if v > 0)
@@ -289,10 +291,18 @@ def _no_fit(cluster, res: SearchResult, pool: float) -> list:
         out += [f"  least memory of the {res.evaluated} valid layouts (GB per device):", _TABLE]
         out += [_row(i + 1, p) for i, p in enumerate(res.over_memory[:5])]
         b = least.memory_breakdown
-        out.append(f"  even {least.layout.short()} needs {least.memory_per_device / GB:.0f} GB per device: "
-                   f"weights {b['weights']:.0f}, gradients {b['gradients']:.0f}, optimizer {b['optimizer']:.0f} "
-                   f"({_h(least.params_per_device['routed_experts'])} routed-expert parameters on each device: "
-                   f"the experts split at most ep x pp = {least.layout.ep * least.layout.pp} ways here)")
+        host = [p for p in res.over_memory if p.memory_per_device <= p.capacity_gb * GB]  # over the host's alone
+        if host:
+            out.append(f"  {len(host)} of them fit the {cluster.device_memory_gb:g} GB but not the host memory: "
+                       f"{host[0].layout.short()}'s offloaded layer inputs take {host[0].host_per_node_gb:.3g} GB "
+                       f"per node, over cluster.host_memory_gb={cluster.host_memory_gb:g} (at most "
+                       f"{cluster.host_memory_gb / max(cluster.devices_per_node, 1):.4g} GB per device; "
+                       "train.offload_buffer_gb caps it, what does not fit stays on the device)")
+        else:
+            out.append(f"  even {least.layout.short()} needs {least.memory_per_device / GB:.0f} GB per device: "
+                       f"weights {b['weights']:.0f}, gradients {b['gradients']:.0f}, optimizer {b['optimizer']:.0f} "
+                       f"({_h(least.params_per_device['routed_experts'])} routed-expert parameters on each device: "
+                       f"the experts split at most ep x pp = {least.layout.ep * least.layout.pp} ways here)")
     if res.long_sequence is not None:
         p = res.long_sequence
         out.append(f"  with the trainer's long-sequence knobs {res.long_sequence_keys}: {p.layout.short()} fits these "
