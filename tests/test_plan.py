@@ -879,3 +879,18 @@ def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_
     assert (best.layout.tp, best.layout.pp, best.layout.ep, best.layout.recompute) == (8, 8, 64, "selective")
     with pytest.raises(ConfigError, match=r"train\.recompute='none'.*train\.recompute=selective fits"):
         check_fits(compose_for_planning(args + ["train.recompute=none"])[0], 512)
+
+
+@pytest.mark.parametrize("args,key", [
+    (["train.tile_tokens=-4"], "train.tile_tokens=-4"),  # was a ZeroDivisionError traceback
+    (["train.offload_buffer_gb=-1"], "train.offload_buffer_gb=-1"),
+    (["train.recompute_modules=[bogus]"], "train.recompute_modules=['bogus']"),
+    (["train.recompute_num_layers=-1"], "train.recompute_num_layers=-1"),
+    (["--recompute", "full", "train.recompute_modules=[core_attn]"], "applies to train.recompute=selective, not full"),
+    (["--recompute", "selective", "train.offload_buffer_gb=3"], "not with train.recompute=selective")])
+def test_plan_refuses_the_recompute_keys_the_trainer_refuses(plan_tool, capsys, args, key):
+    """tools/plan.py checks the train.* keys as the Trainer does, with --recompute as train.recompute: a value the
+    Trainer refuses is not planned in silence (each of these was, or raised a traceback)."""
+    rc = plan_tool.main(["model=k3_tiny", "cluster=cpu", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and key in err and len(err.strip().splitlines()) == 1, err

@@ -121,6 +121,11 @@ def main(argv):
             print(__doc__.strip())
             return 0
         run, optimizer, given = compose(overrides, flags)
+        # --recompute, else train.recompute when given, else auto; the train.* keys checked as the Trainer checks
+        # them (train.recompute_modules, _num_layers, offload_buffer_gb and tile_tokens with that policy)
+        run.train.recompute = flags.get("--recompute") or (run.train.recompute if "train.recompute" in given
+                                                           else "auto")
+        run.train.validate("train")
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -132,8 +137,7 @@ def main(argv):
                  int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
                  run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce, peft_spec(run.peft))
     as_json = flags.get("--json", False)
-    # --recompute, else train.recompute when given, else auto; the knobs from train.recompute_modules / _num_layers
-    recompute = flags.get("--recompute") or (t.recompute if "train.recompute" in given else "auto")
+    recompute = t.recompute  # the knobs: train.recompute_modules / _num_layers, tile_tokens, offload_buffer_gb
     knobs = search_knobs(run)
     lines = report.header(cfg, cluster, counts)
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])
