@@ -247,3 +247,21 @@ def test_the_step_figure_plans_the_runs_moe_dispatch():
         stage.moe_replicas
     assert figs["balanced"]["transient_bytes"] > figs["dropless"]["transient_bytes"]
 
+
+
+def test_the_step_runs_the_runs_precision(monkeypatch):
+    """--step runs the experts as the Trainer does under precision=mx_qat: fake-quantised (it ran them in bf16
+    whatever the precision, and a K3 rank's mx_qat step then measured 1.65x the planner's figure unnoticed)."""
+    from megatron_k3.config import compose_config
+    from megatron_k3.planning.dry_run import materialize_rank
+    from megatron_k3.precision.qat import ExpertQAT
+
+    calls = []
+    weight_ = ExpertQAT.weight_
+    monkeypatch.setattr(ExpertQAT, "weight_", lambda self, w: calls.append(w.shape) or weight_(self, w))
+    base = ["model=k3_tiny", "cluster.num_nodes=1", "cluster.devices_per_node=1", "train.seq_length=64",
+            "train.micro_batch_size=1", "train.global_batch_size=1"]
+    for precision, quantised in (("bf16", False), ("mx_qat", True)):
+        calls.clear()
+        m = materialize_rank(compose_config(base + [f"precision={precision}"])[0], 1, 0, step=True)
+        assert m.step["live_peak_bytes"] > 0 and bool(calls) == quantised, (precision, len(calls))

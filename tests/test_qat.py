@@ -72,6 +72,84 @@ def test_expert_forward_is_the_fake_quantised_computation():
     assert not torch.allclose(ex(z, offs), ref, rtol=1e-3, atol=1e-4)  # the hook is what changed the result
 
 
+def _up_front(ex, z, offs, combine, replicas):
+    """The QAT computation as autograd records it with each weight fake-quantised up front (fake_quant_mx's
+    straight-through Function on w1, w3, w2 and the replicas; the way the experts ran it before their Functions took
+    the quantiser): its graph keeps the quantised copies."""
+    from megatron_k3.ops.grouped_gemm import DownCombine, GateUpGLU, GroupedDown, grouped_mm
+
+    def q(w):
+        return fake_quant_mx(w, "e2m1")
+    x = fake_quant_mx(z, "e4m3")
+    w1, w3, w2 = q(ex.w1), q(ex.w3), q(ex.w2)
+    r1, r3, r2 = (None, None, None) if replicas is None else (q(r) for r in replicas)
+    h = fake_quant_mx(GateUpGLU.apply(x, w1, w3, offs, "situ", 4.0, 25.0, r1, r3), "e4m3")
+    if replicas is not None:
+        return GroupedDown.apply(h, w2, r2, offs)
+    if combine is not None:
+        return DownCombine.apply(h, w2, offs, *combine)
+    return torch.bmm(h, w2.transpose(1, 2)) if offs is None else grouped_mm(h, w2.transpose(1, 2), offs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["grouped", "batched", "combine", "replicas"])
+def test_qat_inside_the_gemms_is_bit_identical_and_keeps_no_weight_copy(path, dtype):
+    """The experts fake-quantise their weights inside the GEMMs' Functions (forward, and again in the backward):
+    outputs and every gradient (input, w1, w3, w2, the routing weights, the replicas') bit for bit those of the
+    weights quantised up front, for grouped rows, the static [E, C, L] buffers, the fused combine and the balanced
+    dispatch's replicas; and what the forward leaves live for the backward is no more than without QAT plus the
+    quantised input (up front it was also a quantised copy of every weight: w1 + w3 + w2, 3 x 32 KB here)."""
+    from megatron_k3.planning.measure import LiveTensorMemory
+
+    ex, z, offs = _experts(E=4, L=64, I=128)
+    ex.to(dtype)
+    z = z.to(dtype)
+    g = torch.Generator().manual_seed(3)
+    combine = replicas = None
+    if path == "batched":
+        z, offs = z[:16].reshape(4, 4, 64), None
+    if path == "combine":
+        M = z.shape[0]
+        combine = (torch.rand(M, generator=g).requires_grad_(), torch.randint(0, 7, (M,), generator=g), 7)
+    if path == "replicas":
+        replicas = tuple((torch.randn(2, *w.shape[1:], generator=g) * 0.05).to(dtype).requires_grad_()
+                         for w in (ex.w1, ex.w3, ex.w2))
+        offs = torch.cat([offs, offs[-1:] + torch.tensor([3, 7])])  # every row in a group
+        z = torch.cat([z, torch.randn(7, 64, generator=g).to(dtype)])
+    ex.qat = ExpertQAT()
+    leaves = [p for p in ex.parameters()] + [t for t in (combine or ())[:1]] + list(replicas or ())
+
+    def run(fn):
+        mem = LiveTensorMemory()
+        with mem:  # the input counted alike in each run (a view of it would count it otherwise)
+            x = z.clone().requires_grad_()
+            y = fn(x)
+        kept = mem.current
+        y.backward(torch.ones_like(y) if y.dtype.is_floating_point else None)
+        grads = [x.grad] + [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        return y.detach(), grads, kept
+
+    if path == "replicas":
+        got = run(lambda x: ex.forward_with(x, offs, replicas))
+    elif path == "batched":
+        got = run(lambda x: ex.forward_batched(x))
+    else:
+        got = run(lambda x: ex(x, offs, combine))
+    want = run(lambda x: _up_front(ex, x, offs, combine, replicas))
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+    ex.qat = None
+    plain = run(lambda x: ex.forward_with(x, offs, replicas) if path == "replicas" else
+                ex.forward_batched(x) if path == "batched" else ex(x, offs, combine))
+    quantised_input = z.numel() * z.element_size()
+    weights = sum(p.numel() * p.element_size() for p in ex.parameters())
+    assert got[2] <= plain[2] + quantised_input
+    assert want[2] >= plain[2] + weights  # the up-front graph keeps a copy of every weight
+
+
 def test_prepare_hooks_only_the_routed_experts(tiny):
     torch.manual_seed(0)
     model = K3ForCausalLM(tiny)

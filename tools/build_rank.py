@@ -19,8 +19,10 @@ Flags:
   --rank R            build rank R (repeatable)
   --search            use the planner's best layout for this model, cluster and workload (parallel.* replaced)
   --materialize       allocate the --rank ranks (one after the other) on the CPU and initialise them shard-locally
-  --step              also run one forward and backward of train.micro_batch_size x train.seq_length tokens;
-                      `measured` (live-tensor peak, process RSS peak) is reported beside the planner's figures
+  --step              also run one forward and backward of train.micro_batch_size x train.seq_length tokens as the
+                      Trainer runs it (the run's precision: precision=mx_qat fake-quantises the experts, under its
+                      autocast); `measured` (live-tensor peak, process RSS peak) is reported beside the planner's
+                      figures
   --dtype bf16|fp32   parameters of --materialize (default bf16)
   --seed N            initialisation seed (default 0)
   --recompute none|selective|full|auto   activation recomputation, as train.recompute: the planner's figures, the

@@ -42,18 +42,25 @@ class GroupedExperts(nn.Module):
         return self.w1.shape[0]
 
     def _run(self, x: torch.Tensor, offs_E: torch.Tensor | None, combine=None, replicas=None) -> torch.Tensor:
+        # QAT: the weights are fake-quantised inside the GEMMs' Functions, on the transient copies they run against,
+        # in the forward and again in the backward: no quantised copy of the weights is kept per micro-batch
         w1, w3, w2, q = self.w1, self.w3, self.w2, self.qat
+        wq = None if q is None else q.weight_fn
         if q is not None:
-            w1, w3, w2, x = q.weight(w1), q.weight(w3), q.weight(w2), q.act(x)
+            x = q.act(x)
         if replicas is not None:  # row groups of the own experts, then of the replicas (balanced dispatch)
-            r1, r3, r2 = replicas if q is None else (q.weight(r) for r in replicas)
-            h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, r1, r3, self.recompute_act)
-            return GroupedDown.apply(h if q is None else q.act(h), w2, r2, offs_E)
-        h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, None, None, self.recompute_act)
+            r1, r3, r2 = replicas
+            h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, r1, r3, self.recompute_act,
+                                wq)
+            return GroupedDown.apply(h if q is None else q.act(h), w2, r2, offs_E, wq)
+        h = GateUpGLU.apply(x, w1, w3, offs_E, self.act, self.beta_gate, self.beta_up, None, None, self.recompute_act,
+                            wq)
         if q is not None:
             h = q.act(h)
         if combine is not None:
-            return DownCombine.apply(h, w2, offs_E, *combine)
+            return DownCombine.apply(h, w2, offs_E, *combine, wq)
+        if wq is not None:
+            return GroupedDown.apply(h, w2, None, offs_E, wq)
         w2t = w2.to(h.dtype).transpose(1, 2)
         return torch.bmm(h, w2t) if offs_E is None else grouped_mm(h, w2t, offs_E)
 

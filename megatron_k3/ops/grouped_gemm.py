@@ -132,29 +132,31 @@ class GateUpGLU(torch.autograd.Function):
     kept: keeping it would hold one more copy of w1 + w3 for every MoE layer in flight (at K3 size, GBs per rank
     under pipeline parallelism). The weight gradients are two GEMMs on the halves of [dg du] (as fast as one on
     [E, 2I, L] plus the copies that would split it), so they come out contiguous. x: [M, L] rows split by
-    offs_E, or [E, C, L] with offs_E None."""
+    offs_E, or [E, C, L] with offs_E None. `wq` (precision=mx_qat): the weights' fake-quantisation, applied in place
+    to the concatenation in the forward and again in the backward, so no quantised copy is kept (the gradients go
+    straight through to w1, w3 and the replicas)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up, r1=None, r3=None, rebuild=False):
+    def forward(ctx, x, w1, w3, offs_E, act, beta_gate, beta_up, r1=None, r3=None, rebuild=False, wq=None):
         I = w1.shape[1]
-        W13 = _cat13(w1, w3, r1, r3).to(x.dtype)  # [E, 2I, L]
+        W13 = _w13(w1, w3, r1, r3, wq, x.dtype)  # [E, 2I, L]
         gu = rows_mm(x, W13.transpose(1, 2), offs_E)  # [..., 2I]: gate columns, then up
         h, saved = glu_forward(gu[..., :I], gu[..., I:], act, beta_gate, beta_up)
         # rebuild (selective recomputation's moe_act): keep the GEMM's output and make the activation's fp32
         # intermediates again in the backward (the same values: the backward is bit-identical)
         ctx.save_for_backward(x, w1, w3, offs_E, r1, r3, *((gu,) if rebuild else saved))
-        ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype, rebuild)
+        ctx.cfg = (act, beta_gate, beta_up, I, w1.dtype, w3.dtype, rebuild, wq)
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        act, beta_gate, beta_up, I, dt1, dt3, rebuild = ctx.cfg
+        act, beta_gate, beta_up, I, dt1, dt3, rebuild, wq = ctx.cfg
         x, w1, w3, offs_E, r1, r3, *saved = ctx.saved_tensors
         if rebuild:
             saved = glu_forward(saved[0][..., :I], saved[0][..., I:], act, beta_gate, beta_up)[1]
         dgu = x.new_empty(*x.shape[:-1], 2 * I)
         glu_backward(dh, saved, act, beta_gate, beta_up, dgate=dgu[..., :I], dup=dgu[..., I:])
-        dx = rows_mm(dgu, _cat13(w1, w3, r1, r3).to(x.dtype), offs_E) if ctx.needs_input_grad[0] else None
+        dx = rows_mm(dgu, _w13(w1, w3, r1, r3, wq, x.dtype), offs_E) if ctx.needs_input_grad[0] else None
         E = w1.shape[0]
         dw1 = dw3 = dr1 = dr3 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[7]:  # two GEMMs on the strided halves: contiguous
@@ -165,7 +167,24 @@ class GateUpGLU(torch.autograd.Function):
             dw3 = wgrad_mm(dgu[..., I:], x, offs_E).to(dt3)
             if r3 is not None:
                 dw3, dr3 = dw3[:E], dw3[E:]
-        return dx, dw1, dw3, None, None, None, None, dr1, dr3, None
+        return dx, dw1, dw3, None, None, None, None, dr1, dr3, None, None
+
+
+def _w13(w1, w3, r1, r3, wq, dtype):
+    """The GEMM's [w1; w3] (with the replicas'), quantised by `wq` in place when QAT is on (the concatenation is a
+    fresh tensor; quantisation runs along the last dim, so the concatenation's is each part's), in `dtype`."""
+    W13 = _cat13(w1, w3, r1, r3)
+    return (W13 if wq is None else wq(W13)).to(dtype)
+
+
+def _down(w2, r2, wq, dtype):
+    """The down GEMM's weights: w2 with the replicas' r2 after it (or w2 alone), quantised by `wq` on a copy when QAT
+    is on, in `dtype`."""
+    if r2 is not None:
+        W = torch.cat([w2, r2])
+    else:
+        W = w2 if wq is None else w2.clone(memory_format=torch.contiguous_format)
+    return (W if wq is None else wq(W)).to(dtype)
 
 
 def _cat13(w1, w3, r1, r3):
@@ -183,23 +202,26 @@ def _cat13(w1, w3, r1, r3):
 
 class GroupedDown(torch.autograd.Function):
     """y = h w2_e^T per row group, with the weights of the groups given as the own experts' w2 followed by
-    replicas r2: one grouped GEMM against their transient concatenation, which is not kept (the parameter and the
-    received replicas are), so no copy of the own experts lives until the backward."""
+    replicas r2 (or w2 alone, r2 None): one grouped GEMM against their transient concatenation, which is not kept
+    (the parameter and the received replicas are), so no copy of the own experts lives until the backward. `wq`
+    (precision=mx_qat): the weights' fake-quantisation, applied to that transient copy in the forward and again in
+    the backward (the same values; the gradient goes straight through to w2 and r2)."""
 
     @staticmethod
-    def forward(ctx, h, w2, r2, offs_E):
-        W = torch.cat([w2, r2]).to(h.dtype)
+    def forward(ctx, h, w2, r2, offs_E, wq=None):
+        W = _down(w2, r2, wq, h.dtype)
         ctx.save_for_backward(h, w2, r2, offs_E)
+        ctx.wq = wq
         return rows_mm(h, W.transpose(1, 2), offs_E)
 
     @staticmethod
     def backward(ctx, dy):
         h, w2, r2, offs_E = ctx.saved_tensors
         dy = dy.contiguous()
-        dh = rows_mm(dy, torch.cat([w2, r2]).to(h.dtype), offs_E) if ctx.needs_input_grad[0] else None
+        dh = rows_mm(dy, _down(w2, r2, ctx.wq, h.dtype), offs_E) if ctx.needs_input_grad[0] else None
         dw = wgrad_mm(dy, h, offs_E)  # [E + S, L, I]
         E = w2.shape[0]
-        return dh, dw[:E].to(w2.dtype), dw[E:].to(r2.dtype), None
+        return dh, dw[:E].to(w2.dtype), None if r2 is None else dw[E:].to(r2.dtype), None, None
 
 
 class DownCombine(torch.autograd.Function):
@@ -211,15 +233,15 @@ class DownCombine(torch.autograd.Function):
     and used as is, so the weight gradient stays g_fp32 . y as the late-weight contract has it."""
 
     @staticmethod
-    def forward(ctx, h, w2, offs_E, w_M, tok_M, num_rows):
-        w2t = w2.to(h.dtype).transpose(1, 2)
+    def forward(ctx, h, w2, offs_E, w_M, tok_M, num_rows, wq=None):
+        w2t = _down(w2, None, wq, h.dtype).transpose(1, 2)
         y = rows_mm(h, w2t, offs_E).reshape(-1, w2.shape[1])  # [M, L]
         exact = y.dtype in (torch.float32, torch.float64)
         yw = y if exact else y.float()
         yw.mul_(w_M.unsqueeze(-1).to(yw.dtype))
         out = yw.new_zeros(num_rows, yw.shape[-1]).index_add_(0, tok_M, yw)
         ctx.save_for_backward(h, w2, offs_E, w_M, tok_M, None if exact else y)
-        ctx.w2_dtype = w2.dtype
+        ctx.w2_dtype, ctx.wq = w2.dtype, wq
         return out
 
     @staticmethod
@@ -227,7 +249,7 @@ class DownCombine(torch.autograd.Function):
         h, w2, offs_E, w_M, tok_M, y = ctx.saved_tensors
         shape = h.shape[:-1] + (w2.shape[1],)  # [M, L] or [E, C, L]
         g = g_RL.index_select(0, tok_M)  # fp32 [M, L]
-        w2h = w2.to(h.dtype)
+        w2h = _down(w2, None, ctx.wq, h.dtype)
         if y is None:  # fp32/fp64: g . y = (g w2) . h
             gw2 = rows_mm(g.view(shape), w2h, offs_E)  # [..., I]
             dw = (gw2 * h).sum(-1).reshape(-1)
@@ -239,7 +261,7 @@ class DownCombine(torch.autograd.Function):
         if dh is None:
             dh = rows_mm(dy, w2h, offs_E)
         dw2 = wgrad_mm(dy, h, offs_E).to(ctx.w2_dtype) if ctx.needs_input_grad[1] else None  # [E, L, I]
-        return dh, dw2, None, dw.to(w_M.dtype), None, None
+        return dh, dw2, None, dw.to(w_M.dtype), None, None, None
 
 
 def weighted_combine(y_SL: torch.Tensor, w_S: torch.Tensor, tok_S: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -232,13 +232,38 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_siz
     return out.reshape(codes.shape).to(dtype)
 
 
-def mx_round_trip(x: torch.Tensor, fmt: str, block_size: int = 32, scale_mode: str = "floor") -> torch.Tensor:
-    """dequantize_mx(quantize_mx(x)) in x's dtype, without building the codes (bit-identical to it)."""
-    f = elem_format(fmt)
+# elements quantised at once by mx_round_trip: its fp32 / int32 temporaries (ROUND_TRIP_BYTES_PER_ELEMENT each) are
+# one chunk's, not the tensor's (a K3 rank's 14 experts' w1 is 155M elements: 6 GB of temporaries in one piece)
+ROUND_TRIP_CHUNK = 1 << 24
+ROUND_TRIP_BYTES_PER_ELEMENT = 45  # the temporaries' peak per element of a chunk, its output's included: 44.3 in bf16,
+# 40.3 in fp32 (tests/test_mx.py measures it)
+
+
+def _round_trip_rows(x: torch.Tensor, f: ElemFormat, block_size: int, scale_mode: str) -> torch.Tensor:
     neg, r, s, nan = _quantize_blocks(x, f, block_size, scale_mode)
     q = _mul_pow2(torch.where(neg, -r, r), s.unsqueeze(-1))
     q = torch.where(nan.unsqueeze(-1), float("nan"), q)
     return q.reshape(x.shape).to(x.dtype)
+
+
+def mx_round_trip(x: torch.Tensor, fmt: str, block_size: int = 32, scale_mode: str = "floor",
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize_mx(quantize_mx(x)) in x's dtype, without building the codes (bit-identical to it). Computed over
+    whole rows of the last dimension, at most ROUND_TRIP_CHUNK elements at a time (the blocks run along it, so a
+    chunk's values are the whole tensor's). `out`: a contiguous tensor of x's shape and dtype to write to; x itself
+    (contiguous) quantises in place."""
+    f = elem_format(fmt)
+    _check(x, block_size, scale_mode)
+    n = x.shape[-1]
+    step = max(1, ROUND_TRIP_CHUNK // n)
+    rows = x.reshape(-1, n)
+    if rows.shape[0] <= step and out is None:
+        return _round_trip_rows(x, f, block_size, scale_mode)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    dst = out.view(-1, n)
+    for i in range(0, rows.shape[0], step):
+        dst[i:i + step] = _round_trip_rows(rows[i:i + step], f, block_size, scale_mode)
+    return out
 
 
 class _FakeQuantSTE(torch.autograd.Function):

@@ -36,6 +36,7 @@ from ..parallel.recompute import Policy
 from ..parallel.recompute import apply as apply_recompute
 from ..peft import FrozenExperts, apply_lora
 from ..peft.experts import MATRICES
+from ..precision import forward_context, prepare_model_for_precision
 from .measure import LiveTensorMemory
 from .memory import GB, training_memory
 from .params import count_parameters
@@ -295,6 +296,7 @@ def materialize_rank(run, world: int, rank: int, dtype: torch.dtype = torch.bflo
         m = Materialized(built.coords, built.layers, built.experts, built.params, str(dtype).replace("torch.", ""),
                          round(init_s, 2), tracker.peak, tracker.current, tracker.largest, largest_param)
         if step:
+            prepare_model_for_precision(model, run.precision, "cpu")  # precision=mx_qat: the experts' QAT hooks
             lay = layout(run, world, recompute)  # the trainer's policy, tiling and offload, as the Trainer applies them
             apply_recompute(model, Policy(recompute, lay.recompute_modules, lay.recompute_num_layers,
                                           int(lay.offload_bytes)))
@@ -330,7 +332,8 @@ def _step(run, model, ps, tracker, dtype) -> dict:
         tracker.phase = "forward"
         x = None if first else _stage_input(run, model, start, (B, T // cp), dtype)
         state_in = None if x is None else unpack(x, run.model.attn_res)
-        out = model(ids if first or cp > 1 else None, labels=ids if last else None, state_in=state_in)
+        with forward_context(run.precision, "cpu"):  # the Trainer's forward: autocast, as the precision has it
+            out = model(ids if first or cp > 1 else None, labels=ids if last else None, state_in=state_in)
         tracker.phase = "backward"
         if last:
             out.loss.backward()

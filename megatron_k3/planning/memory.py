@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ..config.schema import kda_tile, recomputed_kinds
 from ..layout import replica_slots
+from ..ops.mx import ROUND_TRIP_BYTES_PER_ELEMENT, ROUND_TRIP_CHUNK
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
 from .candidates import Layout, stage_layers
@@ -598,13 +599,17 @@ def expert_workspace_bytes(cfg, lay: Layout, w: Workload, mp, moe_layers, bal: B
     gradients, as large). Under train.tile_tokens also the gradients of the tiled block's weights (routed experts,
     replicas, router, shared experts, latent projections): every tile runs the same weights, so autograd sums the
     tiles' gradients in its input buffer, in the weights' dtype, through the block's backward and accumulates once.
-    Under peft=lora the frozen experts' decoded block stands for the concatenation (frozen_expert_decode_bytes)."""
+    Under peft=lora the frozen experts' decoded block stands for the concatenation (frozen_expert_decode_bytes).
+    Under precision=mx_qat the concatenation (and the down GEMM's copy of w2, smaller) is fake-quantised in place,
+    ROUND_TRIP_CHUNK elements at a time, beside it: one chunk's temporaries (ops.mx)."""
     if not moe_layers or w.peft:
         return 0.0
     own = max(mp.layers[i].experts.total for i in moe_layers)  # w1, w3, w2 of the own experts
     slots = bal.S * bal.P if bal is not None else 0
     cast = w.act_bytes if w.act_bytes != w.weight_bytes else 0
     ws = 2 / 3 * (own + slots) * (w.weight_bytes + cast)
+    if w.precision == "mx_qat":
+        ws += min(ROUND_TRIP_CHUNK, 2 / 3 * (own + slots)) * ROUND_TRIP_BYTES_PER_ELEMENT
     if tile_shares(lay, w)[0] < 1:
         ws += (max(mp.layers[i].experts.total + mp.layers[i].moe_dense for i in moe_layers) + slots) * w.weight_bytes
     return ws

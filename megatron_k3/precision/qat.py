@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.experts import GroupedExperts
-from ..ops.mx import fake_quant_mx
+from ..ops.mx import fake_quant_mx, mx_round_trip
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,17 @@ class ExpertQAT:
 
     def weight(self, w):
         return fake_quant_mx(w, self.weight_format, self.block_size, self.weight_scale_mode) if self.weights else w
+
+    def weight_(self, w):
+        """`weight` in place, without autograd, on a tensor no one else holds (the transient copy a GEMM runs
+        against, ops.grouped_gemm): the experts' Functions quantise it in the forward and again in the backward,
+        and pass the gradient straight through, so no quantised copy is kept for the backward."""
+        return mx_round_trip(w, self.weight_format, self.block_size, self.weight_scale_mode, out=w)
+
+    @property
+    def weight_fn(self):
+        """What the experts' GEMM Functions take as `wq`: weight_, or None when the weights are left as they are."""
+        return self.weight_ if self.weights else None
 
     def act(self, x):
         return fake_quant_mx(x, self.act_format, self.block_size, self.act_scale_mode) if self.activations else x
