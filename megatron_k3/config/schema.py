@@ -344,6 +344,11 @@ class ClusterConfig:
     def world_size(self) -> int:
         return self.num_nodes * self.devices_per_node
 
+    @property
+    def host_memory_per_device_gb(self) -> float:
+        """A device's share of its node's host memory: what its offloaded layer inputs may take."""
+        return self.host_memory_gb / max(self.devices_per_node, 1)
+
     def validate(self, prefix: str = "cluster") -> "ClusterConfig":
         _require_choice(self, prefix, "device_kind", ("cpu", "gpu"))
         _require_ints(self, prefix, ("num_nodes", "devices_per_node", "supernode_size"), 1)

@@ -607,9 +607,10 @@ def expert_workspace_bytes(cfg, lay: Layout, w: Workload, mp, moe_layers, bal: B
     own = max(mp.layers[i].experts.total for i in moe_layers)  # w1, w3, w2 of the own experts
     slots = bal.S * bal.P if bal is not None else 0
     cast = w.act_bytes if w.act_bytes != w.weight_bytes else 0
-    ws = 2 / 3 * (own + slots) * (w.weight_bytes + cast)
+    w13 = 2 / 3 * (own + slots)  # elements of [w1; w3]
+    ws = w13 * (w.weight_bytes + cast)
     if w.precision == "mx_qat":
-        ws += min(ROUND_TRIP_CHUNK, 2 / 3 * (own + slots)) * ROUND_TRIP_BYTES_PER_ELEMENT
+        ws += min(ROUND_TRIP_CHUNK, w13) * ROUND_TRIP_BYTES_PER_ELEMENT
     if tile_shares(lay, w)[0] < 1:
         ws += (max(mp.layers[i].experts.total + mp.layers[i].moe_dense for i in moe_layers) + slots) * w.weight_bytes
     return ws

@@ -111,7 +111,7 @@ class TrainPlan:
     stage_trainable: list = field(default_factory=list)  # parameters with gradients on one device of each stage
     host_per_node_gb: float = 0.0  # activation offload: host memory per node the offloaded layer inputs take
     host_capacity_gb: float = 0.0  # cluster.host_memory_gb: what host_per_node_gb must stay within
-    devices_per_node: int = 1  # cluster.devices_per_node: the devices that share it
+    host_share_gb: float = 0.0  # cluster.host_memory_per_device_gb: one device's share of it
 
     @property
     def host_over(self) -> bool:
@@ -361,7 +361,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
         model=cfg.name, cluster=cluster.name, layout=lay, workload=w, total_params=counts["total"],
         active_params=counts["active"], fits=worst.total <= capacity and host_node <= cluster.host_memory_gb * GB,
         memory_per_device=worst.total, host_per_node_gb=host_node / GB, host_capacity_gb=cluster.host_memory_gb,
-        devices_per_node=max(cluster.devices_per_node, 1),
+        host_share_gb=cluster.host_memory_per_device_gb,
         memory_breakdown=worst.breakdown_gb(),
         activation_breakdown={k: v / GB for k, v in sorted(worst.activation_detail.items())},
         stage_memory_gb=[round(s.total / GB, 3) for s in mem], params_per_device=per_dev, micro_batches=m,
@@ -554,7 +554,7 @@ def long_sequence_plan(cfg, cluster, layouts, w: Workload, counts=None):
     inputs take, capped at the whole GB of cluster.host_memory_gb's share per device: the rest stays on the device),
     or both; None when none fits."""
     counts = counts or count_parameters(cfg)
-    host = cluster.host_memory_gb / max(cluster.devices_per_node, 1) * GB
+    host = cluster.host_memory_per_device_gb * GB
     seen, plans = set(), []
     for lay in layouts:
         sizes = (lay.tp, lay.pp, lay.ep, lay.cp, lay.sp)

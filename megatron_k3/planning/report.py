@@ -179,7 +179,7 @@ def render_train(p: TrainPlan) -> list:
                                                   if v > 0) + " (GB)",
            f"  stages (GB): {p.stage_memory_gb}"]
     if p.host_per_node_gb:
-        over = f" -> OVER: at most {p.host_capacity_gb / p.devices_per_node:.4g} GB per device fits"
+        over = f" -> OVER: at most {p.host_share_gb:.4g} GB per device fits"
         out.append(f"  host memory per node for offloaded layer inputs: {p.host_per_node_gb:.3g} GB (every device's "
                    f"share up to train.offload_buffer_gb) of cluster.host_memory_gb={p.host_capacity_gb:g}"
                    + (over if p.host_over else ""))
@@ -296,7 +296,7 @@ def _no_fit(cluster, res: SearchResult, pool: float) -> list:
             out.append(f"  {len(host)} of them fit the {cluster.device_memory_gb:g} GB but not the host memory: "
                        f"{host[0].layout.short()}'s offloaded layer inputs take {host[0].host_per_node_gb:.3g} GB "
                        f"per node, over cluster.host_memory_gb={cluster.host_memory_gb:g} (at most "
-                       f"{cluster.host_memory_gb / max(cluster.devices_per_node, 1):.4g} GB per device; "
+                       f"{cluster.host_memory_per_device_gb:.4g} GB per device; "
                        "train.offload_buffer_gb caps it, what does not fit stays on the device)")
         else:
             out.append(f"  even {least.layout.short()} needs {least.memory_per_device / GB:.0f} GB per device: "

@@ -146,7 +146,7 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
             f"the offloaded layer inputs take {host / GB:.1f} GB of host memory per node "
             f"({run.cluster.devices_per_node} devices), over cluster.host_memory_gb={run.cluster.host_memory_gb}: "
             "at most "
-            f"{run.cluster.host_memory_gb / run.cluster.devices_per_node:.4g} GB per device fits"))
+            f"{run.cluster.host_memory_per_device_gb:.4g} GB per device fits"))
     if worst.total > capacity:
         S = balanced_slots(run.model, lay.ep, w)
         if S is not None:
