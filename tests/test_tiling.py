@@ -254,6 +254,34 @@ def test_pinned_offload_buffers_are_whole_registered_pages(monkeypatch):
     assert sorted(p for kind, p, *_ in calls if kind == "unreg") == sorted(p for p, _ in regs)
 
 
+def test_a_pinned_buffer_dropped_for_room_waits_for_its_last_copy(monkeypatch):
+    """CUDA (the driver and the copy's event stood in for): an idle buffer dropped to make room for another size is
+    unregistered and freed only after the event of its last copy (back to the device, or into it) has passed; a
+    reused one is not waited for here (the next copy into it waits on its stream)."""
+    import gc
+
+    from megatron_k3.parallel import offload
+
+    calls = []
+    fake = type("cudart", (), {"cudaHostRegister": lambda self, p, n, f: calls.append("reg") or 0,
+                               "cudaHostUnregister": lambda self, p: calls.append("unreg") or 0})()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    event = type("Event", (), {"synchronize": lambda self: calls.append("sync")})
+    off = offload.HostOffload(8192)
+
+    def take_and_give_back(n):
+        buf = off._take(n, pinned=True)
+        buf.ready = event()
+        off._free.setdefault(n, []).append(buf)
+
+    for n in (5000, 5000, 100):  # a new buffer, the same one reused, then one of another size: no room
+        take_and_give_back(n)
+    assert calls == ["reg", "sync", "unreg", "reg"], calls
+    assert off.allocated == 4096 and not off._free[5000]
+    off._free.clear()
+    gc.collect()  # unregistered while the stand-in driver is in place
+
+
 @pytest.mark.parametrize("layers,block,num_layers", [(4, 2, 0), (8, 2, 0), (6, 1, 0), (6, 6, 0), (7, 3, 5), (5, 0, 0)],
                          ids=["4x2", "8x2", "6x1", "6x6", "7x3_first5", "5_no_attn_res"])
 def test_offload_loads_back_what_the_planner_counts(layers, block, num_layers):

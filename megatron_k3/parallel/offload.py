@@ -9,9 +9,10 @@ layer's input, goes to host memory in the forward and comes back for the layer's
 - Bounded: the host copies of one rank live in host buffers of at most `budget` bytes in all, allocated as a run
   first needs them, each of exactly a tensor's size, and reused (a released buffer takes the next tensor of its size:
   the layer inputs of one run are all alike), so the host memory is the most a step holds at once, the planner's
-  figure; what does not fit stays on the device (counted in `kept_on_device`). On CUDA the buffers are pinned by
-  registering them with the driver (cudaHostRegister), not through torch's pinned allocator, which rounds every
-  allocation up to a power of two (up to twice the budget) and caches it.
+  figure; what does not fit stays on the device (counted in `kept_on_device`). An idle buffer dropped to make room
+  for another size is first waited for (on CUDA its last copy may still be reading it). On CUDA the buffers are
+  pinned by registering them with the driver (cudaHostRegister), not through torch's pinned allocator, which rounds
+  every allocation up to a power of two (up to twice the budget) and caches it.
 - Overlapped on CUDA: the device-to-host copy runs on a side stream after the current stream's work that made the
   tensor (the device memory is released when the copy is done, `record_stream`); in the backward, reading a layer's
   inputs back also starts loading the inputs of the layer packed before it (the one whose backward comes next), on
@@ -142,13 +143,20 @@ class HostOffload:
         need = _buffer_size(nbytes, pinned)
         for bufs in self._free.values():
             while bufs and self.allocated + need > self.budget:
-                self.allocated -= bufs.pop().size
+                self._drop(bufs.pop())
         if self.allocated + need > self.budget:
             return None
         with self.host_context():
             buf = _Buffer(nbytes, pinned)
         self.allocated += buf.size
         return buf
+
+    def _drop(self, buf: _Buffer) -> None:
+        """Free an idle buffer. On CUDA its last copy back to the device may still be reading it: wait for that copy
+        first (unregistering and freeing the host memory under an in-flight copy would hand it garbage)."""
+        if buf.ready is not None:
+            buf.ready.synchronize()
+        self.allocated -= buf.size
 
     def _give_back(self, held: _Held, ready) -> None:
         if held.buffer is not None:
