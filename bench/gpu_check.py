@@ -127,14 +127,25 @@ def model_check(args, rows):
 
 
 # ---------------------------------------------------------------------------------------------- recomputation
-RECOMPUTE_VARIANTS = (("none", {}), ("selective", {}), ("full", {}), ("full", {"offload_bytes": 8 << 30}))
+# (policy, Policy kwargs, train.tile_tokens as a fraction of the tokens a micro-batch holds): offload with room for
+# every layer input, then with room for about half of them (the rest stays on the device); tiled: to fp32 rounding
+RECOMPUTE_VARIANTS = (("none", {}, 0), ("selective", {}, 0), ("full", {}, 0), ("full", {"offload_bytes": 8 << 30}, 0),
+                      ("full", {"offload_bytes": "half"}, 0), ("none", {}, 4), ("full", {"offload_bytes": 8 << 30}, 4))
 
 
-def _recompute_step(cfg, ids, name, kw, compiled, backend):
+def _layer_input_bytes(cfg, ids) -> int:
+    """What k3_tiny's full recomputation offloads per micro-batch: one [B, T, hidden] fp32 tensor per layer input
+    (the embedding, the completed AttnRes blocks and each layer's running partial sum; planning.memory counts them)."""
+    return ids.numel() * cfg.hidden_size * 4 * (cfg.num_layers + 1)
+
+
+def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0):
     """One k3_tiny forward+backward under recomputation `name` (Policy kwargs `kw`), eager or with its layers
-    compiled (split at the regions, train.compile's default): (gradients, seconds per step, peak GiB, the offload's
-    host buffers in GiB, whether they are pinned: None without offload or off CUDA)."""
+    compiled (split at the regions, train.compile's default), over `tiles` sequence tiles (train.tile_tokens; 0:
+    untiled): (gradients, seconds per step, peak GiB, the offload's host buffers in GiB, whether they are pinned:
+    None without offload or off CUDA, the bytes it kept on the device)."""
     from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.parallel import tiling
     from megatron_k3.parallel.recompute import Policy
     from megatron_k3.parallel.recompute import apply as apply_recompute
     from megatron_k3.training.compile import compile_layers
@@ -143,7 +154,11 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend):
     model = K3ForCausalLM(cfg).to(ids.device).train()
     if compiled:
         compile_layers(model, backend)
+    if kw.get("offload_bytes") == "half":
+        kw = {**kw, "offload_bytes": _layer_input_bytes(cfg, ids) // 2}
     apply_recompute(model, Policy(name, **kw))
+    if tiles:
+        tiling.apply(model, ids.numel() // tiles, cfg.moe_overflow)
     off = getattr(model, "host_offload", None)
 
     def step():
@@ -158,10 +173,18 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend):
     peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else 0.0
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if off is None:
-        return grads, t, peak, 0.0, None
+        return grads, t, peak, 0.0, None, 0
     # after the step every host buffer is free for reuse: registered with the driver (pinned) on CUDA
     pinned = all(b.data.is_pinned() for bufs in off._free.values() for b in bufs) if ids.is_cuda else None
-    return grads, t, peak, off.allocated / 2**30, pinned
+    return grads, t, peak, off.allocated / 2**30, pinned, off.kept_on_device
+
+
+def _against(grads, ref, exact: bool) -> str:
+    if not exact:  # tiles sum the weight gradients in another order: fp32 rounding (tests/test_tiling.py)
+        err = max(rel(grads[n], ref[n]) for n in ref)
+        return f"max rel err {err:.1e}" + ("" if err < 1e-4 else " FAILED: above 1e-4")
+    bad = [n for n in ref if not torch.equal(grads[n], ref[n])]
+    return "equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})"
 
 
 def recompute_check(args, rows, device=None, backend="inductor"):
@@ -179,18 +202,48 @@ def recompute_check(args, rows, device=None, backend="inductor"):
     try:
         for compiled in (False, True):
             ref = None
-            for name, kw in RECOMPUTE_VARIANTS:
-                grads, t, peak, host, pinned = _recompute_step(cfg, ids, name, kw, compiled, backend)
+            for name, kw, tiles in RECOMPUTE_VARIANTS:
+                grads, t, peak, host, pinned, kept = _recompute_step(cfg, ids, name, kw, compiled, backend, tiles)
                 ref = ref or (grads, t, peak)
-                bad = [n for n in ref[0] if not torch.equal(grads[n], ref[0][n])]
-                label = f"{name}{' + offload' if kw else ''}, {'compiled' if compiled else 'eager'}"
+                size = kw.get("offload_bytes")
+                offload = "" if size is None else " + offload " + (
+                    "for half the layer inputs" if size == "half" else f"{size / 2**30:g} GiB")
+                tiled = f", {tiles} tiles" if tiles else ""
+                label = f"{name}{offload}{tiled}, {'compiled' if compiled else 'eager'}"
                 rows.append((f"k3_tiny recompute={label}, 2 x {args.recompute_seq} fp32", f"{t * 1e3:.1f} ms",
                              "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} GiB "
-                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}); "
-                             "gradients vs none: "
-                             + ("equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})")))
+                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}, kept on "
+                             f"device {kept / 2**20:.1f} MiB); gradients vs none: "
+                             + _against(grads, ref[0], exact=not tiles)))
     finally:
         set_deterministic(False, device)
+    return rows
+
+
+def offload_check(args, rows, device=None):
+    """parallel/offload.py's host buffers with the device's copies: tensors of 200, 240, 240 and 120 MB through a
+    400 MB budget, each packed, then read back, with no wait between: a buffer of another size is dropped for room
+    while its copy back may still run on the side stream (the drop waits for it). Every value must come back exact,
+    the buffers pinned (registered) on CUDA, within the budget."""
+    from megatron_k3.parallel.offload import HostOffload
+
+    device = device or torch.device("cuda")
+    scale = getattr(args, "offload_mb", 1 << 20)  # elements per "MB" of the sizes above / 4 (fp32)
+    off = HostOffload(100 * scale * 4)
+    g = torch.Generator().manual_seed(0)
+    sent, back = [], []
+    for n in (50, 60, 60, 30):
+        t = torch.randn(n * scale, generator=g).to(device)
+        (packed,) = off.pack_layer([t])
+        sent.append(t.clone())
+        back.append(off.unpack(packed))
+        del t
+    exact = all(torch.equal(a, b) for a, b in zip(sent, back))
+    pinned = all(b.data.is_pinned() for bufs in off._free.values() for b in bufs) if device.type == "cuda" else None
+    rows.append(("offload host buffers: 200/240/240/120 MB through 400 MB", "-", "-",
+                 f"values exact: {exact}; pinned: {pinned}; buffers {off.allocated / 2**20:.0f} MiB "
+                 f"(sizes {sorted(k // 2**20 for k, v in off._free.items() if v)} MiB), on device "
+                 f"{off.kept_on_device} B" + ("" if exact and off.allocated <= off.budget else "; FAILED")))
     return rows
 
 
@@ -198,7 +251,7 @@ def recompute_check(args, rows, device=None, backend="inductor"):
 def _mx_inputs(M: int, K: int, device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g)
-    x *= torch.exp2(torch.randint(-30, 30, (M, K // 32, 1), generator=g).float()).repeat_interleave(32, -1)
+    x *= torch.exp2(torch.randint(-30, 30, (M, K // 32), generator=g).float()).repeat_interleave(32, -1)
     x[0, :32] = 0.0
     x[1, :32] = 2.0 ** -130  # a block whose scale underflows to E8M0's minimum
     return x.to(device)
@@ -257,6 +310,50 @@ def _qat_check(rows, device):
         logits2 = fresh(ids).logits
     rows.append(("mx_qat k3_tiny fwd+bwd (bf16 autocast)", f"loss {out.loss.item():.4f}", "-",
                  f"grads finite: {grads_ok}; export->import logits bit-exact: {torch.equal(logits, logits2)}"))
+
+
+def _qat_gemm_check(rows, device):
+    """The routed experts' MX QAT inside the grouped GEMMs (GateUpGLU / grouped down, the weights quantised on the
+    transient copies, forward and backward) on the device, fp32: against a plain per-expert computation on weights
+    fake-quantised up front (E2M1 along the reduction dim, E4M3 input and activation), output and every gradient;
+    and against the same run on the CPU."""
+    from megatron_k3.model.experts import GroupedExperts
+    from megatron_k3.ops.glu import glu_act
+    from megatron_k3.ops.mx import fake_quant_mx
+    from megatron_k3.precision import ExpertQAT
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([40, 0, 90, 60, 7, 33, 0, 126])
+    z, gy = torch.randn(int(counts.sum()), 256, generator=g), torch.randn(int(counts.sum()), 256, generator=g)
+
+    def ours(dev):
+        torch.manual_seed(0)
+        ex = GroupedExperts(8, 256, 512, "situ")
+        for p in ex.parameters():
+            p.data.normal_(0, 0.05)
+        ex.to(dev).qat = ExpertQAT()
+        x = z.to(dev).requires_grad_()
+        y = ex(x, torch.cumsum(counts, 0).to(dev))
+        y.backward(gy.to(dev))
+        return ex, [y.detach(), x.grad] + [getattr(ex, n).grad for n in ("w1", "w3", "w2")]
+
+    ex, got = ours(device)
+    w = {n: fake_quant_mx(getattr(ex, n).detach(), "e2m1").requires_grad_() for n in ("w1", "w3", "w2")}
+    x = z.to(device).requires_grad_()
+    xq, outs, start = fake_quant_mx(x, "e4m3"), [], 0
+    for e, c in enumerate(counts.tolist()):
+        r = xq[start:start + c]
+        h = glu_act(r @ w["w1"][e].T, r @ w["w3"][e].T, "situ")
+        outs.append(fake_quant_mx(h, "e4m3") @ w["w2"][e].T)
+        start += c
+    y = torch.cat(outs)
+    y.backward(gy.to(device))
+    ref = [y.detach(), x.grad] + [w[n].grad for n in ("w1", "w3", "w2")]
+    err = max(rel(a, b) for a, b in zip(got, ref))
+    err_cpu = max(rel(a.cpu(), b) for a, b in zip(got, ours(torch.device("cpu"))[1]))
+    rows.append(("mx_qat experts in the grouped GEMMs, fp32 (output, input and weight grads)", "-", "-",
+                 f"vs per-expert up-front QAT max rel err {err:.1e}; vs the CPU run {err_cpu:.1e}"
+                 + ("" if max(err, err_cpu) < 1e-3 else " FAILED: above 1e-3 (QAT's own error is ~1e-1)")))
 
 
 def _te_checks(rows, device):
@@ -324,7 +421,7 @@ def precision_check(args=None, rows=None) -> list:
         rows.append(("precision checks", "-", "-", "skipped: no CUDA device"))
         return rows
     device = torch.device("cuda")
-    for fn in (_emulation_checks, _qat_check, _te_checks):
+    for fn in (_emulation_checks, _qat_check, _qat_gemm_check, _te_checks):
         try:
             fn(rows, device)
         except Exception as e:  # noqa: BLE001 - report every check, keep going
@@ -348,7 +445,7 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     rows = [("check", "ours", "fla", "result")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    for fn in (kda_check, model_check, recompute_check, precision_check):
+    for fn in (kda_check, model_check, recompute_check, offload_check, precision_check):
         try:
             fn(args, rows)
         except Exception as e:  # noqa: BLE001 - report every check, keep going

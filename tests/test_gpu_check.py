@@ -1,0 +1,55 @@
+"""bench/gpu_check.py has never run on a GPU (none is lent to these machines), so its checks that take a device run
+here on the CPU: a check that raises, or reports a failure, on the CPU would do so on the GPU too and waste the one
+run a GPU session gets. (Its `_mx_inputs` broke every MX row this way: a [M, K/32, 32] scale times an [M, K]
+tensor.) What is CUDA's own (pinned buffers, side streams, fla's fused kernel, TransformerEngine) runs only there."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _failed(rows):
+    return [r for r in rows if any(w in str(r[3]) for w in ("FAILED", "DIFFER", "False"))]
+
+
+def test_the_device_checks_pass_on_the_cpu(gpu_check):
+    """MX emulation (device vs CPU, torchao), QAT on k3_tiny, QAT inside the grouped GEMMs against the per-expert
+    reference, and the offload buffers through a budget that drops one for room: all pass, every row reported."""
+    cpu, rows = torch.device("cpu"), []
+    for fn in (gpu_check._emulation_checks, gpu_check._qat_check, gpu_check._qat_gemm_check):
+        fn(rows, cpu)
+    gpu_check.offload_check(types.SimpleNamespace(offload_mb=1 << 10), rows, cpu)
+    assert len(rows) == 6 + 1 + 1 + 1, rows
+    assert not _failed(rows), _failed(rows)
+    assert all("bit-identical; torchao(cuda) bit-identical" in r[3] for r in rows[:6]), rows[:6]
+
+
+@pytest.mark.slow
+def test_the_recompute_check_passes_on_the_cpu(gpu_check):
+    """Every recomputation, offload and tiling variant, eager and compiled (aot_eager here; inductor on the GPU):
+    gradients bit for bit none's, tiled ones within the check's 1e-4."""
+    args = types.SimpleNamespace(recompute_seq=64)
+    rows = gpu_check.recompute_check(args, [], torch.device("cpu"), backend="aot_eager")
+    assert len(rows) == 2 * len(gpu_check.RECOMPUTE_VARIANTS), rows
+    assert not _failed(rows), _failed(rows)
+    assert sum("equal to the bit" in r[3] for r in rows) == 2 * 5 and sum("max rel err" in r[3] for r in rows) == 4
+    assert "kept on device 0.0 MiB" not in next(r[3] for r in rows if "half" in r[0])  # the budget ran out
+
+
+def test_without_cuda_it_says_so(gpu_check, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["gpu_check.py"])
+    assert gpu_check.main() == 2
+    assert "no CUDA device" in capsys.readouterr().err
