@@ -92,6 +92,28 @@ def test_reference_rope_is_a_rotation_of_adjacent_pairs():
     assert not torch.allclose(s[0 * w + 0, 1 * w + 2], s[0 * w + 0, 2 * w + 1])  # rows and columns differ
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_the_position_table_is_interpolated_as_f_interpolate_does(mode):
+    """model.vision.interpolate_table (one matrix per axis: deterministic on CUDA) against F.interpolate, forward and
+    the table's gradient, on random tables and grids (shrunk, grown, one side, 1 x 1): fp64 to 1e-12 (the same terms
+    in another order), fp32 to 4e-6 (sums of up to H0 terms reordered), bf16 to 1e-2 (one rounding of each)."""
+    from megatron_k3.model.vision import interpolate_table
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        H0, W0 = (int(v) for v in torch.randint(2, 40, (2,), generator=g))
+        h, w = (int(v) for v in torch.randint(1, 80, (2,), generator=g))
+        for dt, tol in ((torch.float64, 1e-12), (torch.float32, 4e-6), (torch.bfloat16, 1e-2)):
+            t = torch.randn(H0, W0, 5, generator=g, dtype=torch.float64).to(dt).requires_grad_()
+            want = F.interpolate(t.permute(2, 0, 1)[None], size=(h, w), mode=mode, align_corners=False)[0]
+            want = want.permute(1, 2, 0)
+            got = interpolate_table(t, h, w, mode)
+            go = torch.randn(h, w, 5, generator=g, dtype=torch.float64).to(dt)
+            (g_want,), (g_got,) = torch.autograd.grad(want, t, go), torch.autograd.grad(got, t, go)
+            assert got.dtype == dt and got.shape == (h, w, 5)
+            assert max_abs_rel(got, want) < tol and max_abs_rel(g_got, g_want) < tol, (H0, W0, h, w, dt)
+
+
 def test_reference_position_embedding_and_merge():
     g = torch.Generator().manual_seed(1)
     H0, W0, D = VC["init_pos_emb_height"], VC["init_pos_emb_width"], VC["vt_hidden_size"]

@@ -12,7 +12,8 @@ chunk one medium.
 The tower, per medium:
 1. patch embedding: each patch flattened and projected (a Conv2d of kernel = stride = p, no bias: one matrix);
 2. position: a learned [H0, W0, D] table, bilinearly interpolated to (h, w) unless the grid is exactly (H0, W0),
-   plus, for t > 1 only, a fixed sin-cos embedding of the frame index (`pos_emb_type: divided_fixed`);
+   plus, for t > 1 only, a fixed sin-cos embedding of the frame index (`pos_emb_type: divided_fixed`); the
+   interpolation is F.interpolate's as two one-axis matrices (`interpolate_table`: deterministic on CUDA);
 3. encoder blocks: x + wo(attention(norm0(x))), then x + fc1(gelu_tanh(fc0(norm1(x)))); attention is
    bidirectional over all t*h*w patches of one medium (never across media), with 2D rotary embedding on q and k
    (column and row angles interleaved over adjacent pairs, the same for every frame); RMSNorms whose eps is the
@@ -107,6 +108,29 @@ def check_media(pixel_values: torch.Tensor, grid_thws: torch.Tensor, vcfg) -> li
     return grids
 
 
+def interpolation_matrix(n_in: int, n_out: int, mode: str, device=None, dtype=torch.float32) -> torch.Tensor:
+    """[n_out, n_in]: F.interpolate(mode, align_corners=False) along one axis of a 2D grid, as a matrix (read off by
+    interpolating the identity: column k is what input row k contributes)."""
+    eye = torch.eye(n_in, dtype=dtype, device=device).view(1, n_in, n_in, 1)
+    m = F.interpolate(eye, size=(n_out, 1), mode=mode, align_corners=False)  # [1, k, n_out, 1]
+    return m[0, :, :, 0].t()
+
+
+def interpolate_table(table: torch.Tensor, h: int, w: int, mode: str) -> torch.Tensor:
+    """[h, w, D]: F.interpolate of the [H0, W0, D] table to (h, w) (channels D, align_corners=False), as the rows'
+    interpolation matrix and then the columns' (bilinear and bicubic are separable: the same terms, summed in
+    another order), in fp32 (fp64 for an fp64 table), rounded to the table's dtype once as F.interpolate does. Two
+    GEMMs: their backward is deterministic on CUDA, where F.interpolate's (atomic adds) stops a run under
+    train.deterministic."""
+    dt = torch.promote_types(table.dtype, torch.float32)
+    rows = interpolation_matrix(table.shape[0], h, mode, table.device, dt)
+    cols = interpolation_matrix(table.shape[1], w, mode, table.device, dt)
+    with torch.autocast(table.device.type, enabled=False):
+        out = torch.einsum("ia,abd->ibd", rows, table.to(dt))
+        out = torch.einsum("jb,ibd->ijd", cols, out)
+    return out.to(table.dtype)
+
+
 class PatchEmbed3d(nn.Module):
     def __init__(self, vcfg):
         super().__init__()
@@ -126,8 +150,7 @@ class PatchEmbed3d(nn.Module):
             if (h, wd) == tuple(w.shape[:2]):
                 pos = w.reshape(h * wd, -1)
             else:
-                pos = F.interpolate(w.permute(2, 0, 1).unsqueeze(0), size=(h, wd), mode=self.mode,
-                                    align_corners=False)[0].permute(1, 2, 0).reshape(h * wd, -1)
+                pos = interpolate_table(w, h, wd, self.mode).reshape(h * wd, -1)
             if t > 1:  # a fixed table, not a parameter: computed here (frames x D values)
                 time = sincos_time_table(t, w.shape[-1]).to(device=pos.device, dtype=pos.dtype)
                 pos = (pos.unsqueeze(0) + time[:, None]).reshape(t * h * wd, -1)

@@ -238,16 +238,21 @@ def vision_flop_terms(cfg, seq_length: int, image_share: float = DEFAULT_IMAGE_S
 def media_flops(cfg, grids) -> tuple:
     """(forward, backward) FLOPs of the vision tower and projector on actual media, `grids` = [(t, h, w), ...] in
     patches (a batch's grid_thws): what a training step with those media spends on them, by the same rules as
-    vision_flop_terms (each medium's attention over its own t h w patches; (h/2)(w/2) features whatever t is)."""
+    vision_flop_terms (each medium's attention over its own t h w patches; (h/2)(w/2) features whatever t is), plus
+    the position table's interpolation to a grid other than its own (model.vision.interpolate_table: one GEMM per
+    axis, once per medium; its backward the table's gradient only, as many FLOPs)."""
     v = cfg.vision
     if not v.enabled:
         return 0.0, 0.0
     D, Q, I, K = v.hidden_size, v.qkv_hidden_size, v.intermediate_size, cfg.hidden_size
+    H0, W0 = v.pos_emb_height, v.pos_emb_width
     mh, mw = (int(m) for m in v.merge_kernel_size)
     embed = mm = 0.0
     for t, h, w in grids:
         L, N = t * h * w, (h // mh) * (w // mw)
         embed += 2 * L * 3 * v.patch_size ** 2 * D
+        if (h, w) != (H0, W0):
+            embed += 2 * D * (h * H0 * W0 + h * w * W0)
         mm += v.num_layers * (2 * L * (3 * Q * D + Q * D + 2 * D * I) + 4 * L * L * Q)
         mm += 2 * N * (v.merge_size ** 2 * D * D + v.merge_size * D * K)
     fwd = embed + mm

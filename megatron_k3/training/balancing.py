@@ -142,7 +142,9 @@ class BiasBalancer:
         q = (M * self.k) // self.E
         lo, hi = (float(x) for x in self.range)
         width = (hi - lo) / B
-        above = counts.flip(-1).cumsum(-1).flip(-1)  # above[e, i]: margins in bins i, i+1, ...
+        # above[e, i]: margins in bins i, i+1, ... (whole counts: summed as int64, exact, and deterministic on CUDA,
+        # where a floating-point cumsum stops a run under train.deterministic)
+        above = counts.long().flip(-1).cumsum(-1).flip(-1).to(counts.dtype)
         target = q + 1
         # the bin holding the (q+1)-th largest: the highest i with above[e, i] >= q + 1
         idx = (above >= target).sum(-1) - 1
