@@ -29,13 +29,18 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def timed(fn, reps):
+def sync(device=None):
+    if device is None or device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps, device=None):
     fn()
-    torch.cuda.synchronize()
+    sync(device)
     t = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     return (time.perf_counter() - t) / reps
 
 
@@ -87,7 +92,7 @@ def kda_check(args, rows):
                      f"max rel err {max(errs):.2e}; fla/ours time {t_fla / t_ours:.3f}"))
 
 
-def model_check(args, rows):
+def model_check(args, rows, device=None, model_name="k3_small", backend="inductor"):
     """k3_small forward+backward in bf16 autocast, eager and with every decoder layer compiled (train.compile's
     compile_layers): first step (the compile), steady step, tokens/s and MFU against --peak-tflops, side by side."""
     from megatron_k3.config import load_model_config
@@ -95,19 +100,21 @@ def model_check(args, rows):
     from megatron_k3.training.compile import compile_layers
     from megatron_k3.training.metrics import train_flops_per_token
 
-    cfg = load_model_config("k3_small")
+    device = device or torch.device("cuda")
+    cuda = device.type == "cuda"
+    cfg = load_model_config(model_name)
     flops = train_flops_per_token(cfg, args.seq) * args.seq  # one sequence's forward + backward model FLOPs
-    ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = K3ForCausalLM(cfg).cuda()
+        model = K3ForCausalLM(cfg).to(device)
         if compiled:
-            compile_layers(model)
-        torch.cuda.reset_peak_memory_stats()
+            compile_layers(model, backend)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
 
         def step(model=model):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 out = model(ids, labels=ids.roll(-1, 1))
             out.loss.backward()
             model.zero_grad(set_to_none=True)
@@ -115,22 +122,26 @@ def model_check(args, rows):
 
         t0 = time.perf_counter()
         loss = step()
-        torch.cuda.synchronize()
+        sync(device)
         first = time.perf_counter() - t0
-        t = timed(step, max(1, args.reps // 2))
-        mem = torch.cuda.max_memory_allocated() / 2**30
+        t = timed(step, max(1, args.reps // 2), device)
+        mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         mfu = flops / t / (args.peak_tflops * 1e12)
-        rows.append((f"k3_small fwd+bwd bf16 autocast seq={args.seq}, {'compiled' if compiled else 'eager'}",
+        ok = "" if torch.isfinite(loss) else "; FAILED: the loss is not finite"
+        rows.append((f"{model_name} fwd+bwd bf16 autocast seq={args.seq}, {'compiled' if compiled else 'eager'}",
                      f"{t * 1e3:.1f} ms", "-", f"{args.seq / t:.0f} tok/s; MFU {mfu:.1%} of {args.peak_tflops:g} "
-                     f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB"))
+                     f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB{ok}"))
         del model, step
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- recomputation
 # (policy, Policy kwargs, train.tile_tokens as a fraction of the tokens a micro-batch holds): offload with room for
-# every layer input, then with room for about half of them (the rest stays on the device); tiled: to fp32 rounding
+# every layer input, then with room for about half of them (the rest stays on the device); tiled: to fp32 rounding.
+# Compiled: the first COMPILED_VARIANTS (each variant compiles every layer again: minutes under inductor)
 RECOMPUTE_VARIANTS = (("none", {}, 0), ("selective", {}, 0), ("full", {}, 0), ("full", {"offload_bytes": 8 << 30}, 0),
                       ("full", {"offload_bytes": "half"}, 0), ("none", {}, 4), ("full", {"offload_bytes": 8 << 30}, 4))
+COMPILED_VARIANTS = 4
 
 
 def _layer_input_bytes(cfg, ids) -> int:
@@ -139,7 +150,7 @@ def _layer_input_bytes(cfg, ids) -> int:
     return ids.numel() * cfg.hidden_size * 4 * (cfg.num_layers + 1)
 
 
-def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0):
+def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0, reps=3):
     """One k3_tiny forward+backward under recomputation `name` (Policy kwargs `kw`), eager or with its layers
     compiled (split at the regions, train.compile's default), over `tiles` sequence tiles (train.tile_tokens; 0:
     untiled): (gradients, seconds per step, peak GiB, the offload's host buffers in GiB, whether they are pinned:
@@ -169,7 +180,7 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0):
     step()
     if ids.is_cuda:
         torch.cuda.reset_peak_memory_stats()
-    t = timed(step, 3) if ids.is_cuda else 0.0
+    t = timed(step, reps, ids.device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else 0.0
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if off is None:
@@ -202,8 +213,9 @@ def recompute_check(args, rows, device=None, backend="inductor"):
     try:
         for compiled in (False, True):
             ref = None
-            for name, kw, tiles in RECOMPUTE_VARIANTS:
-                grads, t, peak, host, pinned, kept = _recompute_step(cfg, ids, name, kw, compiled, backend, tiles)
+            for name, kw, tiles in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
+                grads, t, peak, host, pinned, kept = _recompute_step(cfg, ids, name, kw, compiled, backend, tiles,
+                                                                     args.recompute_reps)
                 ref = ref or (grads, t, peak)
                 size = kw.get("offload_bytes")
                 offload = "" if size is None else " + offload " + (
@@ -437,6 +449,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100/H200: 989)")
     ap.add_argument("--recompute-seq", type=int, default=2048, help="tokens per row of the recomputation check")
+    ap.add_argument("--recompute-reps", type=int, default=3, help="timed steps per recomputation variant")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)

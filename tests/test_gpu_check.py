@@ -39,14 +39,23 @@ def test_the_device_checks_pass_on_the_cpu(gpu_check):
 
 @pytest.mark.slow
 def test_the_recompute_check_passes_on_the_cpu(gpu_check):
-    """Every recomputation, offload and tiling variant, eager and compiled (aot_eager here; inductor on the GPU):
-    gradients bit for bit none's, tiled ones within the check's 1e-4."""
-    args = types.SimpleNamespace(recompute_seq=64)
+    """Every recomputation, offload and tiling variant eager, the first four compiled too (aot_eager here; inductor
+    on the GPU): gradients bit for bit none's, tiled ones within the check's 1e-4."""
+    args = types.SimpleNamespace(recompute_seq=64, recompute_reps=1)
     rows = gpu_check.recompute_check(args, [], torch.device("cpu"), backend="aot_eager")
-    assert len(rows) == 2 * len(gpu_check.RECOMPUTE_VARIANTS), rows
+    assert len(rows) == len(gpu_check.RECOMPUTE_VARIANTS) + gpu_check.COMPILED_VARIANTS == 11, rows
     assert not _failed(rows), _failed(rows)
-    assert sum("equal to the bit" in r[3] for r in rows) == 2 * 5 and sum("max rel err" in r[3] for r in rows) == 4
+    assert sum("equal to the bit" in r[3] for r in rows) == 9 and sum("max rel err" in r[3] for r in rows) == 2
     assert "kept on device 0.0 MiB" not in next(r[3] for r in rows if "half" in r[0])  # the budget ran out
+
+
+@pytest.mark.slow
+def test_the_model_check_runs_on_the_cpu(gpu_check):
+    """The MFU rows, eager and compiled (k3_tiny and aot_eager here; k3_small and inductor on the GPU)."""
+    args = types.SimpleNamespace(seq=64, reps=2, peak_tflops=989.0)
+    rows = gpu_check.model_check(args, [], torch.device("cpu"), "k3_tiny", "aot_eager")
+    assert [r[0].split(", ")[-1] for r in rows] == ["eager", "compiled"] and not _failed(rows), rows
+    assert rows[0][3].split("; loss ")[1][:5] == rows[1][3].split("; loss ")[1][:5], rows  # the same model
 
 
 def test_without_cuda_it_says_so(gpu_check, monkeypatch, capsys):
