@@ -8,6 +8,7 @@ so importing this module stays cheap.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,17 @@ import torch
 from dist_utils import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_file(path, name: str | None = None):
+    """The module a Python file defines, loaded afresh (a tool or bench script, or a package's file that is not
+    importable by name); `name` defaults to the file's stem."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 # ---------------------------------------------------------------------------------------------- error measures
 

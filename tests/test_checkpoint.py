@@ -20,7 +20,17 @@ import pickle
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import STATIC, N, full_params, gather_states, make_trainer, resume_with, same, straight_and_resumed
+from helpers import (
+    STATIC,
+    N,
+    full_params,
+    gather_states,
+    load_file,
+    make_trainer,
+    resume_with,
+    same,
+    straight_and_resumed,
+)
 
 pytestmark = pytest.mark.slow  # multi-process worlds or training runs
 
@@ -111,13 +121,7 @@ def _tp2_checkpoint(rank, world, ckpt_dir):
 
 
 def _convert_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
-        os.path.dirname(__file__), "..", "tools", "convert_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_file(os.path.join(os.path.dirname(__file__), "..", "tools", "convert_checkpoint.py"))
 
 
 def _write_format2(src, dst):

@@ -16,7 +16,6 @@ Parameters after 5 steps: PARAM_RTOL of tests/helpers.py (AdamW amplifies roundi
 docstring says how).
 """
 
-import importlib.util
 import io
 import json
 from contextlib import redirect_stdout
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import PARAM_RTOL, RTOL, STATIC, norm_rel, train_layout
+from helpers import PARAM_RTOL, RTOL, STATIC, load_file, norm_rel, train_layout
 from trajectory import compare
 
 GRAD_RTOL = 1e-4
@@ -260,9 +259,7 @@ def _peak_memory(rank, world, overrides, run_dir):
 
 
 def _plan(overrides) -> dict:
-    spec = importlib.util.spec_from_file_location("plan", ROOT / "tools" / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_file(ROOT / "tools" / "plan.py")
     buf = io.StringIO()
     with redirect_stdout(buf):
         assert mod.main(["model=k3_tiny", "cluster=cpu", *overrides, "--json"]) == 0

@@ -3,22 +3,19 @@ here on the CPU: a check that raises, or reports a failure, on the CPU would do 
 run a GPU session gets. (Its `_mx_inputs` broke every MX row this way: a [M, K/32, 32] scale times an [M, K]
 tensor.) What is CUDA's own (pinned buffers, side streams, fla's fused kernel, TransformerEngine) runs only there."""
 
-import importlib.util
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "bench" / "gpu_check.py")
 
 
 def _failed(rows):

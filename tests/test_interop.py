@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import k3_reference as ref
 import pytest
 import torch
-from helpers import max_abs_rel, run_hf_reference
+from helpers import load_file, max_abs_rel, run_hf_reference
 
 from megatron_k3.config import ConfigError, load_model_config
 from megatron_k3.interop import load_hf, save_hf
@@ -255,16 +255,13 @@ def test_convert_checkpoint_hf_cli(tmp_path, capsys):
     """tools/convert_checkpoint.py: our unsharded weights -> a K3 directory (sharded, with an index) -> a step-0
     training checkpoint holding the K3-exported values and the model config; a weights file without a model name is
     refused with one line."""
-    import importlib.util as iu
 
     from safetensors.torch import save_file
 
     from megatron_k3.training import checkpoint as ckpt
 
     tool = Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"
-    spec = iu.spec_from_file_location("convert_checkpoint", tool)
-    cli = iu.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_file(tool)
     cfg = load_model_config("k3_tiny", ["num_layers=4"])
     torch.manual_seed(0)
     save_file({k: v.contiguous() for k, v in K3ForCausalLM(cfg).state_dict().items()}, str(tmp_path / "ours.st"))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_abs_rel
+from helpers import load_file, max_abs_rel
 
 from megatron_k3.ops import kda as kda_ops
 from megatron_k3.ops.kda import chunk_kda, recurrent_kda, seq_idx_from_cu_seqlens
@@ -26,10 +26,7 @@ def _load_fla_naive():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("flash-linear-attention is not installed")
     path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return load_file(path, "_fla_kda_naive")
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, STATIC, full_params, make_trainer, norm_rel, run_distributed
+from helpers import FAST, STATIC, full_params, load_file, make_trainer, norm_rel, run_distributed
 
 from megatron_k3.config import ConfigError, compose_run_config
 from megatron_k3.interop import load_hf, load_hf_sharded, save_hf
@@ -272,17 +272,13 @@ def test_peft_export_and_merge_match_the_adapted_model(tmp_path, capsys):
     - The merged directory's weights against the exact merge: dense tensors within bf16 rounding (2^-8 relative);
       the routed experts re-encoded to MXFP4 add MXFP4's own quantisation noise (printed, bounded at 0.2), where a
       bf16 merge of the same matrices would add 2^-8."""
-    import importlib.util as iu
 
     from megatron_k3.interop.directory import read_index
     from megatron_k3.interop.peft_layout import read_peft
     from megatron_k3.training.chat_eval import load_for_inference
     from megatron_k3.training.checkpoint import directory as ckpt
 
-    spec = iu.spec_from_file_location("convert_checkpoint", Path(__file__).parent.parent / "tools" /
-                                      "convert_checkpoint.py")
-    cc = iu.module_from_spec(spec)
-    spec.loader.exec_module(cc)
+    cc = load_file(Path(__file__).parent.parent / "tools" / "convert_checkpoint.py")
     run = _run()
     _k3_dir(tmp_path / "k3", run)
     _trainer_steps([f"checkpoint.load={tmp_path / 'k3'}", f"checkpoint.dir={tmp_path / 'c'}", "optim.lr=3e-2"], 2,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_abs_rel
+from helpers import load_file, max_abs_rel
 
 from megatron_k3.ops.attention import attention
 from megatron_k3.ops.attn_res import attn_res, attn_res_block_stats, attn_res_merge
@@ -20,10 +20,7 @@ def _load_fla_naive_attnres():
     if spec is None:
         pytest.skip("flash-linear-attention is not installed")
     path = Path(spec.submodule_search_locations[0]) / "ops" / "attnres" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("_fla_attnres_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod.naive_attnres
+    return load_file(path, "_fla_attnres_naive").naive_attnres
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])

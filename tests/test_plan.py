@@ -3,12 +3,12 @@ full model's layouts on eight supernodes and why one supernode cannot train it b
 and the memory / communication model's arithmetic. The CPU checks against a real run live in
 tests/test_plan_cpu_check.py."""
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import load_file
 
 from megatron_k3.config import compose_config, load_model_config
 from megatron_k3.model.params import count_parameters
@@ -22,10 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "tools" / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

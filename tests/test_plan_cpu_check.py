@@ -1,12 +1,12 @@
 """The planner against the real model on CPU: its FLOP count against torch's FlopCounterMode, and its memory
 estimate against the measured peak of real k3_tiny training steps (the Trainer of megatron_k3.train)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_file
 
 from megatron_k3.config import compose_run_config, load_model_config
 from megatron_k3.model import K3ForCausalLM
@@ -49,10 +49,7 @@ def test_live_tensor_memory_follows_allocations():
 
 
 def _plan_tool():
-    spec = importlib.util.spec_from_file_location("plan", ROOT / "tools" / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "tools" / "plan.py")
 
 
 @pytest.mark.parametrize("overrides", [

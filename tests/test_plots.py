@@ -1,12 +1,12 @@
 """tools/plot_training.py: PNG plots from the metrics.jsonl of a short real run (loss curves, expert-load
 heatmaps, AttnRes depth weights, router statistics), and the heatmaps at K3's full size."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_file
 
 from megatron_k3.config import load_model_config
 from megatron_k3.planning.activations import attn_res_sources
@@ -19,10 +19,7 @@ def run_dir(short_run_dir):
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "tools" / "plot_training.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "tools" / "plot_training.py")
 
 
 def _png_ok(path: Path):
