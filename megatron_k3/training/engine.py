@@ -131,12 +131,14 @@ def base_optimizer(engine):
 def grad_norm_without_zero(model, ps) -> float:
     """The global gradient norm DeepSpeed's ZeRO-0 path clips with but does not report: tensor-sharded parameters
     count on every TP rank (summed over the TP group of `ps`, the rank's ParallelState), replicated ones once. Call
-    after the boundary backward."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    after the boundary backward. The sums stay on the parameters' device (NCCL all-reduces device tensors only; a
+    host copy per parameter would wait for the device each time)."""
+    device = next((p.device for p in model.parameters()), None)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None:
-            sq = p.grad.double().pow(2).sum().cpu()
+            sq = p.grad.double().pow(2).sum()
             if meta(p).tp_dim is not None:
                 sharded += sq
             else:

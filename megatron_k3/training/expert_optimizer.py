@@ -40,14 +40,16 @@ class ExpertOptimizer:
     @torch.no_grad()
     def reduce_gradients(self):
         """After the last micro-batch's backward: gradients of the global batch into the fp32 masters, and
-        their squared norm over every expert (summed over the EP group: each rank holds different experts)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        their squared norm over every expert (summed over the EP group: each rank holds different experts). The norm
+        stays on the experts' device: NCCL all-reduces device tensors only (and a host copy per expert would wait
+        for the device each time)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.masters[0].device if self.masters else None)
         for p, m in zip(self.params, self.masters):
             g = torch.zeros_like(m) if p.grad is None else p.grad.float()
             if dist.get_world_size(self.edp_group) > 1:
                 dist.all_reduce(g, group=self.edp_group)
             m.grad = g.div_(self.dp)
-            sq += m.grad.double().pow(2).sum().cpu()
+            sq += m.grad.double().pow(2).sum()
             p.grad = None
         if dist.get_world_size(self.ep_group) > 1:
             dist.all_reduce(sq, group=self.ep_group)

@@ -402,10 +402,11 @@ class Trainer:
         if not self.stragglers.due(self.pos.step):
             return
 
-        def gather(mine):
+        def gather(mine):  # on the device: NCCL gathers device tensors only
+            mine = mine.to(self.device)
             rows = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(rows, mine)
-            return torch.stack(rows)
+            return torch.stack(rows).cpu()
 
         rec["stragglers"] = slow = self.stragglers.report(gather)
         if self.rank == 0:
