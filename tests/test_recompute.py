@@ -78,6 +78,48 @@ def test_recompute_changes_no_gradient_in_one_process(extra):
         assert torch.equal(got_rng, rng), policy
 
 
+@pytest.mark.parametrize("policy,tile", [(Policy("full"), 0), (Policy("selective"), 0), (Policy("none"), 16),
+                                         (Policy("full", offload_bytes=10**9), 16)],
+                         ids=["full", "selective", "tiled", "offloaded_tiled"])
+def test_the_recomputation_runs_under_the_forwards_te_autocast(monkeypatch, policy, tile):
+    """precision=te_*: te.Linear runs in FP8 inside TE's autocast, which forward_context enters for the forward
+    only; the backward's recomputation must enter it again (else it recomputes in bf16: other numbers). TE stood in
+    for by a context that counts its entries (no TE here): every Linear call, the forward's and every recomputed
+    one, runs inside it, and the registry it leaves behind is empty."""
+    import contextlib
+
+    import megatron_k3.precision as precision
+    from megatron_k3.config import PrecisionConfig
+    from megatron_k3.model.layers import recomputing
+    from megatron_k3.parallel.recompute import FORWARD_CONTEXTS
+
+    inside = [0]
+
+    @contextlib.contextmanager
+    def te_stand_in(name):
+        inside[0] += 1
+        try:
+            yield
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(precision, "te_autocast", te_stand_in)
+    model, cfg, _ = wrapped_model(TINY_MODEL + ["model.moe_overflow=dropless"], policy, tile)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda *_: calls.append((recomputing(), inside[0] > 0)))
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with precision.forward_context(PrecisionConfig(name="te_fp8", dtype="bf16"), "cpu"):
+        loss = model(ids, labels=ids).loss
+    assert not FORWARD_CONTEXTS
+    forward = len(calls)
+    loss.backward()
+    # some Linear recomputed (selective's regions hold none: nothing of TE's is rebuilt there)
+    assert forward > 0 and (len(calls) > forward) == (policy.name != "selective"), (forward, len(calls))
+    assert all(te for _, te in calls), [i for i, (_, te) in enumerate(calls) if not te][:5]
+
+
 def test_policies_wrap_the_regions_the_planner_names():
     _, _, wrapped, *_ = _model_step(Policy("selective"), [])
     # 4 layers: 2 norms each, 3 MoE latent norms and the final norm; 9 depth mixes (2 per layer, and the output's);

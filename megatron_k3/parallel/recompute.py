@@ -37,6 +37,7 @@ kernels: rounding).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,32 @@ from ..model.norm import RMSNorm
 from ..model.vision import VisionBlock
 from .offload import HostOffload
 
-__all__ = ["POLICIES", "MODULES", "Policy", "apply", "regions"]
+__all__ = ["POLICIES", "MODULES", "Policy", "apply", "regions", "checkpointed_call", "FORWARD_CONTEXTS"]
+
+# What a precision enters around the forward besides torch.autocast (which torch's checkpoint restores for the
+# recomputation itself): TransformerEngine's FP8 autocast, pushed by precision.forward_context while its forward
+# runs (factories of context managers). The backward, where the recomputation runs, is outside them, so a checkpoint
+# taken inside one enters it again for the recomputation, as TE's own checkpoint does: te.Linear then recomputes in
+# FP8 with the forward's recipe, not in bf16 (other numbers than the forward's, and than train.recompute=none).
+FORWARD_CONTEXTS: list = []
+
+
+@contextlib.contextmanager
+def _entered(makers):
+    with contextlib.ExitStack() as stack:
+        for make in makers:
+            stack.enter_context(make())
+        yield
+
+
+def checkpointed_call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) under torch's non-reentrant checkpoint, the RNG state kept, the recomputation in the
+    FORWARD_CONTEXTS this forward runs in."""
+    extra = {}
+    if FORWARD_CONTEXTS:
+        makers = list(FORWARD_CONTEXTS)
+        extra["context_fn"] = lambda: (contextlib.nullcontext(), _entered(makers))
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 # the RMSNorms of `layernorm`, by their attribute names (DepthMix's key norm is a weight its mix reads, not called)
 _NORMS = ("input_layernorm", "post_attention_layernorm", "latent_norm", "norm", "norm0", "norm1", "final_layernorm",
@@ -90,7 +116,7 @@ def _checkpointed(fn):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation, generation: nothing is kept, nothing to recompute
             return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpointed_call(fn, *args, **kwargs)
     if getattr(fn, "compiled", None) is not None:
         # compiled code (training.compile): a region compiled as its own graph (train.compile_split=regions), whose
         # checkpoint then runs between the layer's graphs and calls the region's compiled code in the forward and
@@ -157,7 +183,7 @@ def _offloaded(fn, off):
                 off.unpack(p).detach().requires_grad_(g) for p, g in zip(box["packed"], grads)]
             s = ResidualState(blocks=list(ts[:-1]), partial=ts[-1]) if attn_res else ResidualState(hidden=ts[0])
             return fn(s, cu_seqlens, cache_state, seq_idx)
-        out = checkpoint(inner, use_reentrant=False, preserve_rng_state=True)
+        out = checkpointed_call(inner)
         box["packed"], box["live"] = off.pack_layer(box["live"]), None
         return out
     run.recomputes = fn

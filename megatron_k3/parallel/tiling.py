@@ -29,7 +29,6 @@ other assignments than the untiled layer).
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..config.schema import kda_tile
 from ..errors import ConfigError
@@ -39,6 +38,7 @@ from ..model.layers import recomputing
 from ..model.moe import StableLatentMoE
 from ..ops.kda import runs_fused
 from ..ops.numerics import compute_dtype
+from .recompute import checkpointed_call
 
 __all__ = ["apply", "tiled_kda"]
 
@@ -72,7 +72,7 @@ def _tiled_moe(moe, tile: int):
         bal = getattr(moe.dispatcher, "balanced", None)
         try:
             for i in range(n // tile):
-                outs.append(checkpoint(forward, rows[:, i * tile:(i + 1) * tile], use_reentrant=False))
+                outs.append(checkpointed_call(forward, rows[:, i * tile:(i + 1) * tile]))
                 loads = loads + moe.tokens_per_expert_E
                 dropped = dropped + moe.dropped_assignments
                 if moe.pending_observation is not None:  # compiled: the region hands the scores out
@@ -124,7 +124,7 @@ def _tiled_head(model, tile: int):
             mean = inner(head.local_logits(x_t), y_t)
             return torch.where(count > 0, mean * count, torch.zeros_like(mean))
 
-        total = sum(checkpoint(tile_sum, x[i * tile:(i + 1) * tile], y[i * tile:(i + 1) * tile], use_reentrant=False)
+        total = sum(checkpointed_call(tile_sum, x[i * tile:(i + 1) * tile], y[i * tile:(i + 1) * tile])
                     for i in range(n // tile))
         count = (y != ignore).sum()
         if seq is None:
@@ -144,8 +144,8 @@ def _kda_plain(fn, tile, q, k, v, g, beta, initial_state, output_final_state, se
         docs = {} if seq_idx is None else {"seq_idx": seq_idx[:, s:e], "state_doc": None if S is None else
                                            (state_doc if s == 0 else seq_idx[:, s - 1])}
         last = e == T
-        o, S = checkpoint(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=S,
-                          output_final_state=output_final_state or not last, **docs, **kw, use_reentrant=False)
+        o, S = checkpointed_call(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=S,
+                                 output_final_state=output_final_state or not last, **docs, **kw)
         outs.append(o)
     return torch.cat(outs, dim=1), S
 
@@ -167,8 +167,8 @@ def _kda_documents(fn, tile, q, k, v, g, beta, initial_state, output_final_state
         pieces = [(d, max(a, s), min(b, e)) for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if max(a, s) < min(b, e)]
         init = torch.stack([state[d] if a > cu[d] else start_of(d) for d, a, _ in pieces])
         local = torch.tensor([0] + [b - s for _, _, b in pieces], dtype=cu_seqlens.dtype)
-        o, finals = checkpoint(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=init,
-                               output_final_state=True, cu_seqlens=local, **kw, use_reentrant=False)
+        o, finals = checkpointed_call(fn, q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                      initial_state=init, output_final_state=True, cu_seqlens=local, **kw)
         outs.append(o)
         state.update({d: finals[j] for j, (d, _, _) in enumerate(pieces)})
     final = None

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from ..errors import ConfigError
+from ..parallel.recompute import FORWARD_CONTEXTS
 from .qat import ExpertQAT, enable_expert_qat, expert_qat_from_config
 from .te import check_available, swap_linears, te_autocast
 
@@ -60,7 +61,8 @@ def prepare_model_for_precision(model, precision_cfg, device=None):
 
 class forward_context:
     """Reusable context manager for the forward pass: torch.autocast at autocast_dtype, plus TE's FP8 autocast
-    for te_*. (Backward runs outside it, as both torch and TE expect.)"""
+    for te_*. (Backward runs outside it, as both torch and TE expect; a recomputation in the backward re-enters TE's,
+    through parallel.recompute.FORWARD_CONTEXTS, and torch's checkpoint restores torch's autocast itself.)"""
 
     def __init__(self, precision_cfg, device):
         self.name, self.dtype = precision_cfg.name, autocast_dtype(precision_cfg)
@@ -73,6 +75,10 @@ class forward_context:
             stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
         if self.name in TE_PRECISIONS:
             stack.enter_context(te_autocast(self.name))
+            name = self.name
+            make = lambda: te_autocast(name)  # noqa: E731 - one factory per entry, popped at its exit
+            FORWARD_CONTEXTS.append(make)
+            stack.callback(FORWARD_CONTEXTS.remove, make)
         self._stack = stack
         return self
 
