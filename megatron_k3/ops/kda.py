@@ -214,12 +214,13 @@ def chunk_kda(
                 raise RuntimeError("backend='fla' takes no initial or final state with `seq_idx`; pass cu_seqlens")
             fla_fn = None
         if fla_fn is not None:
-            bounded = {"safe_gate": True, "lower_bound": lower_bound} if lower_bound is not None else {}
+            fla_kw = {"safe_gate": True, "lower_bound": lower_bound} if lower_bound is not None else {}
+            fla_kw["chunk_size"] = chunk_size  # fla takes it as a keyword (64 when not given)
             if seq_idx is not None:
-                return _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded)
+                return _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, fla_kw)
             o, final = fla_fn(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, **bounded,
+                cu_seqlens=cu_seqlens, **fla_kw,
             )
             return o.to(v.dtype), (final.float() if final is not None else None)
         if backend == "fla":
@@ -230,7 +231,7 @@ def chunk_kda(
                             seq_idx, state_doc)
 
 
-def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded):
+def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, fla_kw):
     """fla's kernel on seq_idx's documents: the B rows laid end to end as one packed row with the equivalent
     cu_seqlens (fla's varlen path reads the offsets on the host in any case). Returns (o [B, T, HV, V], None)."""
     B, T = seq_idx.shape
@@ -239,7 +240,7 @@ def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, bounded):
         return x.reshape(1, B * T, *x.shape[2:])
 
     o, _ = fla_fn(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale, initial_state=None,
-                  output_final_state=False, cu_seqlens=_seq_idx_to_cu_seqlens(seq_idx), **bounded)
+                  output_final_state=False, cu_seqlens=_seq_idx_to_cu_seqlens(seq_idx), **fla_kw)
     return o.reshape(B, T, *o.shape[2:]).to(v.dtype), None
 
 
