@@ -214,21 +214,28 @@ def chunk_kda(
                 raise RuntimeError("backend='fla' takes no initial or final state with `seq_idx`; pass cu_seqlens")
             fla_fn = None
         if fla_fn is not None:
-            fla_kw = {"safe_gate": True, "lower_bound": lower_bound} if lower_bound is not None else {}
-            fla_kw["chunk_size"] = chunk_size  # fla takes it as a keyword (64 when not given)
-            if seq_idx is not None:
-                return _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, fla_kw)
-            o, final = fla_fn(
-                q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, **fla_kw,
-            )
-            return o.to(v.dtype), (final.float() if final is not None else None)
+            return _fla_chunk(fla_fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                              seq_idx, chunk_size, lower_bound)
         if backend == "fla":
             raise RuntimeError(
                 "backend='fla' needs CUDA tensors, chunk_size 32 or 64 and an importable flash-linear-attention"
             )
     return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list,
                             seq_idx, state_doc)
+
+
+def _fla_chunk(fla_fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, seq_idx, chunk_size,
+               lower_bound):
+    """fla's fused chunk_kda, with the chunk length (fla takes it as a keyword: 64 when not given) and, given K3's
+    gate bound, its bounded-gate path."""
+    fla_kw = {"chunk_size": chunk_size}
+    if lower_bound is not None:
+        fla_kw.update(safe_gate=True, lower_bound=lower_bound)
+    if seq_idx is not None:
+        return _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, fla_kw)
+    o, final = fla_fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, **fla_kw)
+    return o.to(v.dtype), (final.float() if final is not None else None)
 
 
 def _fla_seq_idx(fla_fn, q, k, v, g, beta, scale, seq_idx, fla_kw):
