@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from dist_utils import run_distributed
 from helpers import STATIC, make_trainer
 from torch.overrides import TorchFunctionMode
@@ -23,6 +24,7 @@ FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, tor
              torch.randn, torch.rand, torch.randint, torch.linspace, torch.eye}
 SAME_PLACE = {torch.Tensor.to, torch.Tensor.double, torch.Tensor.float, torch.Tensor.clone, torch.Tensor.contiguous,
               torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten}
+P2P = ("isend", "irecv")  # also what the pipeline's batched exchanges (dist.batch_isend_irecv) call
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
                "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend",
                "irecv")
@@ -89,6 +91,8 @@ def _steps_with_guarded_collectives(rank, world, overrides, run_dir):
     found, saved = set(), {name: getattr(dist, name) for name in COLLECTIVES}
     for name, fn in saved.items():
         setattr(dist, name, _guarded(name, fn, found))
+        if name in P2P:  # dist.P2POp takes only c10d's own isend / irecv: the same wrapper there
+            setattr(c10d, name, getattr(dist, name))
     common = overrides + [f"checkpoint.dir={run_dir}/ckpt"]
     try:
         with HostTensors():
@@ -106,6 +110,8 @@ def _steps_with_guarded_collectives(rank, world, overrides, run_dir):
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+            if name in P2P:
+                setattr(c10d, name, fn)
         shutdown()
 
 

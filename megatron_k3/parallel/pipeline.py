@@ -77,29 +77,51 @@ def schedule_1f1b(num_micro: int, pp: int, stage: int) -> list:
 
 
 def run_1f1b(link: "StageLink", num_micro: int, device, forward, backward, after_backward) -> None:
-    """One training step's micro-batches through this stage in the 1F1B order.
+    """One training step's micro-batches through this stage in the 1F1B order (`schedule_1f1b`).
 
     forward(micro, x) -> y: x is the activation received from the previous stage (requiring grad; None on the
     first stage), y the loss on the last stage, else the packed activation sent on. backward(micro, y, g):
     back-propagate y, g being the gradient received for it (None on the last stage). The gradient of x then goes
     back to the previous stage, before after_backward(micro) (the caller's optimizer boundary, whose collectives
-    the previous stage joins only after receiving it)."""
+    the previous stage joins only after receiving it).
+
+    In the steady state the messages with a neighbour go in pairs, each pair one batched exchange (Megatron's
+    send_forward_recv_backward and send_backward_recv_forward): this stage's output forward with the gradient of
+    its oldest micro-batch back from the next stage; its input gradient back with the next input from the previous
+    stage. Under NCCL a send and a receive between two ranks run in order on one stream and a large send waits for
+    its receive, so one at a time they would wait for each other (stage s sending F(i+1) while s+1 sends B(i))."""
     first, last = link.prev is None, link.next is None
-    held = {}
-    for kind, micro in schedule_1f1b(num_micro, link.size, link.stage):
-        if kind == "F":
-            x = None if first else link.recv_forward(device).requires_grad_()
-            y = forward(micro, x)
-            if not last:
-                link.send_forward(y)
-            held[micro] = (x, y)
-        else:
-            x, y = held.pop(micro)
-            backward(micro, y, None if last else link.recv_backward(y))
-            if not first:
-                link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x))
-            after_backward(micro)
+    warmup = min(link.size - link.stage - 1, num_micro)
+    held = []  # (micro, x, y) in order, the oldest first
+    for micro in range(warmup):  # (a stage with warm-up forwards is not the last)
+        x = None if first else link.recv_forward(device).requires_grad_()
+        y = forward(micro, x)
+        link.send_forward(y)
+        held.append((micro, x, y))
+    steady = num_micro - warmup
+    x = None if first or steady == 0 else link.recv_forward(device).requires_grad_()
+    for i in range(steady):
+        y = forward(warmup + i, x)
+        held.append((warmup + i, x, y))
+        micro, x_old, y_old = held.pop(0)
+        g = None if last else link.send_forward_recv_backward(y, y_old)
+        backward(micro, y_old, g)
+        x = None
+        if not first and i < steady - 1:
+            x = link.send_backward_recv_forward(_input_grad(x_old), device).requires_grad_()
+        elif not first:
+            link.send_backward(_input_grad(x_old))
+        after_backward(micro)
+    for micro, x_old, y_old in held:  # cool-down
+        backward(micro, y_old, link.recv_backward(y_old))
+        if not first:
+            link.send_backward(_input_grad(x_old))
+        after_backward(micro)
     link.wait()
+
+
+def _input_grad(x: torch.Tensor) -> torch.Tensor:
+    return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
 def pack(st: ResidualState) -> torch.Tensor:
@@ -115,10 +137,11 @@ def unpack(x_NBTD: torch.Tensor, attn_res: bool) -> ResidualState:
 
 
 class StageLink:
-    """Point-to-point with the neighbouring stages over the pipeline group. Sends are asynchronous (kept until
-    `wait`); receives block. With the 1F1B order on every stage this cannot deadlock: every receive waits for
-    a send its peer posts without waiting on anything, and a send never waits. The shape and dtype of the
-    activations are exchanged once (the first message on a link); a gradient has the shape of what was sent."""
+    """Point-to-point with the neighbouring stages over the pipeline group. Single sends are asynchronous (kept
+    until `wait`), single receives block, and the steady state's pairs (`send_forward_recv_backward`,
+    `send_backward_recv_forward`) go as one batched exchange (dist.batch_isend_irecv). The shape and dtype of the
+    activations are exchanged once (the first message on a link, always a single send: a stage before the last
+    has a warm-up forward); a gradient has the shape of what was sent."""
 
     def __init__(self, group):
         self.group = group
@@ -129,6 +152,8 @@ class StageLink:
         self._pending = []
         # gloo moves host tensors; NCCL device tensors
         self.wire = None if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        if self.wire is None:  # NCCL: a batched exchange may not be the group's first operation unless every rank
+            dist.barrier(group=group)  # of it takes part (dist.batch_isend_irecv): this one is, on every rank
         self._sent_meta = False
         self._meta_in = None
 
@@ -163,6 +188,30 @@ class StageLink:
         g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
         dist.recv(g, self.next, group=self.group)
         return g.to(like.device)
+
+    def _exchange(self, t: torch.Tensor, peer: int, buf: torch.Tensor) -> torch.Tensor:
+        """Send `t` to `peer` and receive `buf` from it, as one batch (neither waits for the other)."""
+        t = t.detach().to(self.wire or t.device).contiguous()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group),
+                                        dist.P2POp(dist.irecv, buf, peer, self.group)])
+        for work in works:
+            work.wait()
+        return buf
+
+    def send_forward_recv_backward(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Send this micro-batch's output on and receive the gradient of `like` (an earlier output) back."""
+        if not self._sent_meta:
+            raise RuntimeError("pipeline: the first activation on a link goes alone (its shape header first)")
+        g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
+        return self._exchange(y, self.next, g).to(like.device)
+
+    def send_backward_recv_forward(self, g: torch.Tensor, device) -> torch.Tensor:
+        """Send an input gradient back and receive the next micro-batch's input."""
+        if self._meta_in is None:
+            raise RuntimeError("pipeline: the first activation on a link comes alone (its shape header first)")
+        shape, dtype = self._meta_in
+        x = torch.empty(shape, dtype=dtype, device=self.wire or device)
+        return self._exchange(g, self.prev, x).to(device)
 
     def wait(self):
         for work, _ in self._pending:
