@@ -5,7 +5,10 @@ k3_small eager and compiled (train.compile: MFU side by side), activation recomp
 emulation on CUDA (against the CPU path and torchao), mx_qat on k3_tiny, and TransformerEngine's FP8/MXFP8 recipes
 against the emulation. Prints one table; run on a CUDA machine:
 
-    .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096]
+    .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096] [--only kda,recompute,...]
+
+Each check prints its rows (and its time) when it is done, so a run cut short by a time limit keeps what finished;
+--only reruns some of them.
 
 Equality is max|ours - fla| / max|fla| in fp32 (outputs, final state, gradients of every input);
 speed is the ratio fla_time / ours_time of forward+backward, same inputs, same process.
@@ -441,6 +444,16 @@ def precision_check(args=None, rows=None) -> list:
     return rows
 
 
+CHECKS = {"kda": kda_check, "model": model_check, "recompute": recompute_check, "offload": offload_check,
+          "precision": precision_check}
+
+
+def _print_rows(rows):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=8192)
@@ -450,22 +463,25 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100/H200: 989)")
     ap.add_argument("--recompute-seq", type=int, default=2048, help="tokens per row of the recomputation check")
     ap.add_argument("--recompute-reps", type=int, default=3, help="timed steps per recomputation variant")
+    ap.add_argument("--only", default=",".join(CHECKS), help=f"checks to run, comma-separated ({', '.join(CHECKS)})")
     args = ap.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(CHECKS))
+    if unknown:
+        ap.error(f"--only: unknown check(s) {unknown}; valid: {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
         return 2
     # recompute_check sets it too, but cuBLAS reads it when the first handle is made: before kda_check
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    rows = [("check", "ours", "fla", "result")]
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    for fn in (kda_check, model_check, recompute_check, offload_check, precision_check):
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    for name in args.only.split(","):  # each check's rows as soon as it is done: a time limit keeps the rest
+        rows, t0 = [("check", "ours", "fla", "result")], time.perf_counter()
         try:
-            fn(args, rows)
+            CHECKS[name](args, rows)
         except Exception as e:  # noqa: BLE001 - report every check, keep going
-            rows.append((fn.__name__, "-", "-", f"FAILED: {type(e).__name__}: {e}"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+            rows.append((name, "-", "-", f"FAILED: {type(e).__name__}: {e}"))
+        print(f"\n== {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        _print_rows(rows)
     return 0
 
 

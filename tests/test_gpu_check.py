@@ -59,3 +59,11 @@ def test_without_cuda_it_says_so(gpu_check, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gpu_check.py"])
     assert gpu_check.main() == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--only", "kda,recompte"])
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    assert "--only: unknown check(s) ['recompte']; valid: kda, model, recompute, offload, precision" in (
+        capsys.readouterr().err)
