@@ -5,8 +5,12 @@ by omission (a factory without a device: torch.zeros(()), torch.tensor([...]); a
 to a device (.to(device)), and every collective our package calls fails on a tagged tensor. It found three: the
 routed experts' gradient norm under expert parallelism, DeepSpeed ZeRO-0's norm under tensor parallelism (both
 summed over the group on the host), and the straggler report's all-gather. Tensors made from others (a sum, a
-stack) are not tagged: the stand-in finds what a collective receives straight from such a factory or copy."""
+stack) are not tagged: the stand-in finds what a collective receives straight from such a factory or copy.
 
+The same runs record every collective (ours and DeepSpeed's) with its group: each group's ranks must call them in
+one order, with one shape and dtype where NCCL needs them equal (gloo may check what NCCL leaves undefined)."""
+
+import inspect
 import sys
 from pathlib import Path
 
@@ -65,12 +69,27 @@ def _caller():
     return frame
 
 
-def _guarded(name, fn, found):
+# the collectives whose tensors must have one shape and dtype on every rank of the group (the others: one dtype)
+SAME_SHAPE = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce")
+
+
+def _group_ranks(fn, args, kwargs) -> tuple:
+    group = kwargs.get("group", inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group"))
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _guarded(name, fn, found, calls):
+    """`fn` that records a host tensor our package hands it (in `found`) and, for the collectives (not the
+    point-to-point operations), what each call was: its group and its tensors' shapes and dtypes (in `calls`)."""
     def call(*args, **kwargs):
         frame = _caller()
-        if frame.f_code.co_filename.startswith(PACKAGE) and any(
-                getattr(t, "_host_made", False) for t in _tensors(list(args) + list(kwargs.values()))):
+        tensors = _tensors(list(args) + list(kwargs.values()))
+        if frame.f_code.co_filename.startswith(PACKAGE) and any(getattr(t, "_host_made", False) for t in tensors):
             found.add(f"{name} at {Path(frame.f_code.co_filename).relative_to(PACKAGE)}:{frame.f_lineno}")
+        if name not in P2P + ("send", "recv"):
+            where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+            what = [(tuple(t.shape), t.dtype) if name in SAME_SHAPE else t.dtype for t in tensors]
+            calls.append((_group_ranks(fn, args, kwargs), name, str(what), where))
         return fn(*args, **kwargs)
     return call
 
@@ -88,9 +107,9 @@ def test_the_stand_in_tags_host_tensors_and_untags_device_ones():
 def _steps_with_guarded_collectives(rank, world, overrides, run_dir):
     from megatron_k3.training.engine import shutdown
 
-    found, saved = set(), {name: getattr(dist, name) for name in COLLECTIVES}
+    found, calls, saved = set(), [], {name: getattr(dist, name) for name in COLLECTIVES}
     for name, fn in saved.items():
-        setattr(dist, name, _guarded(name, fn, found))
+        setattr(dist, name, _guarded(name, fn, found, calls))
         if name in P2P:  # dist.P2POp takes only c10d's own isend / irecv: the same wrapper there
             setattr(c10d, name, getattr(dist, name))
     common = overrides + [f"checkpoint.dir={run_dir}/ckpt"]
@@ -106,7 +125,7 @@ def _steps_with_guarded_collectives(rank, world, overrides, run_dir):
             t = make_trainer(world, common + ["checkpoint.load=auto"], steps=3)
             t.maybe_resume()
             t.train_step()
-        return sorted(found), t.step
+        return sorted(found), t.step, calls
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
@@ -125,6 +144,16 @@ def _steps_with_guarded_collectives(rank, world, overrides, run_dir):
 ], ids=["ep2", "tp2_zero0", "pp2_stragglers", "cp2_muon", "ep2_balanced_histogram"])
 def test_no_collective_gets_a_host_tensor(tmp_path, world, overrides):
     """Construction, two steps, an evaluation, a checkpoint, a resumed run's construction from it and its step:
-    every collective our code calls gets device tensors."""
-    for found, step in run_distributed(_steps_with_guarded_collectives, world, overrides, str(tmp_path), timeout=300):
+    every collective our code calls gets device tensors; and every rank of a group calls the group's collectives
+    in one order, with one shape and dtype where NCCL needs them equal (a mismatch it does not detect: it hangs or
+    mixes buffers)."""
+    results = run_distributed(_steps_with_guarded_collectives, world, overrides, str(tmp_path), timeout=300)
+    for found, step, _ in results:
         assert step == 3 and found == [], (step, found)
+    groups = {g for _, _, calls in results for g, *_ in calls if len(g) > 1}
+    for g in groups:
+        seqs = [[c[1:3] for c in results[r][2] if c[0] == g] for r in g]
+        for r, seq in zip(g[1:], seqs[1:]):
+            first = next((i for i, (a, b) in enumerate(zip(seqs[0], seq)) if a != b), min(len(seq), len(seqs[0])))
+            assert seq == seqs[0], (g, r, first, seqs[0][first:first + 2], seq[first:first + 2],
+                                    [c[3] for c in results[g[0]][2] if c[0] == g][first:first + 2])
