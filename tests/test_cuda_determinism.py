@@ -1,7 +1,8 @@
 """train.deterministic on CUDA: torch.use_deterministic_algorithms(True) raises on every op whose only CUDA kernel is
 nondeterministic (torch 2.13's list, in that function's docstring), so a GPU run would stop at the first such op.
 No GPU here: a dispatch mode stands in for CUDA's check and names each such op a CPU step runs (the same aten ops
-run on either device, the backward's included). A step of the vision-language model with Quantile Balancing's
+run on either device, the backward's included, except what only CUDA runs: fla's fused KDA kernel, the offload's
+streams). A step of the vision-language model with Quantile Balancing's
 histogram estimator ran two: F.interpolate's backward (the tower's position table) and a floating-point cumsum (the
 quantile's bin counts); neither runs now (model.vision.interpolate_table, training.balancing)."""
 
@@ -19,6 +20,10 @@ def _any(args, kwargs):
 
 
 def _floating(args, kwargs):
+    """cumsum's result is floating point (torch checks the result's type: an integer input with dtype=float too)."""
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+    if dtype is not None:
+        return dtype.is_floating_point or dtype.is_complex
     return args[0].is_floating_point() or args[0].is_complex()
 
 
@@ -71,6 +76,7 @@ def test_the_stand_in_names_what_cuda_refuses_and_nothing_else():
     with CudaDeterminismAlerts() as mode:
         torch.nn.functional.interpolate(x, size=(6, 5), mode="bilinear").sum().backward()
         torch.randn(8).cumsum(0)
+        torch.arange(8).cumsum(0, dtype=torch.float32)  # an integer input summed as floats
         torch.histc(torch.randn(8))
         torch.bincount(torch.tensor([0, 2]), weights=torch.ones(2))
         torch.randn(3, 4).median(1)
@@ -80,8 +86,8 @@ def test_the_stand_in_names_what_cuda_refuses_and_nothing_else():
         torch.bincount(torch.tensor([0, 2]))
         torch.zeros(3).index_add_(0, torch.tensor([0, 0]), torch.ones(2))
         torch.randn(3, 4).median()
-    assert [f.split(".")[1] for f in flagged] == ["upsample_bilinear2d_backward", "cumsum", "histc", "bincount",
-                                                  "median"], flagged
+    assert [f.split(".")[1] for f in flagged] == ["upsample_bilinear2d_backward", "cumsum", "cumsum", "histc",
+                                                  "bincount", "median"], flagged
     assert mode.seen == [], mode.seen
 
 

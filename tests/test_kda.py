@@ -354,9 +354,10 @@ def test_seq_idx_on_the_fla_path_packs_the_rows():
 
 
 @pytest.mark.parametrize("chunk_size,lower_bound", [(32, -5.0), (64, None)])
-def test_the_fla_path_passes_the_chunk_length_and_the_gate_bound(chunk_size, lower_bound):
-    """fla's chunk_kda takes chunk_size as a keyword (64 when not given): model.kda_chunk_size reaches it, and K3's
-    gate bound turns on its bounded-gate path; the torch kernel stands in for fla's (no CUDA here)."""
+def test_the_fla_path_passes_the_chunk_length_and_the_gate_bound(monkeypatch, chunk_size, lower_bound):
+    """fla's chunk_kda takes chunk_size as a keyword (64 when not given): chunk_kda's (model.kda_chunk_size) reaches
+    it, and K3's gate bound turns on its bounded-gate path. No CUDA here: chunk_kda is told fla's kernel runs
+    (runs_fused) and the torch kernel stands in for it."""
     inputs = make_inputs(B=1, T=96, H=2, K=8, V=8, seed=5, init=False)
     x = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
     seen = []
@@ -365,9 +366,12 @@ def test_the_fla_path_passes_the_chunk_length_and_the_gate_bound(chunk_size, low
         seen.append((chunk_size, safe_gate, lower_bound))
         return chunk_kda(*a, chunk_size=chunk_size, backend="torch", **kw)
 
-    o, _ = kda_ops._fla_chunk(stand_in, *x, None, None, False, None, None, chunk_size, lower_bound)
+    want = chunk_kda(*x, chunk_size=chunk_size, backend="torch")[0]
+    monkeypatch.setattr(kda_ops, "runs_fused", lambda q, c, b="auto": True)
+    monkeypatch.setattr(kda_ops, "_fla_chunk_kda", lambda: stand_in)
+    o, _ = chunk_kda(*x, chunk_size=chunk_size, lower_bound=lower_bound)
     assert seen == [(chunk_size, lower_bound is not None, lower_bound)]
-    assert torch.equal(o, chunk_kda(*x, chunk_size=chunk_size, backend="torch")[0])
+    assert torch.equal(o, want)
 
 
 def test_seq_idx_from_cu_seqlens_skips_empty_documents():

@@ -120,6 +120,46 @@ def test_the_recomputation_runs_under_the_forwards_te_autocast(monkeypatch, poli
     assert all(te for _, te in calls), [i for i, (_, te) in enumerate(calls) if not te][:5]
 
 
+def test_a_checkpoint_in_the_forwards_contexts_runs_inside_a_compiled_graph():
+    """Dynamo takes no context_fn of checkpointed_call's kind: under train.compile (a checkpoint traced inside a
+    compiled graph: compile_split=layer's regions, token tiles in a compiled layer) with a te_* precision such a
+    checkpoint runs eagerly, a graph break, and its recomputation still enters the forward's contexts; the gradient
+    is eager's."""
+    import contextlib
+
+    from megatron_k3.parallel.recompute import FORWARD_CONTEXTS, checkpointed_call
+
+    inside, seen = [0], []
+
+    @contextlib.contextmanager
+    def te_stand_in():
+        inside[0] += 1
+        try:
+            yield
+        finally:
+            inside[0] -= 1
+
+    def body(x):
+        seen.append(inside[0] > 0)
+        return torch.sin(x) * x
+
+    def step(x):
+        return checkpointed_call(body, x).sum() * 2
+
+    x = torch.randn(8, requires_grad=True)
+    FORWARD_CONTEXTS.append(te_stand_in)
+    try:
+        with te_stand_in():
+            y = torch.compile(step, backend="aot_eager")(x)
+    finally:
+        FORWARD_CONTEXTS.remove(te_stand_in)
+    y.backward()
+    assert seen == [True, True]  # the forward, and the recomputation in the backward (outside the forward's context)
+    compiled, x.grad = x.grad, None
+    step(x).backward()
+    assert torch.equal(compiled, x.grad)
+
+
 def test_policies_wrap_the_regions_the_planner_names():
     _, _, wrapped, *_ = _model_step(Policy("selective"), [])
     # 4 layers: 2 norms each, 3 MoE latent norms and the final norm; 9 depth mixes (2 per layer, and the output's);

@@ -28,6 +28,8 @@ tensors is the identity (interop.k3_layout).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,7 +127,8 @@ def interpolate_table(table: torch.Tensor, h: int, w: int, mode: str) -> torch.T
     dt = torch.promote_types(table.dtype, torch.float32)
     rows = interpolation_matrix(table.shape[0], h, mode, table.device, dt)
     cols = interpolation_matrix(table.shape[1], w, mode, table.device, dt)
-    with torch.autocast(table.device.type, enabled=False):
+    kind = table.device.type  # (meta, where the planner builds, has no autocast)
+    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
         out = torch.einsum("ia,abd->ibd", rows, table.to(dt))
         out = torch.einsum("jb,ibd->ijd", cols, out)
     return out.to(table.dtype)

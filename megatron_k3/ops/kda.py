@@ -208,7 +208,7 @@ def chunk_kda(
     elif state_doc is not None:
         raise ValueError("`state_doc` names the document of an initial state under `seq_idx`; no `seq_idx` given")
     if backend != "torch":
-        fla_fn = _fla_chunk_kda() if (q.is_cuda and chunk_size in (32, 64)) else None
+        fla_fn = _fla_chunk_kda() if runs_fused(q, chunk_size, backend) else None
         if fla_fn is not None and seq_idx is not None and (initial_state is not None or output_final_state):
             if backend == "fla":
                 raise RuntimeError("backend='fla' takes no initial or final state with `seq_idx`; pass cu_seqlens")

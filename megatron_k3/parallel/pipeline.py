@@ -137,11 +137,12 @@ def unpack(x_NBTD: torch.Tensor, attn_res: bool) -> ResidualState:
 
 
 class StageLink:
-    """Point-to-point with the neighbouring stages over the pipeline group. Single sends are asynchronous (kept
-    until `wait`), single receives block, and the steady state's pairs (`send_forward_recv_backward`,
-    `send_backward_recv_forward`) go as one batched exchange (dist.batch_isend_irecv). The shape and dtype of the
-    activations are exchanged once (the first message on a link, always a single send: a stage before the last
-    has a warm-up forward); a gradient has the shape of what was sent."""
+    """Point-to-point with the neighbouring stages over the pipeline group, every message a dist.batch_isend_irecv
+    (`_batch`). Single sends are asynchronous (kept until `wait`), single receives are waited for (on gloo by the
+    host; on NCCL by the current stream), and the steady state's pairs (`send_forward_recv_backward`,
+    `send_backward_recv_forward`) go as one batch each. The shape and dtype of the activations are exchanged once
+    (the first message on a link, always a single send: a stage before the last has a warm-up forward); a gradient
+    has the shape of what was sent."""
 
     def __init__(self, group):
         self.group = group
@@ -157,9 +158,20 @@ class StageLink:
         self._sent_meta = False
         self._meta_in = None
 
+    def _batch(self, *ops) -> list:
+        """(dist.isend | dist.irecv, tensor, peer) as one dist.batch_isend_irecv, even a single one: under NCCL a
+        batch runs on the group's communicator and a lone isend/recv on a two-rank one of its own (another stream),
+        so every message goes as a batch and all of a link's messages run in one order on one stream."""
+        return dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group) for op, t, peer in ops])
+
+    def _recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        for work in self._batch((dist.irecv, buf, src)):
+            work.wait()
+        return buf
+
     def _isend(self, t: torch.Tensor, dst: int):
         t = t.detach().to(self.wire or t.device).contiguous()
-        self._pending.append((dist.isend(t, dst, group=self.group), t))
+        self._pending += [(work, t) for work in self._batch((dist.isend, t, dst))]
 
     def send_forward(self, x: torch.Tensor):
         if not self._sent_meta:
@@ -173,28 +185,24 @@ class StageLink:
     def recv_forward(self, device) -> torch.Tensor:
         if self._meta_in is None:
             meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.wire or device)
-            dist.recv(meta, self.prev, group=self.group)
+            self._recv(meta, self.prev)
             ndim = int(meta[1])
             self._meta_in = (tuple(int(v) for v in meta[2:2 + ndim]), _DTYPES[int(meta[0])])
         shape, dtype = self._meta_in
         x = torch.empty(shape, dtype=dtype, device=self.wire or device)
-        dist.recv(x, self.prev, group=self.group)
-        return x.to(device)
+        return self._recv(x, self.prev).to(device)
 
     def send_backward(self, g: torch.Tensor):
         self._isend(g, self.prev)
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
         g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
-        dist.recv(g, self.next, group=self.group)
-        return g.to(like.device)
+        return self._recv(g, self.next).to(like.device)
 
     def _exchange(self, t: torch.Tensor, peer: int, buf: torch.Tensor) -> torch.Tensor:
         """Send `t` to `peer` and receive `buf` from it, as one batch (neither waits for the other)."""
         t = t.detach().to(self.wire or t.device).contiguous()
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group),
-                                        dist.P2POp(dist.irecv, buf, peer, self.group)])
-        for work in works:
+        for work in self._batch((dist.isend, t, peer), (dist.irecv, buf, peer)):
             work.wait()
         return buf
 

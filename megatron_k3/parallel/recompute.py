@@ -38,6 +38,7 @@ kernels: rounding).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,14 +74,24 @@ def _entered(makers):
         yield
 
 
+def _contexts(makers):
+    return contextlib.nullcontext(), _entered(makers)
+
+
 def checkpointed_call(fn, *args, **kwargs):
     """fn(*args, **kwargs) under torch's non-reentrant checkpoint, the RNG state kept, the recomputation in the
     FORWARD_CONTEXTS this forward runs in."""
-    extra = {}
     if FORWARD_CONTEXTS:
-        makers = list(FORWARD_CONTEXTS)
-        extra["context_fn"] = lambda: (contextlib.nullcontext(), _entered(makers))
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return _checkpoint_in_contexts(fn, *args, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+# inside a compiled graph (train.compile_split=layer's regions, token tiles in a compiled layer) dynamo takes no
+# context_fn of this kind: such a checkpoint runs eagerly, a graph break
+@torch.compiler.disable
+def _checkpoint_in_contexts(fn, *args, **kwargs):
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=functools.partial(_contexts, tuple(FORWARD_CONTEXTS)), **kwargs)
 
 # the RMSNorms of `layernorm`, by their attribute names (DepthMix's key norm is a weight its mix reads, not called)
 _NORMS = ("input_layernorm", "post_attention_layernorm", "latent_norm", "norm", "norm0", "norm1", "final_layernorm",
