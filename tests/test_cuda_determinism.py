@@ -9,7 +9,7 @@ quantile's bin counts); neither runs now (model.vision.interpolate_table, traini
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, FULL_VOCAB
+from helpers import FULL_VOCAB, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -92,13 +92,10 @@ def test_the_stand_in_names_what_cuda_refuses_and_nothing_else():
 
 
 def _steps_under_the_stand_in(rank, world, overrides, run_dir):
-    from megatron_k3.config import compose_run_config
     from megatron_k3.training.engine import shutdown
-    from megatron_k3.training.loop import Trainer
 
-    run, _, _ = compose_run_config(FAST + overrides + ["train.steps=2"], world_size=world)
     try:
-        trainer = Trainer(run, f"{run_dir}/{rank}")
+        trainer = make_trainer(world, overrides, steps=2, run_dir=f"{run_dir}/{rank}")
         with CudaDeterminismAlerts() as mode:
             for _ in range(2):
                 trainer.train_step()

@@ -29,6 +29,7 @@ tensors is the identity (interop.k3_layout).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -110,12 +111,15 @@ def check_media(pixel_values: torch.Tensor, grid_thws: torch.Tensor, vcfg) -> li
     return grids
 
 
+@functools.lru_cache(maxsize=64)
 def interpolation_matrix(n_in: int, n_out: int, mode: str, device=None, dtype=torch.float32) -> torch.Tensor:
     """[n_out, n_in]: F.interpolate(mode, align_corners=False) along one axis of a 2D grid, as a matrix (read off by
-    interpolating the identity: column k is what input row k contributes)."""
-    eye = torch.eye(n_in, dtype=dtype, device=device).view(1, n_in, n_in, 1)
-    m = F.interpolate(eye, size=(n_out, 1), mode=mode, align_corners=False)  # [1, k, n_out, 1]
-    return m[0, :, :, 0].t()
+    interpolating the identity: column k is what input row k contributes). Cached: a grid's matrices are the same at
+    every step (read, never written)."""
+    with torch.inference_mode(False):  # a plain tensor even when first made under inference_mode (generation)
+        eye = torch.eye(n_in, dtype=dtype, device=device).view(1, n_in, n_in, 1)
+        m = F.interpolate(eye, size=(n_out, 1), mode=mode, align_corners=False)  # [1, k, n_out, 1]
+        return m[0, :, :, 0].t()
 
 
 def interpolate_table(table: torch.Tensor, h: int, w: int, mode: str) -> torch.Tensor:

@@ -164,13 +164,14 @@ class StageLink:
         so every message goes as a batch and all of a link's messages run in one order on one stream."""
         return dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group) for op, t, peer in ops])
 
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(self.wire or t.device).contiguous()
+
     def _recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
-        for work in self._batch((dist.irecv, buf, src)):
-            work.wait()
-        return buf
+        return self._exchange(None, src, buf)
 
     def _isend(self, t: torch.Tensor, dst: int):
-        t = t.detach().to(self.wire or t.device).contiguous()
+        t = self._on_wire(t)
         self._pending += [(work, t) for work in self._batch((dist.isend, t, dst))]
 
     def send_forward(self, x: torch.Tensor):
@@ -199,10 +200,11 @@ class StageLink:
         g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
         return self._recv(g, self.next).to(like.device)
 
-    def _exchange(self, t: torch.Tensor, peer: int, buf: torch.Tensor) -> torch.Tensor:
-        """Send `t` to `peer` and receive `buf` from it, as one batch (neither waits for the other)."""
-        t = t.detach().to(self.wire or t.device).contiguous()
-        for work in self._batch((dist.isend, t, peer), (dist.irecv, buf, peer)):
+    def _exchange(self, t: torch.Tensor | None, peer: int, buf: torch.Tensor) -> torch.Tensor:
+        """Send `t` to `peer` (none: only receive) and receive `buf` from it, as one batch (neither waits for the
+        other), and wait for it."""
+        sends = [] if t is None else [(dist.isend, self._on_wire(t), peer)]
+        for work in self._batch(*sends, (dist.irecv, buf, peer)):
             work.wait()
         return buf
 

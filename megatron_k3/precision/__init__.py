@@ -15,6 +15,7 @@ equivalent for every precision but te_*). Nothing here imports TransformerEngine
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -75,8 +76,7 @@ class forward_context:
             stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
         if self.name in TE_PRECISIONS:
             stack.enter_context(te_autocast(self.name))
-            name = self.name
-            make = lambda: te_autocast(name)  # noqa: E731 - one factory per entry, popped at its exit
+            make = functools.partial(te_autocast, self.name)  # one factory per entry, popped at its exit
             FORWARD_CONTEXTS.append(make)
             stack.callback(FORWARD_CONTEXTS.remove, make)
         self._stack = stack
