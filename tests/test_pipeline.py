@@ -117,6 +117,36 @@ def test_1f1b_messages_cannot_deadlock_on_nccl(pp):
                                                                         links[s + 1].ops[s])
 
 
+def test_a_message_that_changes_the_links_shape_is_refused_by_its_sender():
+    """The receiver allocates every activation by the link's header (the first one sent) and every gradient by
+    what it sent; NCCL would fill a buffer of the wrong size without a word. The sender refuses an activation or
+    input gradient whose shape or dtype differs, naming the rank, the stage and both shapes, before it reaches the
+    wire; one that keeps them goes out."""
+    from megatron_k3.parallel.pipeline import StageLink
+
+    link = StageLink.__new__(StageLink)  # no process group: the transport is stood in for
+    link.rank, link.stage, link.size, link.prev, link.next, link.wire = 5, 1, 3, 4, 6, torch.device("cpu")
+    link._meta_out, link._meta_in, link._pending = None, ((2, 8, 16), torch.float32), []
+    sent = []
+    link._isend = lambda t, dst: sent.append((tuple(t.shape), dst))
+    link._exchange = lambda t, peer, buf: sent.append((tuple(t.shape), peer)) or buf
+    y = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    link.send_forward(y)
+    link.send_forward_recv_backward(y, y)
+    link.send_backward(torch.zeros(2, 8, 16))
+    link.send_backward_recv_forward(torch.zeros(2, 8, 16), "cpu")
+    assert sent == [((8,), 6), ((1, 2, 8, 16), 6), ((1, 2, 8, 16), 6), ((2, 8, 16), 4), ((2, 8, 16), 4)]
+    bad = [(link.send_forward, (torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16),), "(1, 2, 4, 16)"),
+           (link.send_forward_recv_backward, (y.float(), y), "torch.float32"),
+           (link.send_backward, (torch.zeros(2, 4, 16),), "(2, 4, 16)"),
+           (link.send_backward_recv_forward, (torch.zeros(2, 8, 16, dtype=torch.bfloat16), "cpu"), "bfloat16")]
+    for fn, args, named in bad:
+        with pytest.raises(RuntimeError, match=r"rank 5 \(stage 1\)") as e:
+            fn(*args)
+        assert named in str(e.value) and "train.seq_length" in str(e.value)
+    assert len(sent) == 5  # nothing refused reached the wire
+
+
 def test_stage_split_and_config_errors():
     from megatron_k3.config import ConfigError, compose_run_config
     from megatron_k3.layout import stage_layers as stage_ranges

@@ -142,12 +142,15 @@ class StageLink:
     host; on NCCL by the current stream), and the steady state's pairs (`send_forward_recv_backward`,
     `send_backward_recv_forward`) go as one batch each. The shape and dtype of the activations are exchanged once
     (the first message on a link, always a single send: a stage before the last has a warm-up forward); a gradient
-    has the shape of what was sent."""
+    has the shape of what was sent. Every later activation and gradient must keep that shape and dtype (the receiver
+    allocates by it; NCCL would not notice a mismatch): the sender checks its own tensor, on the host, and names
+    the rank and both shapes."""
 
     def __init__(self, group):
         self.group = group
         ranks = dist.get_process_group_ranks(group)
-        self.stage, self.size = ranks.index(dist.get_rank()), len(ranks)
+        self.rank = dist.get_rank()
+        self.stage, self.size = ranks.index(self.rank), len(ranks)
         self.prev = ranks[self.stage - 1] if self.stage > 0 else None
         self.next = ranks[self.stage + 1] if self.stage < self.size - 1 else None
         self._pending = []
@@ -155,8 +158,8 @@ class StageLink:
         self.wire = None if dist.get_backend(group) == "nccl" else torch.device("cpu")
         if self.wire is None:  # NCCL: a batched exchange may not be the group's first operation unless every rank
             dist.barrier(group=group)  # of it takes part (dist.batch_isend_irecv): this one is, on every rank
-        self._sent_meta = False
-        self._meta_in = None
+        self._meta_out = None  # (shape, dtype) of the activations sent on, from the first
+        self._meta_in = None  # (shape, dtype) of the activations received, from the header
 
     def _batch(self, *ops) -> list:
         """(dist.isend | dist.irecv, tensor, peer) as one dist.batch_isend_irecv, even a single one: under NCCL a
@@ -174,14 +177,23 @@ class StageLink:
         t = self._on_wire(t)
         self._pending += [(work, t) for work in self._batch((dist.isend, t, dst))]
 
+    def _keeps(self, t: torch.Tensor, meta, what: str) -> torch.Tensor:
+        """`t` unless its shape or dtype differs from the link's header `meta` (host metadata: no device read)."""
+        if (tuple(t.shape), t.dtype) != meta:
+            raise RuntimeError(
+                f"pipeline: rank {self.rank} (stage {self.stage}) sends {what} of shape {tuple(t.shape)} "
+                f"{t.dtype}, but this link carries {meta[0]} {meta[1]} (the first activation's header): every "
+                "micro-batch must have train.micro_batch_size x train.seq_length tokens")
+        return t
+
     def send_forward(self, x: torch.Tensor):
-        if not self._sent_meta:
+        if self._meta_out is None:
             meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.wire or x.device)
             meta[0], meta[1] = _DTYPES.index(x.dtype), x.dim()
             meta[2:2 + x.dim()] = torch.tensor(x.shape)
             self._isend(meta, self.next)
-            self._sent_meta = True
-        self._isend(x, self.next)
+            self._meta_out = (tuple(x.shape), x.dtype)
+        self._isend(self._keeps(x, self._meta_out, "an activation"), self.next)
 
     def recv_forward(self, device) -> torch.Tensor:
         if self._meta_in is None:
@@ -194,7 +206,7 @@ class StageLink:
         return self._recv(x, self.prev).to(device)
 
     def send_backward(self, g: torch.Tensor):
-        self._isend(g, self.prev)
+        self._isend(self._keeps(g, self._meta_in, "an input gradient"), self.prev)
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
         g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
@@ -210,10 +222,10 @@ class StageLink:
 
     def send_forward_recv_backward(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Send this micro-batch's output on and receive the gradient of `like` (an earlier output) back."""
-        if not self._sent_meta:
+        if self._meta_out is None:
             raise RuntimeError("pipeline: the first activation on a link goes alone (its shape header first)")
         g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
-        return self._exchange(y, self.next, g).to(like.device)
+        return self._exchange(self._keeps(y, self._meta_out, "an activation"), self.next, g).to(like.device)
 
     def send_backward_recv_forward(self, g: torch.Tensor, device) -> torch.Tensor:
         """Send an input gradient back and receive the next micro-batch's input."""
@@ -221,7 +233,7 @@ class StageLink:
             raise RuntimeError("pipeline: the first activation on a link comes alone (its shape header first)")
         shape, dtype = self._meta_in
         x = torch.empty(shape, dtype=dtype, device=self.wire or device)
-        return self._exchange(g, self.prev, x).to(device)
+        return self._exchange(self._keeps(g, self._meta_in, "an input gradient"), self.prev, x).to(device)
 
     def wait(self):
         for work, _ in self._pending:
