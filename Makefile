@@ -14,7 +14,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: install install-test train sft test test-fast test-compile lint bench clean
+.PHONY: install install-test train sft test test-fast test-compile lint bench device-wheels clean
 
 # what training needs (requirements.txt = pyproject's dependencies), the package in editable mode: make train
 $(STAMP): requirements.txt pyproject.toml
@@ -95,6 +95,13 @@ bench: install-test
 	$(PY) bench/indexed.py
 	$(PY) bench/plan_check.py
 	$(PY) bench/moe.py
+
+# the wheels bench/device_run.sh installs on a lent GPU machine (requirements-device.txt; pure Python or abi3, so
+# they serve the machine's Python 3.12), built into .whl/ (git-ignored) for a device call to carry
+device-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip wheel -q --no-deps -r requirements-device.txt -w .whl
+	@ls -l .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -67,3 +67,40 @@ def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
         gpu_check.main()
     assert "--only: unknown check(s) ['recompte']; valid: kda, model, recompute, offload, precision" in (
         capsys.readouterr().err)
+
+
+# What a lent GPU machine's image lacks and bench/device_run.sh does not carry (requirements-device.txt): the
+# device's python3 holds CUDA torch and the rest of requirements.txt's runtime packages but these (the device tool's
+# KINDS.md), and no registry is reachable there.
+NOT_ON_THE_DEVICE = ("deepspeed", "hydra", "wandb", "megatron", "transformer_engine", "transformer_engine_torch",
+                     "apex")
+_BLOCKED_IMPORTS = """
+import importlib.abc, re, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Blocker())
+src = open({check!r}).read()
+for mod in sorted(set(re.findall(r"^\\s*from (megatron_k3[.\\w]*) import", src, re.M))):
+    __import__(mod)  # every module of ours that a check imports
+print("imported", mod)
+"""
+
+
+@pytest.mark.slow
+def test_the_checks_import_on_a_lent_gpu_machine():
+    """bench/device_run.sh runs gpu_check with the device image's python3 and the wheels of requirements-device.txt:
+    every module of ours that a check imports loads without what neither provides (DeepSpeed, Hydra, W&B, ...), and
+    requirements-device.txt names the versions this checkout installs (the ones the CPU tests ran with)."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    code = _BLOCKED_IMPORTS.format(blocked=set(NOT_ON_THE_DEVICE), check=str(ROOT / "bench" / "gpu_check.py"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "imported megatron_k3" in done.stdout, done.stderr[-3000:]
+    pins = [line.split("#")[0].strip() for line in (ROOT / "requirements-device.txt").read_text().splitlines()]
+    pins = dict(p.split("==") for p in pins if p)
+    assert {"omegaconf", "flash-linear-attention", "fla-core", "torchao"} <= set(pins), pins
+    assert {name: version(name) for name in pins} == pins
