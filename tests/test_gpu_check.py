@@ -104,3 +104,34 @@ def test_the_checks_import_on_a_lent_gpu_machine():
     pins = dict(p.split("==") for p in pins if p)
     assert {"omegaconf", "flash-linear-attention", "fla-core", "torchao"} <= set(pins), pins
     assert {name: version(name) for name in pins} == pins
+
+
+@pytest.mark.slow
+def test_device_run_installs_the_carried_wheels_and_runs_the_checks(tmp_path):
+    """bench/device_run.sh in a checkout without .whl/ says what to do; with wheels there (a stand-in wheel here:
+    none can be downloaded in a test), it installs them under /tmp/site's stand-in and runs gpu_check, which on this
+    machine reports that it has no CUDA device."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    (tmp_path / "bench").mkdir()
+    shutil.copy(ROOT / "bench" / "device_run.sh", tmp_path / "bench")
+    (tmp_path / "bench" / "gpu_check.py").write_text(
+        "import sys, standin\nprint('gpu_check', sys.argv[1:], standin.VALUE)\n")
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "bench/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and "make device-wheels" in run.stderr, run
+    (tmp_path / ".whl").mkdir()
+    with zipfile.ZipFile(tmp_path / ".whl" / "standin-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("standin.py", "VALUE = 42\n")
+        z.writestr("standin-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: standin\nVersion: 1.0\n")
+        z.writestr("standin-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("standin-1.0.dist-info/RECORD", "")
+    env["SITE"] = str(tmp_path / "site")
+    run = subprocess.run(["bash", "bench/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run
+    assert "gpu_check ['--only', 'offload,recompute,precision,kda,model'] 42" in run.stdout, run.stdout
+    assert "torch " in run.stdout and "gpu_check ['--only'" in (tmp_path / "gpu_check.log").read_text()
