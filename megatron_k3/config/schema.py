@@ -79,14 +79,19 @@ def _value_hash(self) -> int:
     return h
 
 
+# what a config derives from its fields and keeps until a field is set again: its hash, ModelConfig's layer kinds
+_DERIVED = ("_hash", "_kinds")
+
+
 def _setattr(self, name, value) -> None:
-    self.__dict__.pop("_hash", None)
+    for k in _DERIVED:
+        self.__dict__.pop(k, None)
     object.__setattr__(self, name, value)
 
 
 def _getstate(self) -> dict:
-    """Pickled and copied without the cached hash: string hashes differ between processes (PYTHONHASHSEED)."""
-    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    """Pickled and copied without what it derives: string hashes differ between processes (PYTHONHASHSEED)."""
+    return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
 
 
 @dataclass
@@ -238,12 +243,22 @@ class ModelConfig:
             out.add(self.num_layers - 1)
         return out
 
+    def _layer_kinds(self) -> tuple:
+        """(mixer kind per layer, FFN kind per layer), kept until a field is set again, as the hash is (the planner
+        asks for them per layer, hundreds of thousands of times in a search)."""
+        kinds = self.__dict__.get("_kinds")
+        if kinds is None:
+            mla = self.mla_layer_set()
+            kinds = self.__dict__["_kinds"] = (
+                tuple("mla" if i in mla else "kda" for i in range(self.num_layers)),
+                tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers)))
+        return kinds
+
     def layer_types(self) -> list:
-        mla = self.mla_layer_set()
-        return ["mla" if i in mla else "kda" for i in range(self.num_layers)]
+        return list(self._layer_kinds()[0])
 
     def ffn_types(self) -> list:
-        return ["dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers)]
+        return list(self._layer_kinds()[1])
 
     @property
     def shared_ffn_size(self) -> int:

@@ -33,6 +33,7 @@ split them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -243,9 +244,11 @@ def _glu(what: str, I: float, D: int, eager: bool, cat: str) -> list:
             ActTerm(f"{what}_hidden", cat, I, "a", "full", "mlp_act")]
 
 
-def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple, cp: int = 1) -> list:
+@functools.lru_cache(maxsize=1 << 14)
+def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple, cp: int = 1) -> tuple:
     """Activation terms of decoder layer `layer_idx` (depth mixes, norms, mixer, FFN) on one TP rank of a
-    context-parallel group of `cp`."""
+    context-parallel group of `cp` (memoised per config value and arguments: a search asks for each hundreds of
+    times; read-only)."""
     if kernels not in ("eager", "fused"):
         raise ValueError(f"kernels must be 'eager' or 'fused', got {kernels!r}")
     D = cfg.hidden_size
@@ -257,7 +260,7 @@ def layer_terms(cfg, layer_idx: int, tp: int, kernels: str, sources: tuple, cp: 
         t += _moe(cfg, tp, kernels)
     else:
         t += _glu("dense_ffn", cfg.dense_intermediate_size / tp, D, kernels == "eager", "dense_ffn")
-    return t
+    return tuple(t)
 
 
 def head_terms(cfg, tp: int, kernels: str, out_sources: int) -> tuple:

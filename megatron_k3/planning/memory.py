@@ -299,10 +299,16 @@ def _tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, recomputed: froz
     """Bytes of layer i's MoE block (routed branch and shared experts) beyond its input, which a tiled layer makes per
     tile inside a checkpoint instead of keeping."""
     n = w.micro_batch_size * w.seq_length / lay.cp
+    return _moe_block_bytes(cfg, i, lay.tp, lay.sp, lay.cp, w.kernels, w.act_bytes, n, source, recomputed)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _moe_block_bytes(cfg, i: int, tp: int, sp: bool, cp: int, kernels: str, act_bytes: int, n: float, source,
+                     recomputed: frozenset) -> float:
+    """_tiled_bytes on the values it reads (memoised: a search asks per layer, stage and layout)."""
     if cfg.ffn_types()[i] != "moe":
         return 0.0
-    return sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n, lay.cp)
-               for t in layer_terms(cfg, i, lay.tp, w.kernels, source, lay.cp)
+    return sum(term_bytes(t, n, tp, sp, act_bytes, n, cp) for t in layer_terms(cfg, i, tp, kernels, source, cp)
                if t.category == "moe" and t.name != "moe_input" and kept(t, recomputed))
 
 
@@ -322,20 +328,28 @@ def kda_tile_share(cfg, lay: Layout, w: Workload) -> float:
     return min(1.0, kda_tile(lay.tile_tokens, cfg.kda_chunk_size) / row)
 
 
-def _kda_tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, counted) -> tuple:
-    """(bytes of layer i's KDA chunk-kernel terms that `counted(term)` counts, bytes its tiles keep instead: their
-    inputs q, k, v ([v | 0] under CP) in the activation dtype and g in fp32, and the state each tile hands on)."""
+def _kda_tiled_bytes(cfg, lay: Layout, w: Workload, i: int, source, recomputed: frozenset,
+                     rebuilt: bool = False) -> tuple:
+    """(bytes of layer i's KDA chunk-kernel terms kept when the module kinds `recomputed` are recomputed (`rebuilt`:
+    those their regions make again instead), bytes its tiles keep instead: their inputs q, k, v ([v | 0] under CP)
+    in the activation dtype and g in fp32, and the state each tile hands on)."""
     if cfg.layer_types()[i] != "kda":
         return 0.0, 0.0
     n = w.micro_batch_size * w.seq_length / lay.cp
-    chunk = sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n, lay.cp)
-                for t in layer_terms(cfg, i, lay.tp, w.kernels, source, lay.cp)
-                if t.name in _KDA_CHUNK_TERMS and counted(t))
+    chunk = _kda_chunk_bytes(cfg, i, lay.tp, lay.sp, lay.cp, w.kernels, w.act_bytes, n, source, recomputed, rebuilt)
     if not chunk:
         return 0.0, 0.0
     HK, K, wide = cfg.kda_num_heads / lay.tp * cfg.kda_head_dim, cfg.kda_head_dim, 2 if lay.cp > 1 else 1
     states = HK * K * wide * 4 / kda_tile(lay.tile_tokens, cfg.kda_chunk_size)  # per token: one per tile and row
     return chunk, n * (HK * (2 + wide) * w.act_bytes + HK * 4 + states)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _kda_chunk_bytes(cfg, i: int, tp: int, sp: bool, cp: int, kernels: str, act_bytes: int, n: float, source,
+                     recomputed: frozenset, rebuilt: bool) -> float:
+    """The chunk-kernel part of _kda_tiled_bytes on the values it reads (memoised, as _moe_block_bytes)."""
+    return sum(term_bytes(t, n, tp, sp, act_bytes, n, cp) for t in layer_terms(cfg, i, tp, kernels, source, cp)
+               if t.name in _KDA_CHUNK_TERMS and ((t.cheap in recomputed) if rebuilt else kept(t, recomputed)))
 
 
 def _head_tiled_bytes(cfg, lay: Layout, w: Workload, out_src: int) -> float:
@@ -346,14 +360,40 @@ def _head_tiled_bytes(cfg, lay: Layout, w: Workload, out_src: int) -> float:
                if t.category == "head" and t.name != "lm_head_input")
 
 
-def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, sources, out_src,
-                      recomputed: frozenset, rebuilt: bool = False, moe_scale: float = 1.0,
-                      head_scale: float = 1.0, kda_scale: float = 1.0) -> tuple:
+@functools.lru_cache(maxsize=64)
+def _sources(cfg) -> tuple:
+    """attn_res_sources(cfg), read-only, per config value."""
+    per_layer, out = attn_res_sources(cfg)
+    return tuple(per_layer), out
+
+
+_MICRO_MEMO: dict = {}  # _micro_activation's results by the values they depend on; cleared when it grows large
+
+
+def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, recomputed: frozenset,
+                      rebuilt: bool = False, moe_scale: float = 1.0, head_scale: float = 1.0,
+                      kda_scale: float = 1.0) -> tuple:
     """(bytes kept, bytes by category, largest single layer's bytes) for one micro-batch on layers
     [start, end) when the module kinds `recomputed` are recomputed (`rebuilt`: the bytes their regions make again
     instead); `last` adds the output mix, final norm, LM head and loss. `moe_scale` / `head_scale` / `kda_scale`: the
     share of the MoE blocks' and the head's bytes beyond their inputs, and of KDA's chunk terms, that count (sequence
-    tiling: 0 kept, a tile's share live; KDA's tiles keep their inputs instead)."""
+    tiling: 0 kept, a tile's share live; KDA's tiles keep their inputs instead). Memoised on the layout's and
+    workload's fields it reads (a search asks again for every pipeline, expert and data-parallel size)."""
+    key = (cfg, lay.tp, lay.sp, lay.cp, lay.tile_tokens, w.kernels, w.act_bytes, w.micro_batch_size, w.seq_length,
+           start, end, last, recomputed, rebuilt, moe_scale, head_scale, kda_scale)
+    hit = _MICRO_MEMO.get(key)
+    if hit is None:
+        if len(_MICRO_MEMO) > 1 << 17:
+            _MICRO_MEMO.clear()
+        hit = _MICRO_MEMO[key] = _micro_activation_of(cfg, lay, w, start, end, last, recomputed, rebuilt, moe_scale,
+                                                      head_scale, kda_scale)
+    total, by_cat, largest = hit
+    return total, dict(by_cat), largest
+
+
+def _micro_activation_of(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool, recomputed: frozenset,
+                         rebuilt: bool, moe_scale: float, head_scale: float, kda_scale: float) -> tuple:
+    sources, out_src = _sources(cfg)
     n = w.micro_batch_size * w.seq_length / lay.cp
     row = n if w.kernels == "eager" else w.seq_length  # eager attention spans the packed micro-batch row
     tokens = {"seq": n / lay.tp if lay.sp else n, "full": n, "row": n * row, "gathered": n * lay.cp,
@@ -372,8 +412,7 @@ def _micro_activation(cfg, lay: Layout, w: Workload, start: int, end: int, last:
             by_cat["moe"] = by_cat.get("moe", 0.0) - cut
             layer_total -= cut
         if kda_scale != 1.0:
-            chunk, inputs = _kda_tiled_bytes(cfg, lay, w, i, sources[i], (lambda t: t.cheap in recomputed)
-                                             if rebuilt else (lambda t: kept(t, recomputed)))
+            chunk, inputs = _kda_tiled_bytes(cfg, lay, w, i, sources[i], recomputed, rebuilt)
             change = inputs - (1.0 - kda_scale) * chunk
             by_cat["kda"] = by_cat.get("kda", 0.0) + change
             layer_total += change
@@ -547,12 +586,12 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
       selective region) rebuilds, its MoE block and KDA chunk terms are a tile's; the tiled head's backward also
       holds the sum of its tiles' weight gradients (`head_weights` bytes, as expert_workspace_bytes explains)."""
-    sources, out_src = attn_res_sources(cfg)
+    sources, out_src = _sources(cfg)
     rec, full = lay.recomputed, lay.full_layers(a, b)
     fm, fh = tile_shares(lay, w)
     fk = kda_tile_share(cfg, lay, w)
     tiled = {"moe_scale": 0.0 if fm < 1 else 1.0, "kda_scale": 0.0 if fk < 1 else 1.0}  # what tiled parts keep
-    per_micro, cat, _ = _micro_activation(cfg, lay, w, full.stop, b, last, sources, out_src, rec,
+    per_micro, cat, _ = _micro_activation(cfg, lay, w, full.stop, b, last, rec,
                                           head_scale=0.0 if fh < 1 else 1.0, **tiled)
     detail = {k: v * in_flight for k, v in cat.items()}
     head_t = 0.0
@@ -566,12 +605,12 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
     if fm < 1:  # one MoE tile's working set at a time (forward, and its recomputation in the backward)
         transient = max(transient, fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b)))
     if fk < 1:  # one KDA tile's chunk terms
-        transient = max(transient, fk * max(_kda_tiled_bytes(cfg, lay, w, i, sources[i], lambda t: kept(t, rec))[0]
+        transient = max(transient, fk * max(_kda_tiled_bytes(cfg, lay, w, i, sources[i], rec)[0]
                                             for i in range(a, b)))
     host = 0.0
     if len(full):
         ckpt = _full_recompute_checkpoints(cfg, lay, w, full.start, full.stop)
-        _, _, largest = _micro_activation(cfg, lay, w, full.start, full.stop, False, sources, out_src, frozenset(),
+        _, _, largest = _micro_activation(cfg, lay, w, full.start, full.stop, False, frozenset(),
                                           moe_scale=fm, kda_scale=fk)
         per_micro += ckpt
         host = min(lay.offload_bytes, in_flight * ckpt)
@@ -581,13 +620,13 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
         # one layer recomputed at a time during the backward, beside the inputs offload has loaded back for it
         transient += largest + _offload_reload_bytes(cfg, lay, w, full.start, full.stop, host)
     if rec and b > a:
-        freed = _micro_activation(cfg, lay, w, b, b, last, sources, out_src, rec)[0]  # the head's kept terms
+        freed = _micro_activation(cfg, lay, w, b, b, last, rec)[0]  # the head's kept terms
         worst = 0.0
         for i in reversed(range(a, b)):
-            rebuilt = max(_micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, frozenset({k}), True,
+            rebuilt = max(_micro_activation(cfg, lay, w, i, i + 1, False, frozenset({k}), True,
                                             kda_scale=fk)[0] for k in rec)
             worst = max(worst, rebuilt - freed)
-            freed += _micro_activation(cfg, lay, w, i, i + 1, False, sources, out_src, rec, **tiled)[0]
+            freed += _micro_activation(cfg, lay, w, i, i + 1, False, rec, **tiled)[0]
         transient = max(transient, worst)
     return in_flight * per_micro - host, detail, transient, host
 
@@ -756,7 +795,7 @@ def inference_memory(cfg, cluster, tp: int, ep: int, pp: int, batch: int, contex
         chunk = min(prefill_chunk, context)
         w = Workload(chunk, 1, 1, "bf16", kernels="fused")
         lay = Layout(world=tp, tp=tp, sequence_parallel=True)
-        per_layer = max(_micro_activation(cfg, lay, w, i, i + 1, False, attn_res_sources(cfg)[0], 0, frozenset())[0]
+        per_layer = max(_micro_activation(cfg, lay, w, i, i + 1, False, frozenset())[0]
                         for i in layers)
         blocks = (cfg.num_attn_res_blocks + 1) * chunk * cfg.hidden_size * 2 if cfg.attn_res else 0
         logits = (chunk * cfg.vocab_size / tp * 4) if s == pp - 1 else 0

@@ -200,12 +200,13 @@ def _built(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
     return _model_params(cfg, tp, ep, peft)
 
 
+@functools.lru_cache(maxsize=1024)
 def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = ()) -> ModelParams:
     """Per-layer parameter counts on one rank of tensor-parallel size `tp` and expert-parallel size `ep`
     (ValueError if either does not divide the model). Tensor parallelism does not split the routed experts and
     expert parallelism nothing else, so the dense part comes from a (tp, 1) build and the experts from a (1, ep)
-    one (memoised: a planner search builds each size once, not each pair); tools/build_rank.py checks the sum
-    against ranks built with both. `peft`: a `peft_spec` (() = no peft)."""
+    one (memoised: a planner search builds each size once, not each pair, and combines each pair once);
+    tools/build_rank.py checks the sum against ranks built with both. `peft`: a `peft_spec` (() = no peft)."""
     if tp == 1 or ep == 1:
         return _built(cfg, tp, ep, peft)
     dense, experts = _built(cfg, tp, 1, peft), _built(cfg, 1, ep, peft)
