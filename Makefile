@@ -96,8 +96,8 @@ bench: install-test
 	$(PY) bench/plan_check.py
 	$(PY) bench/moe.py
 
-# the wheels bench/device_run.sh installs on a lent GPU machine (requirements-device.txt; pure Python or abi3, so
-# they serve the machine's Python 3.12), built into .whl/ (git-ignored) for a device call to carry
+# the wheels bench/device_run.sh installs on a lent GPU machine (requirements-device.txt says why these serve its
+# Python 3.12), built into .whl/ (git-ignored) for a device call to carry
 device-wheels: install
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip wheel -q --no-deps -r requirements-device.txt -w .whl

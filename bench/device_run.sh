@@ -15,6 +15,7 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
     exit 2
 fi
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
+rm -rf "$SITE/test"  # torchao's wheel has a top-level test/ package, which would shadow the standard library's
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LOG=${OUT:-/tmp}/gpu_check.log
 $PY - <<'PYEOF' 2>&1 | tee "$LOG"

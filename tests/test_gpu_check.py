@@ -69,18 +69,28 @@ def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
         capsys.readouterr().err)
 
 
-# What a lent GPU machine's image lacks and bench/device_run.sh does not carry (requirements-device.txt): the
-# device's python3 holds CUDA torch and the rest of requirements.txt's runtime packages but these (the device tool's
-# KINDS.md), and no registry is reachable there.
-NOT_ON_THE_DEVICE = ("deepspeed", "hydra", "wandb", "megatron", "transformer_engine", "transformer_engine_torch",
-                     "apex")
+# A lent GPU machine's image (the device tool's KINDS.md, its package list of 2026-11-17), as import names: the
+# standard library, CUDA torch and these; bench/device_run.sh adds the wheels of requirements-device.txt; no registry
+# is reachable there. An import of anything else fails there, so the test below blocks it here.
+ON_THE_DEVICE = {
+    "torch", "torchgen", "functorch", "triton", "numpy", "safetensors", "tokenizers", "tiktoken", "yaml", "PIL", "tqdm",
+    "transformers", "einops", "matplotlib", "mpl_toolkits", "psutil", "packaging", "sympy", "mpmath", "networkx",
+    "jinja2", "markupsafe", "filelock", "fsspec", "typing_extensions", "huggingface_hub", "hf_xet", "regex",
+    "requests", "urllib3", "idna", "certifi", "charset_normalizer", "opt_einsum", "pandas", "scipy", "sklearn",
+    "colorama", "hypothesis", "attr", "attrs", "tabulate", "xarray", "onnx", "onnxruntime", "onnxscript", "pynvml",
+    "cuda", "dateutil", "six", "pyparsing", "cycler", "kiwisolver", "contourpy", "fontTools", "sentencepiece",
+    "google", "msgpack", "cpuinfo", "pytest", "pluggy", "iniconfig", "pygments", "rich", "markdown_it", "mdurl",
+    "click", "lightning_utilities", "torchvision", "torchaudio", "jax", "jaxlib", "ml_dtypes", "cupy", "numba",
+    "llvmlite", "h5py", "tensorboard", "accelerate", "peft", "timm", "wrapt", "zipp", "threadpoolctl", "joblib",
+}
+CARRIED = {"omegaconf", "antlr4", "fla", "torchao"}  # requirements-device.txt
 _BLOCKED_IMPORTS = """
-import importlib.abc, re, sys
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-sys.meta_path.insert(0, Blocker())
+import importlib.metadata, re, sys
+allowed = set(sys.stdlib_module_names) | {allowed!r}
+# what is installed here but not there reads as missing, to an import and to importlib.util.find_spec alike
+for top in importlib.metadata.packages_distributions():
+    if top not in allowed and not top.startswith("_") and top not in sys.modules:
+        sys.modules[top] = None
 src = open({check!r}).read()
 for mod in sorted(set(re.findall(r"^\\s*from (megatron_k3[.\\w]*) import", src, re.M))):
     __import__(mod)  # every module of ours that a check imports
@@ -91,13 +101,17 @@ print("imported", mod)
 @pytest.mark.slow
 def test_the_checks_import_on_a_lent_gpu_machine():
     """bench/device_run.sh runs gpu_check with the device image's python3 and the wheels of requirements-device.txt:
-    every module of ours that a check imports loads without what neither provides (DeepSpeed, Hydra, W&B, ...), and
-    requirements-device.txt names the versions this checkout installs (the ones the CPU tests ran with)."""
+    every module of ours that a check imports loads with nothing beyond the standard library, the image's packages
+    and the carried wheels (no DeepSpeed, Hydra, W&B, megatron-core or TransformerEngine: a module that imported one
+    at its top would stop the one GPU run; packages that torch and the others only probe for are refused, as they
+    are missing there), and requirements-device.txt names the versions this checkout installs (the ones the CPU
+    tests ran with). A package the image does have and a module newly needs: add it to ON_THE_DEVICE (KINDS.md)."""
     import subprocess
     import sys
     from importlib.metadata import version
 
-    code = _BLOCKED_IMPORTS.format(blocked=set(NOT_ON_THE_DEVICE), check=str(ROOT / "bench" / "gpu_check.py"))
+    code = _BLOCKED_IMPORTS.format(allowed=ON_THE_DEVICE | CARRIED | {"megatron_k3"},
+                                   check=str(ROOT / "bench" / "gpu_check.py"))
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "imported megatron_k3" in done.stdout, done.stderr[-3000:]
     pins = [line.split("#")[0].strip() for line in (ROOT / "requirements-device.txt").read_text().splitlines()]

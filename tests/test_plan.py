@@ -895,36 +895,45 @@ def test_plan_refuses_the_recompute_keys_the_trainer_refuses(plan_tool, capsys, 
 
 def test_the_memoised_activation_terms_equal_a_fresh_count_in_any_order():
     """A search memoises each stage's activation bytes on the layout and workload fields they read (not pp, ep or
-    dp, which it varies most): across layouts and workloads that differ in every field, asked for in a random order
-    so that each may find another's entry, every memoised answer equals the count made afresh for its own layout.
-    A field the count reads but the memo's key left out would hand one layout another's bytes."""
+    dp, which it varies most): across configs, layouts, workloads, layer ranges and tile shares that each differ in
+    one thing from another, asked for in a random order so that each may find another's entry, every memoised
+    answer equals a count made afresh (the term caches emptied first). A field the count reads but the memo's key
+    left out would hand one case another's bytes."""
     import itertools
     import random
 
-    from megatron_k3.planning import memory
+    from megatron_k3.planning import activations, memory
 
-    cfg = replace(load_model_config("k3"), num_layers=8)
+    base = replace(load_model_config("k3"), num_layers=8)
+    configs = (base, replace(base, first_k_dense=3), replace(base, attn_res=False))
+    layouts = [(1, False, 1, 0, 1, 1), (8, True, 1, 0, 2, 8), (8, False, 1, 0, 4, 64), (8, True, 4, 2048, 2, 8),
+               (8, True, 4, 4096, 8, 64), (4, True, 2, 0, 2, 8), (8, True, 2, 2048, 4, 8)]
+    loads = [("fused", 4096, 1, "bf16"), ("eager", 4096, 1, "bf16"), ("fused", 65536, 2, "bf16"),
+             ("fused", 4096, 1, "fp32"), ("fused", 65536, 1, "bf16"), ("eager", 2048, 2, "bf16")]
     cases = []
-    for (tp, sp, cp, tile, pp, ep), (kernels, seq, mbs, prec) in itertools.product(
-            [(1, False, 1, 0, 1, 1), (8, True, 1, 0, 2, 8), (8, False, 1, 0, 4, 64), (8, True, 4, 2048, 2, 8),
-             (8, True, 4, 4096, 8, 64), (4, True, 2, 0, 2, 8), (8, True, 2, 2048, 4, 8)],
-            [("fused", 4096, 1, "bf16"), ("eager", 4096, 1, "bf16"), ("fused", 65536, 2, "bf16"),
-             ("fused", 4096, 1, "fp32"), ("fused", 65536, 1, "bf16"), ("eager", 2048, 2, "bf16")]):
+    for cfg, (tp, sp, cp, tile, pp, ep), (kernels, seq, mbs, prec) in itertools.product(configs, layouts, loads):
         for rec in ("none", "selective", "full"):
             lay = Layout(world=tp * pp * cp * ep, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp, recompute=rec,
                          tile_tokens=tile)
-            cases.append((lay, Workload(seq, mbs, 64, prec, kernels=kernels)))
+            cases.append((cfg, lay, Workload(seq, mbs, 64, prec, kernels=kernels)))
     random.Random(0).shuffle(cases)
+    ranges = ((0, 4, False), (0, 3, False), (4, 8, False), (4, 8, True), (8, 8, True))
     memory._MICRO_MEMO.clear()
-    for lay, w in cases:
-        for a, b, last in ((0, 4, False), (4, 8, True), (2, 3, False), (8, 8, True)):
-            scales = ((False, 1.0, 1.0), (False, 0.0, 0.0), (True, 1.0, 0.5)) if lay.tile_tokens else (
-                (False, 1.0, 1.0), (True, 1.0, 1.0))  # the tile shares are below 1 only with tiles
-            for rebuilt, ms, ks in scales:
-                got = memory._micro_activation(cfg, lay, w, a, b, last, lay.recomputed, rebuilt, ms, 0.5, ks)
-                fresh = memory._micro_activation_of(cfg, lay, w, a, b, last, lay.recomputed, rebuilt, ms, 0.5, ks)
-                assert got == fresh, (lay, w, a, b, last, rebuilt)
-    assert len(memory._MICRO_MEMO) < len(cases) * 8  # layouts that differ in pp or ep shared entries
+    total = 0
+    for cfg, lay, w in cases[::3]:
+        # the tile shares are below 1 only with tiles; each one on its own
+        scales = ((1.0, 1.0, 1.0), (0.0, 1.0, 1.0), (1.0, 0.0, 1.0), (1.0, 1.0, 0.5)) if lay.tile_tokens else (
+            (1.0, 1.0, 1.0), (1.0, 0.0, 1.0))
+        asked = [(a, b, last, rebuilt, ms, hs, ks) for a, b, last in ranges for rebuilt in (False, True)
+                 for ms, hs, ks in scales]
+        got = [memory._micro_activation(cfg, lay, w, a, b, last, lay.recomputed, *rest) for a, b, last, *rest in asked]
+        for cache in (activations.layer_terms, memory._moe_block_bytes, memory._kda_chunk_bytes, memory._sources):
+            cache.cache_clear()
+        fresh = [memory._micro_activation_of(cfg, lay, w, a, b, last, lay.recomputed, *rest)
+                 for a, b, last, *rest in asked]
+        assert got == fresh, (cfg.first_k_dense, cfg.attn_res, lay, w)
+        total += len(asked)
+    assert len(memory._MICRO_MEMO) < total  # cases that differ only in pp or ep shared entries
 
 
 def test_a_configs_layer_kinds_follow_its_fields():
@@ -939,5 +948,8 @@ def test_a_configs_layer_kinds_follow_its_fields():
     assert cfg.ffn_types()[:4] == ["dense"] * 3 + ["moe"] and cfg.layer_types()[:4] == ["kda", "mla"] * 2
     cfg.ffn_types().append("x")
     assert len(cfg.ffn_types()) == cfg.num_layers
+    cfg.mla_layers = [2]
+    cfg.mla_layers.append(4)  # in place: no field is set
+    assert [i for i, t in enumerate(cfg.layer_types()) if t == "mla"] == [1, 3]
     for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
         assert "_kinds" not in other.__dict__ and other.layer_types() == cfg.layer_types() and other == cfg

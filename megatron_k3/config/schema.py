@@ -245,14 +245,16 @@ class ModelConfig:
 
     def _layer_kinds(self) -> tuple:
         """(mixer kind per layer, FFN kind per layer), kept until a field is set again, as the hash is (the planner
-        asks for them per layer, hundreds of thousands of times in a search)."""
+        asks for them per layer, hundreds of thousands of times in a search), and made again if the fields they
+        follow differ (model.mla_layers is a list: an edit in place sets no field)."""
+        inputs = (self.num_layers, self.first_k_dense, self.mla_every, self.mla_at_last, tuple(self.mla_layers or ()))
         kinds = self.__dict__.get("_kinds")
-        if kinds is None:
+        if kinds is None or kinds[0] != inputs:
             mla = self.mla_layer_set()
-            kinds = self.__dict__["_kinds"] = (
+            kinds = self.__dict__["_kinds"] = (inputs, (
                 tuple("mla" if i in mla else "kda" for i in range(self.num_layers)),
-                tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers)))
-        return kinds
+                tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers))))
+        return kinds[1]
 
     def layer_types(self) -> list:
         return list(self._layer_kinds()[0])

@@ -180,10 +180,11 @@ class StageLink:
     def _keeps(self, t: torch.Tensor, meta, what: str) -> torch.Tensor:
         """`t` unless its shape or dtype differs from the link's header `meta` (host metadata: no device read)."""
         if (tuple(t.shape), t.dtype) != meta:
+            why = ("every micro-batch must have train.micro_batch_size x train.seq_length tokens"
+                   if tuple(t.shape) != meta[0] else "the stages' outputs must keep one dtype (precision, autocast)")
             raise RuntimeError(
                 f"pipeline: rank {self.rank} (stage {self.stage}) sends {what} of shape {tuple(t.shape)} "
-                f"{t.dtype}, but this link carries {meta[0]} {meta[1]} (the first activation's header): every "
-                "micro-batch must have train.micro_batch_size x train.seq_length tokens")
+                f"{t.dtype}, but this link carries {meta[0]} {meta[1]} (the first activation's header): {why}")
         return t
 
     def send_forward(self, x: torch.Tensor):
