@@ -202,16 +202,22 @@ class StageLink:
             self._recv(meta, self.prev)
             ndim = int(meta[1])
             self._meta_in = (tuple(int(v) for v in meta[2:2 + ndim]), _DTYPES[int(meta[0])])
-        shape, dtype = self._meta_in
-        x = torch.empty(shape, dtype=dtype, device=self.wire or device)
-        return self._recv(x, self.prev).to(device)
+        return self._recv(self._input_buffer(device), self.prev).to(device)
 
     def send_backward(self, g: torch.Tensor):
         self._isend(self._keeps(g, self._meta_in, "an input gradient"), self.prev)
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
-        g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
-        return self._recv(g, self.next).to(like.device)
+        return self._recv(self._grad_buffer(like), self.next).to(like.device)
+
+    def _input_buffer(self, device) -> torch.Tensor:
+        """An activation to receive into, as the link's header describes it."""
+        shape, dtype = self._meta_in
+        return torch.empty(shape, dtype=dtype, device=self.wire or device)
+
+    def _grad_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A gradient to receive into: the shape and dtype of the output `like` it belongs to."""
+        return torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
 
     def _exchange(self, t: torch.Tensor | None, peer: int, buf: torch.Tensor) -> torch.Tensor:
         """Send `t` to `peer` (none: only receive) and receive `buf` from it, as one batch (neither waits for the
@@ -225,15 +231,14 @@ class StageLink:
         """Send this micro-batch's output on and receive the gradient of `like` (an earlier output) back."""
         if self._meta_out is None:
             raise RuntimeError("pipeline: the first activation on a link goes alone (its shape header first)")
-        g = torch.empty(like.shape, dtype=like.dtype, device=self.wire or like.device)
+        g = self._grad_buffer(like)
         return self._exchange(self._keeps(y, self._meta_out, "an activation"), self.next, g).to(like.device)
 
     def send_backward_recv_forward(self, g: torch.Tensor, device) -> torch.Tensor:
         """Send an input gradient back and receive the next micro-batch's input."""
         if self._meta_in is None:
             raise RuntimeError("pipeline: the first activation on a link comes alone (its shape header first)")
-        shape, dtype = self._meta_in
-        x = torch.empty(shape, dtype=dtype, device=self.wire or device)
+        x = self._input_buffer(device)
         return self._exchange(self._keeps(g, self._meta_in, "an input gradient"), self.prev, x).to(device)
 
     def wait(self):
