@@ -13,7 +13,9 @@
   full's), the completed AttnRes blocks held once however many layers read them, all host memory released by the
   backward, a budget too small keeps the inputs on the device and is still exact; in the backward every layer's
   inputs but the first read's are prefetched, and what is loaded back at once, and what the first read waits for, are
-  the planner's figures exactly.
+  the planner's figures exactly. The asynchronous path (CUDA's streams and events) run here with copies that run as
+  late as their events allow: bit for bit, over micro-batches in flight, a forward without backward and a budget
+  that keeps some inputs on the device; leaving out either wait it relies on breaks it.
 - The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
@@ -179,40 +181,108 @@ def test_offload_is_bit_identical_to_full_and_releases_its_host_memory():
         assert off.used == 0 and not off._by_storage  # all read back and released by the backward
 
 
-def test_offload_reuses_its_host_buffers_within_the_budget():
-    """The host copies live in buffers of exactly a tensor's size, made as first needed and reused: two
-    micro-batches' forwards, then their backwards (as 1F1B holds them), a forward whose backward never runs (the
-    trainer's reset at the next step's start gives its buffers back), then another step: the buffers come to the most
-    held at once, not the sum over the steps; a budget of 3.5 tensors keeps the fourth on the device. Every gradient
-    bit for bit full recomputation's."""
-    one = 2 * 64 * 64 * 4  # a [2, 64, 64] fp32 layer input; 4 distinct per micro-batch (b0, 2 blocks, partials)
+class DeferredCopies:
+    """Stands in for CUDA's asynchronous copies (parallel.offload.CudaCopies) on the CPU, adversarially: each copy is
+    queued on its side stream (down: to the host, up: to the device) and runs only when an event after it is waited
+    for, each stream in its order and after the events it was told to wait for; a device copy holds NaN until its copy
+    has run. So a read that does not wait for its copy's event finds NaN, and a copy back that does not wait for the
+    copy down reads the host buffer's earlier contents. `skip`: the waits this stand-in leaves out (to show that the
+    test sees them missing)."""
+
+    pinned = False
+
+    def __init__(self, skip=()):
+        self.queues, self.skip = {"down": [], "up": []}, set(skip)
+        self.loads_queued = 0  # the most copies to the device queued at a read (the read's own and prefetches)
+
+    @staticmethod
+    def serves(device):
+        return True
+
+    def _queue(self, stream, after, action):
+        event = type("Event", (), {"done": False, "stream": stream})()
+        self.queues[stream].append((None if stream in self.skip else after, action, event))
+        return event
+
+    def down(self, t, host, after):
+        return self._queue("down", after, lambda: host.copy_(t))
+
+    def up(self, host, device, after):
+        back = torch.full(host.shape, float("nan"), dtype=host.dtype, device=device)
+        return back, self._queue("up", after, lambda: back.copy_(host))
+
+    def use(self, t, event):
+        self.loads_queued = max(self.loads_queued, len(self.queues["up"]))
+        if "use" not in self.skip:
+            self.wait(event)
+
+    def wait(self, event):
+        while event is not None and not event.done:
+            after, action, done = self.queues[event.stream].pop(0)
+            self.wait(after)
+            action()
+            done.done = True
+
+    def flush(self):
+        for queue in self.queues.values():
+            while queue:
+                self.wait(queue[-1][2])
+
+
+def _offload_steps(budget, copies=None):
+    """Two micro-batches' forwards, then their backwards (as 1F1B holds them), a forward whose backward never runs (the
+    trainer's reset at the next step's start gives its buffers back), then another step: (the gradients of the two
+    steps, [host buffers, bytes held] after the first, the HostOffload; None without offload)."""
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 8192, (2, 64), generator=g) for _ in range(2)]
+    model, _, _ = wrapped_model(TINY_MODEL, Policy("full", offload_bytes=budget))
+    off, grads = getattr(model, "host_offload", None), []
+    if copies is not None:
+        off.copies = copies
+    outs = [model(ids, labels=ids) for ids in batches]
+    for out in outs:
+        out.loss.backward()
+    grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    sizes = None if off is None else [off.allocated, off.used]
+    model(batches[0], labels=batches[0])  # no backward
+    if off is not None:
+        off.reset()
+    model.zero_grad(set_to_none=True)
+    model(batches[1], labels=batches[1]).loss.backward()
+    grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return grads, sizes, off
 
-    def steps(budget):
-        model, _, _ = wrapped_model(TINY_MODEL, Policy("full", offload_bytes=budget))
-        off, grads = getattr(model, "host_offload", None), []
-        outs = [model(ids, labels=ids) for ids in batches]
-        for out in outs:
-            out.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        sizes = None if off is None else [off.allocated, off.used]
-        model(batches[0], labels=batches[0])  # no backward
-        if off is not None:
-            off.reset()
-        model.zero_grad(set_to_none=True)
-        model(batches[1], labels=batches[1]).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        return grads, sizes, off
 
-    ref, _, _ = steps(0)
+def test_offload_reuses_its_host_buffers_within_the_budget():
+    """The host copies live in buffers of exactly a tensor's size, made as first needed and reused (_offload_steps):
+    the buffers come to the most held at once, not the sum over the steps; a budget of 3.5 tensors keeps the fourth on
+    the device. Every gradient bit for bit full recomputation's."""
+    one = 2 * 64 * 64 * 4  # a [2, 64, 64] fp32 layer input; 4 distinct per micro-batch (b0, 2 blocks, partials)
+    ref, _, _ = _offload_steps(0)
     # 3.5 tensors: the first micro-batch's fourth input and all the second's stay on the device, then one input of
     # each later forward: 7 in all
     for budget, allocated, on_device in ((10**9, 8 * one, 0), (3.5 * one, 3 * one, 7 * one)):
-        grads, sizes, off = steps(int(budget))
+        grads, sizes, off = _offload_steps(int(budget))
         assert all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), budget
         assert sizes == [allocated, 0] and off.allocated == allocated <= budget, (budget, sizes, off.allocated)
         assert off.kept_on_device == on_device, (budget, off.kept_on_device)
+
+
+@pytest.mark.parametrize("budget", [10**9, 3.5 * 2 * 64 * 64 * 4], ids=["room_for_all", "room_for_3.5"])
+def test_asynchronous_offload_waits_for_each_copy(budget):
+    """The asynchronous path (CUDA's, parallel.offload.CudaCopies) with copies that run as late as their events allow
+    (DeferredCopies): bit for bit full recomputation's over _offload_steps, with loads still queued while the
+    backward ran on (the prefetch). Without the wait before a loaded tensor is read, or without the copy back waiting
+    for the copy down, the same steps come out wrong (so the stand-in would see either missing)."""
+    ref, _, _ = _offload_steps(0)
+    copies = DeferredCopies()
+    grads, _, off = _offload_steps(int(budget), copies)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), budget
+    assert copies.loads_queued > 1 and off.used == 0, copies.loads_queued  # others than the read's own queued
+    copies.flush()
+    for skip in ("use", "up"):
+        grads, _, _ = _offload_steps(int(budget), DeferredCopies(skip=[skip]))
+        assert not all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), skip
 
 
 def test_offload_drops_idle_buffers_of_another_size_for_room():

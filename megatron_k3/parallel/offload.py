@@ -19,8 +19,10 @@ layer's input, goes to host memory in the forward and comes back for the layer's
   another side stream, so that load runs while this layer recomputes and back-propagates. A tensor loaded back
   stays on the device until its last reader has read it: in one micro-batch's backward the device holds the
   completed blocks the layer reads, its running partial sum and the next layer's (what the planner counts,
-  planning.memory). On the CPU the same code runs with synchronous copies (made under `host_context`, so a memory
-  measurement can count them as host memory).
+  planning.memory). The streams and events are CudaCopies' (the only CUDA calls besides pinning); HostOffload hands
+  each copy the events it must follow. On the CPU the same code runs with synchronous copies (made under
+  `host_context`, so a memory measurement can count them as host memory); tests/test_tiling.py runs the asynchronous
+  path on the CPU with copies deferred as long as the events allow.
 
 Exact: the host round trip copies the values and the graph is full recomputation's: bit-identical gradients
 (tests/test_tiling.py).
@@ -33,7 +35,7 @@ import weakref
 
 import torch
 
-__all__ = ["HostOffload"]
+__all__ = ["CudaCopies", "HostOffload"]
 
 _PAGE = 4096  # host page size: what cudaHostRegister pins in
 
@@ -48,7 +50,7 @@ def _unregister(data: torch.Tensor) -> None:
 
 class _Held:
     """One offloaded tensor: its host copy (a view of its _Buffer; the device tensor itself when the budget is spent),
-    the device and the copy's completion event (CUDA)."""
+    the device and the copy's completion event (asynchronous copies only)."""
 
     def __init__(self, host, device, nbytes: int, event=None, on_device: bool = False, buffer=None):
         self.host, self.device, self.nbytes, self.event, self.on_device = host, device, nbytes, event, on_device
@@ -56,6 +58,63 @@ class _Held:
         self.back = None  # the device copy, once loaded (prefetched or on demand)
         self.back_event = None
         self.users = 0
+
+
+class CudaCopies:
+    """The asynchronous copies, on CUDA: device to host on one side stream, host to device on another, ordered by
+    events. HostOffload asks only these five things of a device's copies (tests/test_tiling.py runs it with copies
+    that defer every copy as long as the events allow, so a missing wait reads a value not yet copied)."""
+
+    pinned = True  # the host buffers are registered with the driver (page-locked), so the copies can be asynchronous
+
+    def __init__(self):
+        self._streams = None
+
+    @staticmethod
+    def serves(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def _side_streams(self):
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams
+
+    def down(self, t: torch.Tensor, host: torch.Tensor, after):
+        """Copy `t` into `host` after the current stream's work so far (which made `t`) and after the event `after`
+        (the last copy that read `host`'s buffer; None: none); `t`'s device memory stays allocated until the copy
+        has read it. Returns the copy's event."""
+        down, _ = self._side_streams()
+        down.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(down):
+            if after is not None:
+                down.wait_event(after)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(down)
+        t.record_stream(down)
+        return event
+
+    def up(self, host: torch.Tensor, device: torch.device, after):
+        """A device copy of `host`, made after the event `after` (the copy into `host`): (the tensor, its event)."""
+        _, up = self._side_streams()
+        with torch.cuda.stream(up):
+            up.wait_event(after)
+            back = host.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(up)
+        return back, event
+
+    @staticmethod
+    def use(t: torch.Tensor, event) -> None:
+        """The current stream reads `t` (made by `up`) after its event; its memory is not reused before."""
+        stream = torch.cuda.current_stream(t.device)
+        stream.wait_event(event)
+        t.record_stream(stream)
+
+    @staticmethod
+    def wait(event) -> None:
+        """The host waits for the event (before it frees memory a copy may still read)."""
+        event.synchronize()
 
 
 class _Buffer:
@@ -84,8 +143,9 @@ class _Buffer:
 
 
 class HostOffload:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, copies=None):
         self.budget = int(budget_bytes)
+        self.copies = CudaCopies() if copies is None else copies  # the asynchronous copies, for the devices they serve
         self.used = 0
         self.peak = 0
         self.kept_on_device = 0  # bytes the budget could not take
@@ -95,13 +155,7 @@ class HostOffload:
         self._by_storage = {}  # (storage pointer, offset, shape) -> _Held, while saved
         self._layers = []  # per layer packed, in order, the _Held of each input: the backward reads them in reverse
         self._started = set()  # the layers whose inputs the backward has begun to read
-        self._streams = None
         self.host_context = contextlib.nullcontext  # what the host copies are made under (a memory measurement's tag)
-
-    def _cuda_streams(self):
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-        return self._streams
 
     def pack_layer(self, tensors) -> list:
         """One layer's inputs, after its forward: their host copies (each tensor once, however many layers read it),
@@ -155,7 +209,7 @@ class HostOffload:
         """Free an idle buffer. On CUDA its last copy back to the device may still be reading it: wait for that copy
         first (unregistering and freeing the host memory under an in-flight copy would hand it garbage)."""
         if buf.ready is not None:
-            buf.ready.synchronize()
+            self.copies.wait(buf.ready)
         self.allocated -= buf.size
 
     def _give_back(self, held: _Held, ready) -> None:
@@ -166,42 +220,29 @@ class HostOffload:
 
     def _offload(self, t: torch.Tensor) -> _Held:
         nbytes = t.numel() * t.element_size()
-        cuda = t.device.type == "cuda"
-        buf = self._take(nbytes, pinned=cuda)
+        asynchronous = self.copies.serves(t.device)
+        buf = self._take(nbytes, pinned=asynchronous and self.copies.pinned)
         if buf is None:
             self.kept_on_device += nbytes
             return _Held(t, t.device, nbytes, on_device=True)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         host = buf.view(t.shape, t.dtype)
-        if not cuda:  # the same path, synchronous: a host copy the device tensor no longer backs
+        if not asynchronous:  # the same path, synchronous: a host copy the device tensor no longer backs
             host.copy_(t)
             return _Held(host, t.device, nbytes, buffer=buf)
-        down, _ = self._cuda_streams()
-        down.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(down):
-            if buf.ready is not None:  # a reused buffer: after its last copy back to the device has read it
-                down.wait_event(buf.ready)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(down)
-        t.record_stream(down)  # the device memory stays allocated until the copy has read it
-        return _Held(host, t.device, nbytes, event, buffer=buf)
+        # a reused buffer is written after its last copy back to the device has read it
+        return _Held(host, t.device, nbytes, self.copies.down(t, host, buf.ready), buffer=buf)
 
     def _load(self, held: _Held) -> None:
         if held.back is not None or held.on_device or held.host is None:  # loaded, never moved, or read and released
             return
         self.reloaded += held.nbytes
         self.reload_peak = max(self.reload_peak, self.reloaded)
-        if held.device.type != "cuda":  # a device copy, as on CUDA (the host copy is released after its last read)
-            held.back = held.host.to(held.device, copy=True)
+        if held.event is None:  # a device copy, as the asynchronous path makes (the host copy is released after its
+            held.back = held.host.to(held.device, copy=True)  # last read)
             return
-        _, up = self._cuda_streams()
-        with torch.cuda.stream(up):
-            up.wait_event(held.event)
-            held.back = held.host.to(held.device, non_blocking=True)
-            held.back_event = torch.cuda.Event()
-            held.back_event.record(up)
+        held.back, held.back_event = self.copies.up(held.host, held.device, held.event)
 
     def unpack(self, packed) -> torch.Tensor:
         key, held, layer = packed
@@ -216,8 +257,7 @@ class HostOffload:
             self._load(held)
             out = held.back
             if held.back_event is not None:
-                torch.cuda.current_stream(held.device).wait_event(held.back_event)
-                out.record_stream(torch.cuda.current_stream(held.device))
+                self.copies.use(out, held.back_event)
         held.users -= 1
         if held.users <= 0:
             self._release(key, held)
