@@ -14,7 +14,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: install install-test train sft test test-fast test-compile lint bench device-wheels clean
+.PHONY: install install-test train sft test test-fast test-compile lint bench device-wheels test-device-torch clean
 
 # what training needs (requirements.txt = pyproject's dependencies), the package in editable mode: make train
 $(STAMP): requirements.txt pyproject.toml
@@ -103,5 +103,23 @@ device-wheels: install
 	$(PY) -m pip wheel -q --no-deps -r requirements-device.txt -w .whl
 	@ls -l .whl
 
+# the suite under the lent GPU machine's torch, here on the CPU: a Python 3.12 venv (DEVICE_VENV, git-ignored) with that
+# image's packages (requirements-device-image.txt: torch 2.11, a CUDA build that runs on the CPU, about 5 GB), the
+# rest of requirements-test.txt constrained to them, and the carried wheels (.whl/) on PYTHONPATH as bench/device_run.sh
+# puts them there; PYTEST_ARGS as for make test (for example -m compile). ~15 minutes of tests on 2 cores
+DEVICE_PYTHON ?= python3.12
+DEVICE_VENV ?= .venv-device
+DEVICE_PINNED := ^(-r|torch|triton|transformers|flash-linear-attention|fla-core|torchao|ruff)([=<> ]|$$)
+test-device-torch: device-wheels
+	test -x $(DEVICE_VENV)/bin/python || $(DEVICE_PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install -q -r requirements-device-image.txt
+	grep -hvE '$(DEVICE_PINNED)' requirements.txt requirements-test.txt | grep -v '^#' > $(DEVICE_VENV)/rest.txt
+	DS_BUILD_OPS=0 $(DEVICE_VENV)/bin/pip install -q -c requirements-device-image.txt -r $(DEVICE_VENV)/rest.txt
+	rm -rf $(DEVICE_VENV)/carried
+	$(DEVICE_VENV)/bin/pip install -q --no-index --no-deps --no-compile --target $(DEVICE_VENV)/carried .whl/*.whl
+	rm -rf $(DEVICE_VENV)/carried/test
+	PYTHONPATH=$(abspath $(DEVICE_VENV))/carried:$(CURDIR) OMP_NUM_THREADS=1 $(DEVICE_VENV)/bin/python -m pytest \
+		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not compile" $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(DEVICE_VENV) .pytest_cache

@@ -73,7 +73,11 @@ class StableLatentMoE(nn.Module):
         # The shared experts run while a dispatch all-to-all is in flight (and their backward while the reverse one
         # is): `side` is called by the dispatcher or, where nothing overlaps, below.
         shared = []
-        side = (lambda: shared.append(self.shared_experts(x_BTD))) if self.shared_experts is not None else None
+
+        def run_shared():  # the list's append is looked up after the shared experts ran: Dynamo in torch 2.11 cannot
+            out = self.shared_experts(x_BTD)  # resume with a bound list method held across their graph break (a
+            shared.append(out)  # recomputation region's boundary), and broke the graph there once more
+        side = run_shared if self.shared_experts is not None else None
         r, _ = self.routed(self.dispatcher.local_rows(x_BTD.reshape(-1, shape[-1])), side)
         r = self.dispatcher.all_rows(r)
         if self.latent_norm is not None:

@@ -57,7 +57,9 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float
     S = torch.sigmoid(g)
     T = torch.div(u, beta_up).tanh_()
     h = torch.addcmul(g.new_zeros(()), torch.mul(A, S), T, value=beta_gate * beta_up)
-    return h.to(gate.dtype), (A, S, T)
+    # not h.to(gate.dtype) when that is h itself: torch 2.11's Dynamo gives GLU's output, an alias of a tensor made
+    # beside in-place ops, no gradient (silently zero; torch 2.13 is right)
+    return (h if h.dtype == gate.dtype else h.to(gate.dtype)), (A, S, T)
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

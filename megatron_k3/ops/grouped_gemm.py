@@ -239,7 +239,10 @@ class DownCombine(torch.autograd.Function):
         exact = y.dtype in (torch.float32, torch.float64)
         yw = y if exact else y.float()
         yw.mul_(w_M.unsqueeze(-1).to(yw.dtype))
-        out = yw.new_zeros(num_rows, yw.shape[-1]).index_add_(0, tok_M, yw)
+        out = yw.new_zeros(num_rows, yw.shape[-1])
+        # compiled: out of place (what functionalisation makes of it anyway): torch 2.11's Dynamo gives an
+        # autograd.Function's output that its forward mutated in place no gradient (silently zero)
+        out = out.index_add(0, tok_M, yw) if torch.compiler.is_compiling() else out.index_add_(0, tok_M, yw)
         ctx.save_for_backward(h, w2, offs_E, w_M, tok_M, None if exact else y)
         ctx.w2_dtype, ctx.wq = w2.dtype, wq
         return out
