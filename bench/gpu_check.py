@@ -194,6 +194,9 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0, reps=3):
 
 
 def _against(grads, ref, exact: bool) -> str:
+    missing = [n for n in ref if n not in grads]  # a gradient the run did not make at all
+    if missing:
+        return f"FAILED: {len(missing)} gradients missing ({missing[:3]})"
     if not exact:  # tiles sum the weight gradients in another order: fp32 rounding (tests/test_tiling.py)
         err = max(rel(grads[n], ref[n]) for n in ref)
         return f"max rel err {err:.1e}" + ("" if err < 1e-4 else " FAILED: above 1e-4")
@@ -222,7 +225,8 @@ def recompute_check(args, rows, device=None, backend="inductor"):
                 grads, t, peak, host, pinned, kept = _recompute_step(cfg, ids, name, kw, compiled, backend, tiles,
                                                                      args.recompute_reps)
                 ref = ref or (grads, t, peak)
-                eager = eager if compiled else (eager or grads)
+                if not compiled and eager is None:  # eager none: what compiled none is compared with
+                    eager = grads
                 size = kw.get("offload_bytes")
                 offload = "" if size is None else " + offload " + (
                     "for half the layer inputs" if size == "half" else f"{size / 2**30:g} GiB")

@@ -15,7 +15,8 @@
   inputs but the first read's are prefetched, and what is loaded back at once, and what the first read waits for, are
   the planner's figures exactly. The asynchronous path (CUDA's streams and events) run here with copies that run as
   late as their events allow: bit for bit, over micro-batches in flight, a forward without backward and a budget
-  that keeps some inputs on the device; leaving out either wait it relies on breaks it.
+  that keeps some inputs on the device, and a reused host buffer written only after a discarded load has read it;
+  leaving out any of the three waits it relies on breaks it.
 - The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
@@ -297,6 +298,28 @@ def test_offload_drops_idle_buffers_of_another_size_for_room():
         assert torch.equal(off.unpack(packed), t)
     assert off.allocated == 360 and sorted(off._free) == [120, 200, 240] and not off._free[200], off._free
 
+
+
+@pytest.mark.parametrize("skip", [(), ("down",)], ids=["waits", "down_skips_its_wait"])
+def test_a_reused_host_buffer_is_written_after_its_pending_copy_back_has_read_it(skip):
+    """Asynchronous offload (DeferredCopies): layer 1's read loads its input and starts loading layer 0's (the
+    prefetch), which reset() then discards unread; its host buffer goes back with that load still queued, and the
+    next tensor packed takes it. Its copy down must wait for the queued load: the discarded load still reads layer
+    0's values, and the new tensor comes back exact. Without that wait the load reads the new tensor's values."""
+    from megatron_k3.parallel.offload import HostOffload
+
+    copies = DeferredCopies(skip=skip)
+    off = HostOffload(10**6, copies=copies)
+    a, b, c = (torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    (pa,), (pb,) = off.pack_layer([a]), off.pack_layer([b])
+    assert torch.equal(off.unpack(pb), b) and pa[1].back is not None and copies.queues["up"]  # a's load queued
+    a_host = pa[1].host.data_ptr()
+    off.reset()
+    (pc,) = off.pack_layer([c])
+    assert pc[1].buffer is not None and pc[1].host.data_ptr() == a_host  # a's buffer, reused
+    copies.flush()
+    assert torch.equal(pa[1].back, a) != bool(skip), skip
+    assert torch.equal(off.unpack(pc), c)
 
 def test_pinned_offload_buffers_are_whole_registered_pages(monkeypatch):
     """CUDA's host buffers (here with the driver's registration stood in for: no GPU on this machine): each is

@@ -52,7 +52,8 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float
     g, u = atleast_fp32(gate), atleast_fp32(up)
     if act == "silu":
         a = F.silu(g)
-        return torch.mul(a, u).to(gate.dtype), (gate, up, a)
+        h = torch.mul(a, u)
+        return (h if h.dtype == gate.dtype else h.to(gate.dtype)), (gate, up, a)  # as below
     A = torch.div(g, beta_gate).tanh_()
     S = torch.sigmoid(g)
     T = torch.div(u, beta_up).tanh_()
