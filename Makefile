@@ -116,8 +116,7 @@ test-device-torch: device-wheels
 	grep -hvE '$(DEVICE_PINNED)' requirements.txt requirements-test.txt | grep -v '^#' > $(DEVICE_VENV)/rest.txt
 	DS_BUILD_OPS=0 $(DEVICE_VENV)/bin/pip install -q -c requirements-device-image.txt -r $(DEVICE_VENV)/rest.txt
 	rm -rf $(DEVICE_VENV)/carried
-	$(DEVICE_VENV)/bin/pip install -q --no-index --no-deps --no-compile --target $(DEVICE_VENV)/carried .whl/*.whl
-	rm -rf $(DEVICE_VENV)/carried/test
+	SITE=$(abspath $(DEVICE_VENV))/carried PYTHON=$(abspath $(DEVICE_VENV))/bin/python bash bench/device_run.sh --install-only
 	PYTHONPATH=$(abspath $(DEVICE_VENV))/carried:$(CURDIR) OMP_NUM_THREADS=1 $(DEVICE_VENV)/bin/python -m pytest \
 		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not compile" $(PYTEST_ARGS)
 

@@ -6,6 +6,7 @@
 # first (the offload's CUDA path, then recomputation on the device; issue 33 waits on them), so a time limit cuts the
 # ones with CPU stand-ins. One call, for example:
 #   run(command="bash bench/device_run.sh", carry=[".whl"], timeout_s=540)
+# `--install-only` installs the wheels into SITE and stops (make test-device-torch uses it here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,6 +17,7 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
 fi
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
 rm -rf "$SITE/test"  # torchao's wheel has a top-level test/ package, which would shadow the standard library's
+[ "${1:-}" = --install-only ] && exit 0  # make test-device-torch: the wheels where SITE says, no checks
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LOG=${OUT:-/tmp}/gpu_check.log
 $PY - <<'PYEOF' 2>&1 | tee "$LOG"

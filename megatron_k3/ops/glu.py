@@ -52,15 +52,19 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float
     g, u = atleast_fp32(gate), atleast_fp32(up)
     if act == "silu":
         a = F.silu(g)
-        h = torch.mul(a, u)
-        return (h if h.dtype == gate.dtype else h.to(gate.dtype)), (gate, up, a)  # as below
+        return _in_dtype(torch.mul(a, u), gate.dtype), (gate, up, a)
     A = torch.div(g, beta_gate).tanh_()
     S = torch.sigmoid(g)
     T = torch.div(u, beta_up).tanh_()
     h = torch.addcmul(g.new_zeros(()), torch.mul(A, S), T, value=beta_gate * beta_up)
-    # not h.to(gate.dtype) when that is h itself: torch 2.11's Dynamo gives GLU's output, an alias of a tensor made
-    # beside in-place ops, no gradient (silently zero; torch 2.13 is right)
-    return (h if h.dtype == gate.dtype else h.to(gate.dtype)), (A, S, T)
+    return _in_dtype(h, gate.dtype), (A, S, T)
+
+
+def _in_dtype(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """h in `dtype`; h itself, not `h.to(dtype)`'s alias of it, when it is already: torch 2.11's Dynamo gives an
+    autograd.Function output that aliases a tensor made beside in-place ops no gradient (silently zero; 2.13 is
+    right)."""
+    return h if h.dtype == dtype else h.to(dtype)
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
