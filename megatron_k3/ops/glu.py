@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .numerics import atleast_fp32
+from .numerics import atleast_fp32, in_dtype
 
 __all__ = ["ACTS", "situ", "glu_reference", "glu_forward", "glu_backward", "GLU", "glu_act"]
 
@@ -52,19 +52,12 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, act: str, beta_gate: float
     g, u = atleast_fp32(gate), atleast_fp32(up)
     if act == "silu":
         a = F.silu(g)
-        return _in_dtype(torch.mul(a, u), gate.dtype), (gate, up, a)
+        return in_dtype(torch.mul(a, u), gate.dtype), (gate, up, a)
     A = torch.div(g, beta_gate).tanh_()
     S = torch.sigmoid(g)
     T = torch.div(u, beta_up).tanh_()
     h = torch.addcmul(g.new_zeros(()), torch.mul(A, S), T, value=beta_gate * beta_up)
-    return _in_dtype(h, gate.dtype), (A, S, T)
-
-
-def _in_dtype(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """h in `dtype`; h itself, not `h.to(dtype)`'s alias of it, when it is already: torch 2.11's Dynamo gives an
-    autograd.Function output that aliases a tensor made beside in-place ops no gradient (silently zero; 2.13 is
-    right)."""
-    return h if h.dtype == dtype else h.to(dtype)
+    return in_dtype(h, gate.dtype), (A, S, T)
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

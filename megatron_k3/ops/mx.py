@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .numerics import in_dtype
+
 E8M0_BIAS = 127
 E8M0_NAN = 255
 
@@ -243,7 +245,7 @@ def _round_trip_rows(x: torch.Tensor, f: ElemFormat, block_size: int, scale_mode
     neg, r, s, nan = _quantize_blocks(x, f, block_size, scale_mode)
     q = _mul_pow2(torch.where(neg, -r, r), s.unsqueeze(-1))
     q = torch.where(nan.unsqueeze(-1), float("nan"), q)
-    return q.reshape(x.shape).to(x.dtype)
+    return in_dtype(q.reshape(x.shape), x.dtype)  # no no-op .to: see in_dtype (what _FakeQuantSTE returns)
 
 
 def mx_round_trip(x: torch.Tensor, fmt: str, block_size: int = 32, scale_mode: str = "floor",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["atleast_fp32", "compute_dtype", "start_cpu_threads"]
+__all__ = ["atleast_fp32", "compute_dtype", "in_dtype", "start_cpu_threads"]
 
 
 def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,15 @@ def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
 def compute_dtype(*xs) -> torch.dtype:
     """The dtype for numerically sensitive math: fp32, or fp64 when any given tensor is fp64."""
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: x itself when it already is, not `x.to(dtype)` (a no-op alias of it). For what an
+    autograd.Function's forward returns: torch 2.11's Dynamo gives a Function output that is a no-op `.to` of a tensor
+    made in the forward, or a tensor the forward changed in place, no gradient (silently zero under torch.compile;
+    eager and torch 2.13 are right; pytorch issues 180642, 184113). tests/test_compiled_functions.py compiles each
+    of our Functions against eager (`make test-device-torch` runs it under 2.11)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def start_cpu_threads() -> None:
