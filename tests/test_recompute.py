@@ -182,6 +182,9 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
             run.validate()
     with pytest.raises(ValueError, match="moe"):
         Policy("selective", ("moe",))
+    for kwargs in ({"num_layers": -1}, {"num_layers": 1.5}, {"offload_bytes": -5}, {"offload_bytes": True}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):  # the Python API as the config: no -1 slicing
+            Policy("full", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- the Trainer

@@ -113,6 +113,9 @@ class Policy:
         bad = [m for m in self.modules if m not in MODULES]
         if bad:
             raise ValueError(f"unknown recompute module(s) {bad}: valid {', '.join(MODULES)}")
+        for what, v, zero in (("num_layers", self.num_layers, "all"), ("offload_bytes", self.offload_bytes, "off")):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:  # -1 would slice to "all but the last"
+                raise ValueError(f"recompute {what} must be an integer >= 0 (0: {zero}), got {v!r}")
         if self.offload_bytes and self.name != "full":
             raise ValueError("activation offload moves what full recomputation keeps (the layer inputs): it needs "
                              f"the full policy, not {self.name}")
