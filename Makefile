@@ -107,10 +107,14 @@ device-wheels: install
 # image's packages (requirements-device-image.txt: torch 2.11, a CUDA build that runs on the CPU, about 5 GB), the
 # rest of requirements-test.txt constrained to them, and the carried wheels (.whl/) on PYTHONPATH as bench/device_run.sh
 # puts them there; PYTEST_ARGS as for make test (for example -m compile). ~15 minutes of tests on 2 cores
-DEVICE_PYTHON ?= python3.12
+# DEVICE_PYTHON: a Python 3.12 (the image's minor version): python3.12 where it runs, else pyenv's newest 3.12
+DEVICE_PYTHON ?= $(or $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null),\
+	$(lastword $(sort $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python))))
 DEVICE_VENV ?= .venv-device
 DEVICE_PINNED := ^(-r|torch|triton|transformers|flash-linear-attention|fla-core|torchao|ruff)([=<> ]|$$)
 test-device-torch: device-wheels
+	@test -x $(DEVICE_VENV)/bin/python || $(DEVICE_PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+		|| { echo "make test-device-torch: no Python 3.12 found (the device image's); set DEVICE_PYTHON" >&2; exit 2; }
 	test -x $(DEVICE_VENV)/bin/python || $(DEVICE_PYTHON) -m venv $(DEVICE_VENV)
 	$(DEVICE_VENV)/bin/pip install -q -r requirements-device-image.txt
 	grep -hvE '$(DEVICE_PINNED)' requirements.txt requirements-test.txt | grep -v '^#' > $(DEVICE_VENV)/rest.txt

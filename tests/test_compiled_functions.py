@@ -43,11 +43,13 @@ def _rows(ex, z):
     return ex(z, COUNTS.cumsum(0))
 
 
+_G = torch.Generator().manual_seed(2)
+COMBINE = (torch.rand(int(COUNTS.sum()), generator=_G), torch.randint(0, 7, (int(COUNTS.sum()),), generator=_G), 7)
+
+
 def _combined(ex, z):
-    M = z.shape[0]
-    g = torch.Generator().manual_seed(2)
-    w, tok = torch.rand(M, generator=g), torch.randint(0, 7, (M,), generator=g)
-    return ex(z, COUNTS.cumsum(0), combine=(w, tok, 7))
+    """The down projection fused with the combine: weighted rows summed into 7 token rows."""
+    return ex(z, COUNTS.cumsum(0), combine=COMBINE)
 
 
 def _replicas(ex, z):
