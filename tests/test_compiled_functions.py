@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_k3.model.experts import GroupedExperts
+from megatron_k3.ops import mx
 from megatron_k3.ops.frozen_experts import ExpertAdapters, PackedExperts, frozen_experts_grouped
 from megatron_k3.ops.glu import glu_act
 from megatron_k3.ops.mx import fake_quant_mx
@@ -135,3 +136,13 @@ def test_compiled_experts_give_eager_gradients(name):
         results.append((out.detach(), [leaves[0].grad, ex.w1.grad, ex.w3.grad, ex.w2.grad]))
     _assert_same(name, *results)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fake_quant_in_chunks_gives_eager_gradients(monkeypatch, dtype):
+    """The fake-quantiser over a tensor larger than ROUND_TRIP_CHUNK writes its output chunk by chunk into one buffer
+    (K3's activations at 4096 tokens take this path): compiled, the same output and gradient as eager."""
+    monkeypatch.setattr(mx, "ROUND_TRIP_CHUNK", 128)  # 6 rows of 64: three chunks of two rows
+    xs = _inputs((6, 64), dtype=dtype)
+    fn = lambda x: fake_quant_mx(x, "e4m3") * 1.5  # noqa: E731
+    _assert_same("fake_quant_chunks", _grads(fn, xs, False), _grads(fn, xs, True))
