@@ -61,7 +61,8 @@ def _replicas(ex, z):
 
 
 def _frozen():
-    """LoRA's frozen experts: (forward over the rows and six adapter matrices, their values)."""
+    """LoRA's frozen experts: (forward over the rows and six adapter matrices, their values). They read the experts'
+    row spans on the host, a graph break: their Function runs eagerly inside the compiled caller."""
     g = torch.Generator().manual_seed(3)
     packed = [PackedExperts.encode(torch.randn(E, *s, generator=g) * 0.1) for s in ((I, L), (I, L), (L, I))]
     ab = [torch.randn(E, *s, generator=g) * 0.1 for s in ((4, L), (I, 4), (4, L), (I, 4), (4, I), (L, 4))]
