@@ -156,7 +156,8 @@ def test_recomputation_trades_memory_for_flops(k3):
 def test_communication_follows_the_layout(k3):
     cfg, cl = k3.model, k3.cluster
     w = Workload(4096, 1, 4096, "bf16", "adamw")
-    single = plan_training(cfg, cl, Layout(world=512, tp=8, pp=8, ep=64, recompute="full"), w)
+    single_lay = Layout(world=512, tp=8, pp=8, ep=64, recompute="full")
+    single = plan_training(cfg, cl, single_lay, w)
     assert single.comm_bytes["ep"] > 0 and single.comm_bytes["tp"] > 0 and single.comm_bytes["pp"] > 0
     no_tp = plan_training(cfg, cl, Layout(world=512, tp=1, pp=8, ep=64, recompute="full"), w)
     assert no_tp.comm_bytes["tp"] == 0
@@ -165,6 +166,17 @@ def test_communication_follows_the_layout(k3):
     m = 4096 // 8
     rows = 4096 / 8 * 16 * 3584 * 2 * 63 / 64  # SP: this rank's 512 tokens, top-16 latent rows, bf16
     assert single.comm_bytes["ep"] == pytest.approx(m * n_moe * 2 * 3 * rows, rel=1e-9)
+    # ep=32 on 512: two expert-data-parallel replicas. ExpertOptimizer all-reduces each expert's fp32 gradient over
+    # them after the last backward (2 x 4 B x (edp-1)/edp per expert parameter, exposed), outside DeepSpeed's
+    # reduction and parameter all-gather, which carry the dense parameters only
+    from megatron_k3.planning.comm import training_comm
+
+    lay2 = Layout(world=512, tp=8, pp=8, ep=32, recompute="full")
+    a, b = stage_layers(cfg, 8)[1]
+    experts = sum(lp.experts.total for lp in model_params(cfg, 8, 32).layers[a:b])
+    two, one = training_comm(cfg, cl, lay2, w, 1).bytes_by_kind, training_comm(cfg, cl, single_lay, w, 1).bytes_by_kind
+    assert two["edp_grad_all_reduce"] == pytest.approx(experts * 8 / 2, rel=1e-12) and one["edp_grad_all_reduce"] == 0
+    assert two["dp_grad_reduce"] == pytest.approx(one["dp_grad_reduce"], rel=1e-12)  # the dense parameters only
 
 
 def test_layout_rules():
@@ -282,20 +294,27 @@ def test_checkpoint_shares_sum_to_the_models_masters_and_states(name, optimizer)
         assert rank0 > other
 
 
-def test_checkpoint_share_is_what_the_planner_puts_in_optimizer_memory(k3):
+@pytest.mark.parametrize("ep", [64, 32])
+def test_checkpoint_share_is_what_the_planner_puts_in_optimizer_memory(k3, ep):
     """Under bf16 + ZeRO-1 a rank's optimizer memory is its fp32 master + states partition: what it writes. TP
-    rank 0's share (without the stage's buffers) equals the planner's optimizer memory of each stage."""
-    from megatron_k3.planning.checkpoint import rank_shares
+    rank 0's share (without the stage's buffers) equals the planner's optimizer memory of each stage, but for the
+    routed experts under edp > 1 (ep=32 on 512: edp 2): their optimizer (training.expert_optimizer) keeps each rank's
+    experts' masters and states whole, and the checkpoint has each edp rank write a 1/edp share of them."""
+    from megatron_k3.planning.checkpoint import _bytes, rank_shares
+    from megatron_k3.planning.params import ParamGroup
 
     cfg, cl = k3.model, k3.cluster
-    lay = Layout(world=512, tp=8, pp=8, ep=32, recompute="full")
+    lay = Layout(world=512, tp=8, pp=8, ep=ep, recompute="full")
+    mp, stages = model_params(cfg, lay.tp, lay.ep), stage_layers(cfg, lay.pp)
     for opt in ("adamw", "muon"):
         mem = training_memory(cfg, cl, lay, Workload(4096, 1, 4096, "bf16", opt))
         shares = rank_shares(cfg, lay, opt, 1)
         for sm in mem:
+            a, b = stages[sm.stage]
+            unwritten = _bytes(sum((lp.experts for lp in mp.layers[a:b]), ParamGroup()), opt) * (1 - 1 / lay.edp)
             writer, rank0, other = [(b, n) for s, b, n in shares if s == sm.stage]
             assert (writer[1], rank0[1], other[1]) == (1, lay.dp - 1, (lay.tp - 1) * lay.dp)
-            assert rank0[0] == pytest.approx(sm.optimizer, rel=1e-12)
+            assert rank0[0] == pytest.approx(sm.optimizer - unwritten, rel=1e-12)
             assert 0 < writer[0] - rank0[0] < 1e6  # the router's bias: 4 B x 896 experts per MoE layer
 
 
@@ -841,18 +860,19 @@ def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_t
 @pytest.mark.slow
 def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_tool, capsys):
     """tools/plan.py --search at 1M tokens without tiling or offload finds no layout on 512 accelerators: it names
-    the keys (and the layout) that fit these 512 before the accelerator count that would fit without them; so does
-    tools/build_rank.py --search's refusal."""
+    the keys (and the layout) that fit these 512, and then that no number of supernodes fits without them (more
+    add expert-data parallelism, which does not shard the experts' optimizer states); so does tools/build_rank.py
+    --search's refusal."""
     base = M1[:3] + ["train.seq_length=1048576", "train.global_batch_size=64"]
     got = plan_json(plan_tool, capsys, *base, "--search")
-    assert got["fits"] == [] and got["min_accelerators"] == 1024
+    assert got["fits"] == [] and got["min_accelerators"] is None
     ls = got["long_sequence"]
     assert ls["overrides"] == "train.recompute=full train.tile_tokens=2048" and ls["fits"]
     assert (ls["layout"]["tp"], ls["layout"]["pp"], ls["layout"]["ep"], ls["layout"]["cp"]) == (8, 8, 64, 8)
     text = run_plan(plan_tool, capsys, *base, "--search")
     keys = "train.recompute=full train.tile_tokens=2048"
     assert f"with the trainer's long-sequence knobs {keys}: tp8 pp8 ep64 cp8" in text
-    assert "without them, training needs at least 1024 accelerators" in text
+    assert "no whole number of supernodes up to the search limit fits either" in text
     again = plan_json(plan_tool, capsys, *base, *ls["overrides"].split()[1:], "--search")
     assert again["fits"] and again["memory_per_device_gb"] <= 141
     from megatron_k3.config import ConfigError  # tools/build_rank.py --search: the same keys in its refusal

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_file
+from dist_utils import run_distributed
+from helpers import FAST, STATIC, load_file
 
 from megatron_k3.config import compose_run_config, load_model_config
 from megatron_k3.model import K3ForCausalLM
@@ -97,3 +98,40 @@ def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, c
                                                                  "single_partition_of_fp32_groups", []))
     assert masters == n * 4  # one process: ZeRO's partition is the whole model
     assert plan["memory_breakdown_gb"]["optimizer"] * 1e9 == pytest.approx(states + masters, rel=1e-3)
+
+
+def _expert_optimizer_bytes(rank, world, overrides, run_dir):
+    """(measured, planned) bytes of the routed experts' fp32 masters and optimizer states on this rank after one step
+    (the planner's figure for this rank's pipeline stage)."""
+    from megatron_k3.planning.memory import training_memory
+    from megatron_k3.planning.run import layout, workload
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
+
+    run, _, _ = compose_run_config(FAST + overrides, world_size=world)
+    try:
+        trainer = Trainer(run, f"{run_dir}/{rank}")
+        trainer.train_step()
+        ex = trainer.experts
+        measured = sum(m.numel() * m.element_size() for m in ex.masters)
+        measured += sum(t.numel() * t.element_size() for st in ex.optimizer.state.values() for t in st.values()
+                        if torch.is_tensor(t) and t.dim() > 0)  # not the step counts
+        stage = trainer.ps.rank_in("pp")
+        planned = training_memory(run.model, run.cluster, layout(run, world), workload(run))[stage].optimizer_experts
+        return measured, planned
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [["optim=muon"], ["optim=adamw", "parallel.zero_stage=2"]],
+                         ids=["muon", "adamw_zero2"])
+def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_path, overrides):
+    """Under expert parallelism the routed experts have their own optimizer (training.expert_optimizer): on 4 ranks
+    with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps its experts' fp32 masters and
+    optimizer states whole. The planner's `optimizer_experts` is those bytes exactly, per rank and stage (it divided
+    them by edp, as ZeRO would, until 2026-12-05: half the measured here)."""
+    results = run_distributed(_expert_optimizer_bytes, 4, ["parallel.ep=2"] + STATIC + overrides, str(tmp_path),
+                              timeout=300)
+    for rank, (measured, planned) in enumerate(results):
+        assert measured > 0 and planned == measured, (rank, measured, planned)

@@ -199,21 +199,25 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     g_dense, g_exp = lay.dp * lay.cp, lay.edp
     rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
     dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
-    dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 else 0.0
+    in_zero = lay.ep == 1  # under ep > 1 the experts are stepped outside DeepSpeed (ExpertOptimizer)
+    dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
     ag_dense = dense * w.weight_bytes * (g_dense - 1) / g_dense if (g_dense > 1 and w.zero_stage >= 1) else 0.0
-    ag_exp = experts * w.weight_bytes * (g_exp - 1) / g_exp if (g_exp > 1 and w.zero_stage >= 1) else 0.0
+    ag_exp = experts * w.weight_bytes * (g_exp - 1) / g_exp if (g_exp > 1 and w.zero_stage >= 1 and in_zero) else 0.0
+    # ExpertOptimizer.reduce_gradients: each expert's fp32 gradient all-reduced over edp after the last backward
+    edp_bytes = experts * 4 * 2 * (g_exp - 1) / g_exp if g_exp > 1 and not in_zero else 0.0
     t_grad = (collective_time(dp_bytes_dense, g_dense, lay.tp, cluster)
               + collective_time(dp_bytes_exp, g_exp, lay.ep, cluster))
     t_param = collective_time(ag_dense, g_dense, lay.tp, cluster) + collective_time(ag_exp, g_exp, lay.ep, cluster)
     muon_bytes, t_muon = 0.0, 0.0
     if w.optimizer == "muon" and w.zero_stage >= 1:
         md = dense_muon * 4 * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
-        me = experts_muon * 4 * (g_exp - 1) / g_exp if g_exp > 1 else 0.0
+        me = experts_muon * 4 * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
         muon_bytes = md + me
         t_muon = collective_time(md, g_dense, lay.tp, cluster) + collective_time(me, g_exp, lay.ep, cluster)
     return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
-             "dp_muon_gather": muon_bytes},
-            {"dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon})
+             "dp_muon_gather": muon_bytes, "edp_grad_all_reduce": edp_bytes},
+            {"dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon,
+             "edp_grad_all_reduce": collective_time(edp_bytes, g_exp, lay.ep, cluster)})
 
 
 def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> StepComm:

@@ -252,6 +252,8 @@ class StageMemory:
     vision: dict = field(default_factory=dict)  # first stage, model.vision: params and bytes by kind (in the above)
     host: float = 0.0  # activation offload: layer inputs in host memory (not in `total`), per device
     params_frozen: int = 0  # peft=lora: the frozen base's elements on this device (not in params_dense/experts)
+    optimizer_experts: float = 0.0  # the routed experts' masters and optimizer states (in `optimizer`): under ep > 1
+    # training.expert_optimizer's, whole on every expert-data-parallel rank
 
     @property
     def total(self) -> float:
@@ -510,27 +512,32 @@ def vision_activations(cfg, w: Workload, recompute: str, tp: int = 1, recomputed
 @dataclass
 class _Sharding:
     """How a layout divides a rank's model states: ZeRO's partitions of the dense and the expert states, and of their
-    gradients (ZeRO-2); n tokens of a micro-batch on a CP rank, n_rank of them on a TP rank."""
+    gradients (ZeRO-2); the bytes per expert parameter of their gradients; n tokens of a micro-batch on a CP rank,
+    n_rank of them on a TP rank. Under ep > 1 the routed experts are stepped outside DeepSpeed
+    (training.expert_optimizer.ExpertOptimizer): every expert-data-parallel rank keeps whole fp32 masters and optimizer
+    states of its experts, unsharded, and their fp32 gradients from the reduction to the step."""
     dense: int
     experts: int
     grad_dense: int
     grad_experts: int
+    expert_grad_bytes: int
     n: float
     n_rank: float
 
     @classmethod
     def of(cls, lay: Layout, w: Workload) -> "_Sharding":
         dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
-        experts = lay.edp if w.zero_stage >= 1 else 1
+        in_zero = lay.ep == 1  # the experts are DeepSpeed's (ZeRO) parameters only without expert parallelism
+        experts = lay.edp if w.zero_stage >= 1 and in_zero else 1
         n = w.micro_batch_size * w.seq_length / lay.cp
-        return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 else 1, n,
-                   n / lay.tp if lay.sp else n)
+        return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 else 1,
+                   w.grad_bytes if in_zero else max(w.grad_bytes, 4), n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
     """(dense ParamGroup trained, frozen vision parameters, experts ParamGroup, weights, gradients, optimizer
-    bytes) of the stage holding layers [a, b); under peft=lora the groups' frozen base (ParamGroup.frozen,
-    frozen_mx) adds weights only."""
+    bytes, the routed experts' share of them) of the stage holding layers [a, b); under peft=lora the groups' frozen
+    base (ParamGroup.frozen, frozen_mx) adds weights only."""
     dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
     if first:
         dense = dense + mp.embedding
@@ -545,11 +552,11 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     base = ((dense.frozen + experts.frozen) * w.weight_bytes
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
-    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
+    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * sh.expert_grad_bytes / sh.grad_experts
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
-    opt_exp = e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)
-    return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp / sh.experts
+    opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
+    return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:
@@ -713,7 +720,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        dense, frozen, experts, weights, grads, optimizer = _stage_states(mp, a, b, first, last, cfg, w, sh)
+        dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
         head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
         acts, detail, transient, host = _stage_activations(cfg, lay, w, a, b, last, in_flight, head_weights)
@@ -732,7 +739,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
-                               exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx))
+                               exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))
     return out
 
 

@@ -328,12 +328,12 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     pipeline = (m + lay.pp - 1) * t_micro
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
     # data parallel: the gradient reduction hides behind the last backward with parallel.overlap_grad_reduce under
-    # ZeRO-1/2 (DeepSpeed's overlap_comm), else it is exposed; DeepSpeed gathers the updated parameter partitions
-    # inside its optimizer step (exposed), and Muon's gather and Newton-Schulz are exposed
+    # ZeRO-1/2 (overlap_comm), else it is exposed; exposed: DeepSpeed's parameter gather in its step, Muon's traffic
+    # and Newton-Schulz, and under ep > 1 the experts' gradient all-reduce after the last backward (ExpertOptimizer)
     t_bwd = (bwd + rec) / rate
     t_grad = comm.time_by_kind["dp_grad_reduce"]
     dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
-    dp_exposed += comm.time_by_kind["dp_param_gather"] + comm.time_by_kind["dp_muon_gather"]
+    dp_exposed += sum(comm.time_by_kind[k] for k in ("dp_param_gather", "dp_muon_gather", "edp_grad_all_reduce"))
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w.peft) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step
