@@ -22,6 +22,7 @@ from megatron_k3.config import OptimConfig, load_model_config
 from megatron_k3.model import K3ForCausalLM
 from megatron_k3.optim import Muon, build_optimizer
 from megatron_k3.optim.grouping import muon_rule
+from megatron_k3.planning.params import model_params
 
 OVERRIDES = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "attn_res_block_size=2",
              "num_shared_experts=2"]  # two fused shared experts: per-expert blocks of the shared MLP
@@ -135,9 +136,13 @@ def test_zero1_data_parallel_muon_equals_single_process():
 
 
 def _tp_worker(rank, world, per_head):
+    """(the full parameters after STEPS steps, the elements of updates Muon all-gathered over TP per step)."""
+    from megatron_k3.optim import muon
     from megatron_k3.parallel import ParallelGroups, parallelize, state
 
     ps = state.initialize_model_parallel(tp=2)
+    gathered, gather = [], muon._gather_tp
+    muon._gather_tp = lambda t, dim, tp: gathered.append(t.numel()) or gather(t, dim, tp)
     try:
         groups = ParallelGroups.from_state(ps)
         model = parallelize(_model(), groups)
@@ -156,8 +161,9 @@ def _tp_worker(rank, world, per_head):
                 torch.distributed.all_gather(parts, t.contiguous(), group=group)
                 t = torch.cat(parts, d)
             out[n] = t
-        return out
+        return out, sum(gathered) / STEPS
     finally:
+        muon._gather_tp = gather
         state.destroy_model_parallel()
 
 
@@ -165,10 +171,15 @@ def _tp_worker(rank, world, per_head):
 @pytest.mark.parametrize("per_head", [True, False])
 def test_tensor_parallel_muon_equals_single_process(per_head):
     """tp=2: head and shared-expert blocks are local to their rank; whole-matrix updates of sharded matrices
-    (and, with per_head off, of the head projections) gather the full matrix over TP."""
+    (and, with per_head off, of the head projections) gather the full matrix over TP. The elements gathered per step
+    are the planner's `tp_gather` count (planning/params.py: its Newton-Schulz FLOPs and tp_muon_gather traffic)."""
     ref = _reference(1, per_head=per_head, adamw=False)
-    for params in run_distributed(_tp_worker, 2, per_head, timeout=240):
+    planned = model_params(load_model_config("k3_tiny", OVERRIDES), 2, 1)
+    planned = sum(g.tp_gather for g in [lp.dense for lp in planned.layers] + [planned.embedding, planned.head])
+    for params, gathered in run_distributed(_tp_worker, 2, per_head, timeout=240):
         _assert_close(params, ref)
+        if per_head:  # the planner's rule is the optimizer's (the default, per-head): what a step gathers
+            assert gathered == planned > 0, (gathered, planned)
 
 
 def test_zero_attach_takes_over_clipping_and_refuses_what_it_cannot_do_exactly():

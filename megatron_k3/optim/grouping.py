@@ -57,6 +57,19 @@ def muon_rule(p: torch.nn.Parameter, per_head: bool = True) -> str:
 
 _LAYOUT = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expert": "batched",
            "muon/matrix": "matrix"}
+MUON_LAYOUTS = _LAYOUT  # a Muon rule's update layout (its param group's `layout`)
+
+
+def tp_gathered(m, layout: str, tp: int) -> tuple:
+    """(gather, blocks) of Muon's update of a parameter with annotations `m` in a group of `layout` on `tp` TP ranks:
+    gather when the rank holds a TP shard of what must be orthogonalised whole (a matrix, or blocks the TP split
+    cuts or does not share out evenly), which optim.muon then all-gathers over TP in the step; blocks: those the
+    rank's orthogonalisation covers. The planner counts the gather and the whole matrix's Newton-Schulz from this."""
+    n, axis, dim = m.blocks, m.block_axis, m.tp_dim
+    gather = tp > 1 and dim is not None and layout != "batched"
+    if gather and layout == "blocks" and dim == axis and n % tp == 0:
+        return False, n // tp  # this rank holds whole blocks: local work
+    return gather, n
 _NO_DECAY = ("adamw/embedding", "adamw/vector")  # as optim=adamw: decay every matrix but the embedding
 
 

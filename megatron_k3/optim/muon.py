@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..annotations import meta
 from ..parallel.mappings import Group
+from .grouping import tp_gathered
 
 log = logging.getLogger("megatron_k3.optim")
 
@@ -184,10 +185,8 @@ class Muon(torch.optim.Optimizer):
         momentum.mul_(mu).add_(grad)
         u = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
         m = meta(p)
-        layout, n, axis, dim = group["layout"], m.blocks, m.block_axis, m.tp_dim
-        gather = self.tp.size > 1 and dim is not None and layout != "batched"
-        if gather and layout == "blocks" and dim == axis and n % self.tp.size == 0:
-            gather, n = False, n // self.tp.size  # this rank holds whole blocks: local work
+        layout, axis, dim = group["layout"], m.block_axis, m.tp_dim
+        gather, n = tp_gathered(m, layout, self.tp.size)
         if gather:  # the update needs the whole matrix: assemble it, keep this rank's slice
             u = _gather_tp(u, dim, self.tp)
         o = orthogonalized_update(u, layout, n, axis, group["ns_steps"], group["scale"],

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from .candidates import Layout, group_span, stage_layers
 from .flops import vision_tp_share
 from .memory import Workload, balanced_moe, replica_bytes_per_param
-from .params import model_params
+from .params import ParamGroup, model_params
 
 __all__ = ["StepComm", "training_comm", "collective_time", "vision_tp_bytes"]
 
@@ -180,22 +180,21 @@ def _pp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
 
 
 def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
-    """Data parallelism, once per step: ({kind: bytes}, {kind: seconds}) for dp_grad_reduce, dp_param_gather and
-    dp_muon_gather, over the dense (dp x cp) and expert (edp) groups."""
+    """Data parallelism and the optimizer's collectives, once per step: ({kind: bytes}, {kind: seconds}) for
+    dp_grad_reduce and dp_param_gather over the dense (dp x cp) and, at ep = 1, expert (edp) groups, the routed
+    experts' edp_grad_all_reduce under ep > 1, and Muon's tp_muon_gather."""
     start, end = st.stages[st.stage]
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
-    dense = sum(lp.dense.total for lp in mp.layers[start:end])
-    dense_muon = sum(lp.dense.muon for lp in mp.layers[start:end])
+    groups = [lp.dense for lp in mp.layers[start:end]]
     if st.first:
-        dense += mp.embedding.total
+        groups.append(mp.embedding)
         if not cfg.freeze_vision:  # the vision tower and projector (model.vision), like any dense parameter
-            dense += mp.vision.total
-            dense_muon += mp.vision.muon
+            groups.append(mp.vision)
     if st.last:
-        dense += mp.head.total
-        dense_muon += mp.head.muon
+        groups.append(mp.head)
+    d = sum(groups, ParamGroup())
+    dense, dense_muon, gathered, largest = d.total, d.muon, d.tp_gather, d.largest_shard
     experts = sum(lp.experts.total for lp in mp.layers[start:end])  # this EP rank's
-    experts_muon = sum(lp.experts.muon for lp in mp.layers[start:end])
     g_dense, g_exp = lay.dp * lay.cp, lay.edp
     rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
     dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
@@ -208,15 +207,21 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     t_grad = (collective_time(dp_bytes_dense, g_dense, lay.tp, cluster)
               + collective_time(dp_bytes_exp, g_exp, lay.ep, cluster))
     t_param = collective_time(ag_dense, g_dense, lay.tp, cluster) + collective_time(ag_exp, g_exp, lay.ep, cluster)
-    muon_bytes, t_muon = 0.0, 0.0
-    if w.optimizer == "muon" and w.zero_stage >= 1:
-        md = dense_muon * 4 * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
-        me = experts_muon * 4 * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
-        muon_bytes = md + me
-        t_muon = collective_time(md, g_dense, lay.tp, cluster) + collective_time(me, g_exp, lay.ep, cluster)
+    tp_muon = 0.0
+    if w.optimizer == "muon":
+        # optim.muon: the fp32 update of each TP-sharded matrix it orthogonalises whole, all-gathered over TP in the
+        # step (optim.grouping.tp_gathered); DeepSpeed (ZeRO-1/2): a Muon matrix a partition boundary cuts is
+        # all-reduced instead of reduced to its owner, inside the gradient reduction: at most one per boundary and
+        # Muon group (3 dense rules), counted as one more reduction of the largest shard
+        tp_muon = gathered * 4 * (lay.tp - 1)
+        if w.zero_stage >= 1 and g_dense > 1:
+            split = min(dense_muon, 3 * (g_dense - 1) * largest) * w.grad_bytes * (g_dense - 1) / g_dense
+            dp_bytes_dense += split
+            t_grad += collective_time(split, g_dense, lay.tp, cluster)
     return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
-             "dp_muon_gather": muon_bytes, "edp_grad_all_reduce": edp_bytes},
-            {"dp_grad_reduce": t_grad, "dp_param_gather": t_param, "dp_muon_gather": t_muon,
+             "tp_muon_gather": tp_muon, "edp_grad_all_reduce": edp_bytes},
+            {"dp_grad_reduce": t_grad, "dp_param_gather": t_param,
+             "tp_muon_gather": collective_time(tp_muon, lay.tp, 1, cluster),
              "edp_grad_all_reduce": collective_time(edp_bytes, g_exp, lay.ep, cluster)})
 
 

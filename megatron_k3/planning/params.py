@@ -20,7 +20,8 @@ text model's (model.params.count_parameters) plus the tower and projector.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +29,7 @@ from ..annotations import full_shape, meta
 from ..config.schema import PeftConfig, token_ids
 from ..model.params import count_parameters as _count_text
 from ..model.vision import MoonViT3d, PatchMergerV2
-from ..optim.grouping import muon_rule
+from ..optim.grouping import MUON_LAYOUTS, muon_rule, tp_gathered
 from ..parallel.mappings import Group
 from ..parallel.plan import ParallelGroups, build_model
 from ..parallel.tensor import TensorParallel
@@ -61,10 +62,13 @@ class ParamGroup:
     ns_flops: float = 0.0  # Newton-Schulz FLOPs of one Muon update of these matrices (per head / per expert)
     frozen: int = 0  # peft=lora: frozen elements in the weights' dtype (not in `total`: no gradient, no state)
     frozen_mx: int = 0  # peft=lora: frozen elements kept as MXFP4 codes (the routed experts)
+    tp_gather: int = 0  # of `muon`, the elements whose update Muon all-gathers over TP to orthogonalise it whole
+    largest_shard: int = 0  # elements of the largest Muon parameter as this rank holds it (a ZeRO partition cuts it)
 
     def __add__(self, o: "ParamGroup") -> "ParamGroup":
         return ParamGroup(self.total + o.total, self.muon + o.muon, max(self.largest_matrix, o.largest_matrix),
-                          self.ns_flops + o.ns_flops, self.frozen + o.frozen, self.frozen_mx + o.frozen_mx)
+                          self.ns_flops + o.ns_flops, self.frozen + o.frozen, self.frozen_mx + o.frozen_mx,
+                          self.tp_gather + o.tp_gather, max(self.largest_shard, o.largest_shard))
 
     @property
     def held(self) -> int:
@@ -113,10 +117,27 @@ class ModelParams:
         return sum(lp.experts.total for lp in self.layers)
 
 
-def _group(module, prefix: str = "", frozen_base: bool = False) -> tuple:
-    """(dense, routed experts) ParamGroups of a module on one TP rank: which parameters Muon updates is the
-    optimizer's rule (optim.grouping.muon_rule), and each Muon update runs per block where the annotation says so
-    (attention heads, fused shared experts) and per expert for routed experts, as the optimizer does.
+def _muon_matrices(p, rule: str, tp: int) -> tuple:
+    """(Newton-Schulz FLOPs of one update of parameter p on its TP rank, elements of the largest matrix it
+    orthogonalises, whether its update is all-gathered over TP first): per block where the annotation says so
+    (attention heads, fused shared experts), per expert for routed experts, and the whole matrix (or all its blocks)
+    where the rank holds a TP shard of what must be orthogonalised whole (optim.grouping.tp_gathered)."""
+    m = meta(p)
+    gather, _ = tp_gathered(m, MUON_LAYOUTS[rule], tp)
+    shape = full_shape(p) if gather else tuple(p.shape)
+    rows, cols = shape[-2], shape[-1]
+    count = p.shape[0] if m.batched else 1  # one matrix per expert
+    if rule in ("muon/per_head", "muon/shared_expert"):
+        block = full_shape(p)[m.block_axis] // m.blocks
+        count = shape[m.block_axis] // block  # the blocks this rank orthogonalises
+        rows, cols = (block, cols) if m.block_axis == 0 else (rows, block)
+    largest = p[0].numel() if m.batched else (math.prod(shape) if gather else p.numel())
+    return count * newton_schulz_flops(rows, cols), largest, gather
+
+
+def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> tuple:
+    """(dense, routed experts) ParamGroups of a module on one of `tp` TP ranks: which parameters Muon updates is the
+    optimizer's rule (optim.grouping.muon_rule), and how (`_muon_matrices`), as the optimizer does.
     `frozen_base` (peft=lora): only the adapters train; the rest counts as frozen, the MXFP4 experts apart."""
     dense, experts = ParamGroup(), ParamGroup()
     if frozen_base:
@@ -129,18 +150,9 @@ def _group(module, prefix: str = "", frozen_base: bool = False) -> tuple:
             continue
         rule = muon_rule(p)
         muon = rule.startswith("muon/")
-        m = meta(p)
-        per_matrix = p[0].numel() if m.batched else p.numel()
-        ns = 0.0
-        if muon:
-            rows, cols = p.shape[-2], p.shape[-1]
-            count = p.shape[0] if m.batched else 1  # one matrix per expert
-            if rule in ("muon/per_head", "muon/shared_expert"):
-                block = full_shape(p)[m.block_axis] // m.blocks
-                count = p.shape[m.block_axis] // block  # the blocks this rank holds
-                rows, cols = (block, cols) if m.block_axis == 0 else (rows, block)
-            ns = count * newton_schulz_flops(rows, cols)
-        g = ParamGroup(p.numel(), p.numel() if muon else 0, per_matrix if muon else 0, ns)
+        ns, largest, gather = _muon_matrices(p, rule, tp) if muon else (0.0, 0, False)
+        g = ParamGroup(p.numel(), p.numel() if muon else 0, largest, ns, tp_gather=p.numel() if gather else 0,
+                       largest_shard=p.numel() if muon else 0)
         if ".experts." in name or name.startswith("experts."):
             experts = experts + g
         else:
@@ -173,23 +185,22 @@ def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
     if peft:
         apply_lora(model, _peft_config(peft), groups.tp)
     f = bool(peft)
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f), _buffer_bytes(layer),
+    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f, tp), _buffer_bytes(layer),
                                    _moe_dense(layer, f))
                    for layer in model.model.layers)
-    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f)
+    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f, tp)
     head, head_buffers = ParamGroup(), 0
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
                       ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
         if mod is not None:
-            head = head + _group(mod, name, f)[0]
+            head = head + _group(mod, name, f, tp)[0]
             head_buffers += _buffer_bytes(mod)
     if cfg.tie_word_embeddings:
-        head = ParamGroup(head.total - emb.total, head.muon, head.largest_matrix, head.ns_flops,
-                          head.frozen - emb.frozen)
+        head = replace(head, total=head.total - emb.total, frozen=head.frozen - emb.frozen, frozen_mx=0)
     tower = getattr(model, "vision_tower", None)
     proj = getattr(model, "mm_projector", None)
-    tower = _group(tower, "vision_tower", f)[0] if tower is not None else ParamGroup()
-    proj = _group(proj, "mm_projector", f)[0] if proj is not None else ParamGroup()
+    tower = _group(tower, "vision_tower", f, tp)[0] if tower is not None else ParamGroup()
+    proj = _group(proj, "mm_projector", f, tp)[0] if proj is not None else ParamGroup()
     return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj)
 
 

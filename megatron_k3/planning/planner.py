@@ -333,7 +333,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_bwd = (bwd + rec) / rate
     t_grad = comm.time_by_kind["dp_grad_reduce"]
     dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
-    dp_exposed += sum(comm.time_by_kind[k] for k in ("dp_param_gather", "dp_muon_gather", "edp_grad_all_reduce"))
+    dp_exposed += sum(comm.time_by_kind[k] for k in ("dp_param_gather", "tp_muon_gather", "edp_grad_all_reduce"))
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w.peft) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step
