@@ -229,6 +229,12 @@ def test_cli_errors_are_one_line(plan_tool, capsys):
     assert len(err) == 1 and "--mode" in err[0]
     assert plan_tool.main(["model=k3", "cluster=supernodes_8x64", "parallel.tp=5"]) == 2
     assert "tp" in capsys.readouterr().err
+    # a search whose every candidate breaks a rule is bad input, not a memory limit: it names the key and value,
+    # instead of "no layout fits" and a scan over more accelerators that could not help
+    bad_tile = ["model=k3_tiny", "cluster=cpu", "train.seq_length=64", "train.tile_tokens=7", "--search"]
+    assert plan_tool.main(bad_tile) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.tile_tokens=7" in err[0] and "nothing was planned" in err[0]
 
 
 def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):

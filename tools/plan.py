@@ -114,6 +114,16 @@ def compose(overrides, flags):
     return compose_for_planning(overrides, flags.get("--optimizer"))
 
 
+def _nothing_valid(res, t) -> str:
+    """The error of a search whose every candidate breaks a layout rule: more accelerators would not help."""
+    why = "; ".join(f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1]))
+    tile = (f"; train.tile_tokens={t.tile_tokens}: a tile divides a device's tokens (micro_batch_size x seq_length / "
+            "cp, and / tp in the MoE layers under sequence parallelism) in no candidate, a power of two does"
+            if t.tile_tokens and any(k.startswith("train.tile_tokens") for k in res.invalid) else "")
+    return (f"--search: every candidate layout breaks a layout rule ({why}), so nothing was planned, on any number "
+            f"of accelerators{tile}")
+
+
 def main(argv):
     try:
         overrides, flags = parse(argv)
@@ -161,6 +171,8 @@ def main(argv):
                 lines += report.render_infer(q)
         elif flags.get("--search"):
             res = search_training(cfg, cluster, w, top, knobs=knobs)
+            if not res.evaluated:  # bad input, not a memory limit: say which key, and stop
+                raise ValueError(_nothing_valid(res, t))
             inf = search_inference(cfg, cluster, batch, context, 3) if not res.fits else None
             if as_json:
                 out = {"mode": "train", "search": True, "total_params": counts["total"],
