@@ -118,7 +118,7 @@ def _nothing_valid(res, t) -> str:
     """The error of a search whose every candidate breaks a layout rule: more accelerators would not help."""
     why = "; ".join(f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1]))
     tile = (f"; train.tile_tokens={t.tile_tokens}: a tile divides a device's tokens (micro_batch_size x seq_length / "
-            "cp, and / tp in the MoE layers under sequence parallelism) in no candidate, a power of two does"
+            "cp, and / tp in the MoE layers under sequence parallelism) in no candidate (try a power of two)"
             if t.tile_tokens and any(k.startswith("train.tile_tokens") for k in res.invalid) else "")
     return (f"--search: every candidate layout breaks a layout rule ({why}), so nothing was planned, on any number "
             f"of accelerators{tile}")

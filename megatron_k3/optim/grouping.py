@@ -70,6 +70,8 @@ def tp_gathered(m, layout: str, tp: int) -> tuple:
     if gather and layout == "blocks" and dim == axis and n % tp == 0:
         return False, n // tp  # this rank holds whole blocks: local work
     return gather, n
+
+
 _NO_DECAY = ("adamw/embedding", "adamw/vector")  # as optim=adamw: decay every matrix but the embedding
 
 
@@ -119,4 +121,5 @@ def log_grouping(name: str, groups: list):
         log.info("optimizer %s: parameter grouping\n%s", name, grouping_table(groups))
 
 
-__all__ = ["muon_rule", "muon_param_groups", "adamw_param_groups", "grouping_table", "log_grouping"]
+__all__ = ["muon_rule", "MUON_LAYOUTS", "tp_gathered", "muon_param_groups", "adamw_param_groups", "grouping_table",
+           "log_grouping"]

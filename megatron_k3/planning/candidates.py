@@ -50,6 +50,13 @@ class Layout:
         return self.world // (self.ep * self.pp)
 
     @property
+    def experts_in_zero(self) -> bool:
+        """Whether DeepSpeed holds the routed experts: at ep = 1, with the dense parameters, ZeRO-partitioned over
+        dp x cp (whole on every TP rank); under ep > 1 training.expert_optimizer steps them, whole on every one of
+        the edp ranks that hold an expert."""
+        return self.ep == 1
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 

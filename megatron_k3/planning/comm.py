@@ -23,9 +23,11 @@ Kinds:
   counts and codes (forward), the replica weights out ((El + S) x P x (R-1)/R per forward) and their gradients
   back (the same bytes, in the backward); `StepComm.ep_detail` gives the four parts and their times.
 * dp: gradient reduce-scatter and parameter all-gather (ZeRO-1/2; all-reduce with ZeRO-0) over the
-  data-parallel group (dense, with the vision tower on the first stage unless model.freeze_vision) and expert-DP
-  group (routed experts); with Muon, the momentum all-gather for
-  the whole-matrix Newton-Schulz; across supernodes when the group spans them.
+  data-parallel group (dp x cp: dense, with the vision tower on the first stage unless model.freeze_vision, and
+  the routed experts at ep = 1), with Muon's all-reduce of the matrices a partition boundary cuts; under ep > 1
+  the routed experts' fp32 gradient all-reduce over expert-DP (edp_grad_all_reduce, training.expert_optimizer);
+  across supernodes when the group spans them.
+* tp_muon_gather: Muon's all-gather over TP of the update of each TP-sharded matrix it orthogonalises whole.
 * pp: activations forward and their gradients backward between neighbouring stages; with AttnRes the
   completed blocks travel with the partial sum.
 """
@@ -195,27 +197,33 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     d = sum(groups, ParamGroup())
     dense, dense_muon, gathered, largest = d.total, d.muon, d.tp_gather, d.largest_shard
     experts = sum(lp.experts.total for lp in mp.layers[start:end])  # this EP rank's
-    g_dense, g_exp = lay.dp * lay.cp, lay.edp
+    in_zero = lay.experts_in_zero  # at ep = 1 DeepSpeed reduces the experts with the dense parameters
+    g_dense = lay.dp * lay.cp
+    g_exp, exp_stride = (g_dense, lay.tp) if in_zero else (lay.edp, lay.ep)
     rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
     dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
-    in_zero = lay.ep == 1  # under ep > 1 the experts are stepped outside DeepSpeed (ExpertOptimizer)
     dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
     ag_dense = dense * w.weight_bytes * (g_dense - 1) / g_dense if (g_dense > 1 and w.zero_stage >= 1) else 0.0
     ag_exp = experts * w.weight_bytes * (g_exp - 1) / g_exp if (g_exp > 1 and w.zero_stage >= 1 and in_zero) else 0.0
     # ExpertOptimizer.reduce_gradients: each expert's fp32 gradient all-reduced over edp after the last backward
     edp_bytes = experts * 4 * 2 * (g_exp - 1) / g_exp if g_exp > 1 and not in_zero else 0.0
     t_grad = (collective_time(dp_bytes_dense, g_dense, lay.tp, cluster)
-              + collective_time(dp_bytes_exp, g_exp, lay.ep, cluster))
-    t_param = collective_time(ag_dense, g_dense, lay.tp, cluster) + collective_time(ag_exp, g_exp, lay.ep, cluster)
+              + collective_time(dp_bytes_exp, g_exp, exp_stride, cluster))
+    t_param = (collective_time(ag_dense, g_dense, lay.tp, cluster)
+               + collective_time(ag_exp, g_exp, exp_stride, cluster))
     tp_muon = 0.0
     if w.optimizer == "muon":
         # optim.muon: the fp32 update of each TP-sharded matrix it orthogonalises whole, all-gathered over TP in the
-        # step (optim.grouping.tp_gathered); DeepSpeed (ZeRO-1/2): a Muon matrix a partition boundary cuts is
-        # all-reduced instead of reduced to its owner, inside the gradient reduction: at most one per boundary and
-        # Muon group (3 dense rules), counted as one more reduction of the largest shard
-        tp_muon = gathered * 4 * (lay.tp - 1)
-        if w.zero_stage >= 1 and g_dense > 1:
-            split = min(dense_muon, 3 * (g_dense - 1) * largest) * w.grad_bytes * (g_dense - 1) / g_dense
+        # step (optim.grouping.tp_gathered), under ZeRO by the DP rank whose partition holds the matrix (a 1/(dp x cp)
+        # share each). DeepSpeed (ZeRO-1/2): a Muon matrix a partition boundary cuts is all-reduced instead of
+        # reduced to its owner, inside the gradient reduction: at most one per boundary and Muon group (3 dense
+        # rules, and the experts' at ep = 1), counted as one more reduction of the largest such parameter
+        zero = w.zero_stage >= 1 and g_dense > 1
+        tp_muon = gathered * 4 * (lay.tp - 1) / (g_dense if zero else 1)
+        if zero:
+            ex = sum((lp.experts for lp in mp.layers[start:end]), ParamGroup()) if in_zero else ParamGroup()
+            cut = (3 + (ex.muon > 0)) * (g_dense - 1) * max(largest, ex.largest_shard)
+            split = min(dense_muon + ex.muon, cut) * w.grad_bytes * (g_dense - 1) / g_dense
             dp_bytes_dense += split
             t_grad += collective_time(split, g_dense, lay.tp, cluster)
     return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,

@@ -527,8 +527,8 @@ class _Sharding:
     @classmethod
     def of(cls, lay: Layout, w: Workload) -> "_Sharding":
         dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
-        in_zero = lay.ep == 1  # the experts are DeepSpeed's (ZeRO) parameters only without expert parallelism
-        experts = lay.edp if w.zero_stage >= 1 and in_zero else 1
+        in_zero = lay.experts_in_zero
+        experts = dense if in_zero else 1
         n = w.micro_batch_size * w.seq_length / lay.cp
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 else 1,
                    w.grad_bytes if in_zero else max(w.grad_bytes, 4), n, n / lay.tp if lay.sp else n)
@@ -727,8 +727,6 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh, mp)
         acts, transient = acts + moe_acts, transient + moe_trans
         detail.update(moe_detail)
-        if w.optimizer == "muon":  # Newton-Schulz on the largest whole matrix: momentum, X, X X^T (fp32)
-            transient += 3 * max(dense.largest_matrix, experts.largest_matrix) * 4
         if any(t == "moe" for t in cfg.ffn_types()[a:b]):
             transient += frozen_expert_decode_bytes(cfg, w)
         transient += token_rows_copy_bytes(cfg, lay, w) * (first + last)
@@ -737,6 +735,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, transient = acts + v_acts, transient + v_trans
         if v_acts:
             detail["vision"] = v_acts
+        if w.optimizer == "muon":  # Newton-Schulz on the largest update orthogonalised at once (momentum, X, X X^T,
+            # fp32) in the optimizer step, after the backward has freed the activations: the larger phase counts
+            transient = max(transient, 3 * max(dense.largest_matrix, experts.largest_matrix) * 4 - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))

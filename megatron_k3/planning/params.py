@@ -58,7 +58,7 @@ class ParamGroup:
     """Element counts on one TP rank: total, and the part Muon would update (matrices)."""
     total: int = 0
     muon: int = 0
-    largest_matrix: int = 0  # elements of the largest Muon matrix (per expert for routed experts)
+    largest_matrix: int = 0  # elements of the largest Muon update orthogonalised at once (a batch of experts whole)
     ns_flops: float = 0.0  # Newton-Schulz FLOPs of one Muon update of these matrices (per head / per expert)
     frozen: int = 0  # peft=lora: frozen elements in the weights' dtype (not in `total`: no gradient, no state)
     frozen_mx: int = 0  # peft=lora: frozen elements kept as MXFP4 codes (the routed experts)
@@ -131,7 +131,7 @@ def _muon_matrices(p, rule: str, tp: int) -> tuple:
         block = full_shape(p)[m.block_axis] // m.blocks
         count = shape[m.block_axis] // block  # the blocks this rank orthogonalises
         rows, cols = (block, cols) if m.block_axis == 0 else (rows, block)
-    largest = p[0].numel() if m.batched else (math.prod(shape) if gather else p.numel())
+    largest = math.prod(shape)  # what one call orthogonalises at once: every expert of a batch, every block
     return count * newton_schulz_flops(rows, cols), largest, gather
 
 

@@ -8,8 +8,9 @@ Time model (training), for the slowest pipeline stage:
   pipeline         (m + pp - 1) x t_micro for m micro-batches per step (1F1B; bubble (pp-1)/(m+pp-1))
   data parallel    with parallel.overlap_grad_reduce (ZeRO-1/2) the gradient reduce-scatter overlaps the last
                    micro-batch's backward and what does not fit is exposed, else all of it is; the parameter
-                   all-gather (inside DeepSpeed's optimizer step), the Muon momentum gather and Newton-Schulz
-                   are exposed (docs/planning.md, "What the time model assumes")
+                   all-gather (inside DeepSpeed's optimizer step), Muon's TP gather and Newton-Schulz and,
+                   under ep > 1, the experts' gradient all-reduce are exposed (docs/planning.md, "What the time
+                   model assumes")
   MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
 
 Vision tower (model.vision.enabled): on the first pipeline stage, for `Workload.image_share` of the tokens being
@@ -334,7 +335,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_grad = comm.time_by_kind["dp_grad_reduce"]
     dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
     dp_exposed += sum(comm.time_by_kind[k] for k in ("dp_param_gather", "tp_muon_gather", "edp_grad_all_reduce"))
-    t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w.peft) / rate if w.optimizer == "muon" else 0.0
+    t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step
     once = max(sum(c.per_step_time.values()) for *_, c, _ in per_stage)
@@ -390,15 +391,19 @@ def _peft_summary(cfg, lay: Layout, w: Workload, worst, mf, tokens: int, step: f
             "mfu_trained": mf.train_per_step(tokens) / peak, "mfu_forward": mf.forward_per_token * tokens / peak}
 
 
-def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, peft: tuple = ()) -> float:
+def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, w: Workload) -> float:
     """Newton-Schulz FLOPs of Per-Head Muon on one device of the stage holding `layers` (start, end): its dense
-    matrices and its experts (peft=lora: the adapters), the vision tower's on the first stage unless frozen."""
-    mp = model_params(cfg, lay.tp, lay.ep, peft)
+    matrices and its experts (peft=lora: the adapters), the vision tower's on the first stage unless frozen. Under
+    ZeRO-1/2 DeepSpeed orthogonalises on each DP rank the matrices of its partition, a 1/(dp x cp) share (the experts
+    too at ep = 1); under ep > 1 training.expert_optimizer orthogonalises every local expert on every edp rank."""
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft)
     a, b = layers
-    ns = sum(lp.dense.ns_flops + lp.experts.ns_flops for lp in mp.layers[a:b])
+    dense = sum(lp.dense.ns_flops for lp in mp.layers[a:b])
+    experts = sum(lp.experts.ns_flops for lp in mp.layers[a:b])
     if first and not cfg.freeze_vision:
-        ns += mp.vision.ns_flops
-    return ns
+        dense += mp.vision.ns_flops
+    share = lay.dp * lay.cp if w.zero_stage >= 1 else 1
+    return dense / share + (experts / share if lay.experts_in_zero else experts)
 
 
 def _plan_notes(lay: Layout, moe_dispatch: dict, vision: dict, m: int, t0: float, slow: int,
@@ -538,7 +543,7 @@ def search_training(cfg, cluster, w: Workload, top: int = 10, find_min_world: bo
     fits.sort(key=lambda p: (p.step_time, p.memory_per_device))
     over.sort(key=lambda p: p.memory_per_device)
     res = SearchResult(fits[:top], over[:top], invalid, n, state_floor_bytes=model_state_bytes(cfg, w))
-    if not fits:
+    if not fits and n:  # n = 0: every candidate broke a rule, which no knob or accelerator count changes
         res.long_sequence = long_sequence_plan(cfg, cluster, [p.layout for p in over[:LONG_SEQUENCE_LAYOUTS]], w,
                                                counts)
         res.long_sequence_keys = res.long_sequence.layout.trainer_keys(knobs[1:]) if res.long_sequence else ""
