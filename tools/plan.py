@@ -116,7 +116,7 @@ def compose(overrides, flags):
 
 def _nothing_valid(res, t) -> str:
     """The error of a search whose every candidate breaks a layout rule: more accelerators would not help."""
-    why = "; ".join(f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1]))
+    why = report.rejected(res)
     tile = (f"; train.tile_tokens={t.tile_tokens}: a tile divides a device's tokens (micro_batch_size x seq_length / "
             "cp, and / tp in the MoE layers under sequence parallelism) in no candidate (try a power of two)"
             if t.tile_tokens and any(k.startswith("train.tile_tokens") for k in res.invalid) else "")

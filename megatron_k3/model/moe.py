@@ -74,9 +74,11 @@ class StableLatentMoE(nn.Module):
         # is): `side` is called by the dispatcher or, where nothing overlaps, below.
         shared = []
 
-        def run_shared():  # the list's append is looked up after the shared experts ran: Dynamo in torch 2.11 cannot
-            out = self.shared_experts(x_BTD)  # resume with a bound list method held across their graph break (a
-            shared.append(out)  # recomputation region's boundary), and broke the graph there once more
+        # not `lambda: shared.append(...)`: torch 2.11's Dynamo cannot resume with a bound list method held across
+        # the shared experts' graph break (a recomputation region's boundary) and broke the graph there once more
+        def run_shared():
+            out = self.shared_experts(x_BTD)
+            shared.append(out)
         side = run_shared if self.shared_experts is not None else None
         r, _ = self.routed(self.dispatcher.local_rows(x_BTD.reshape(-1, shape[-1])), side)
         r = self.dispatcher.all_rows(r)

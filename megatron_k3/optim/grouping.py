@@ -55,9 +55,8 @@ def muon_rule(p: torch.nn.Parameter, per_head: bool = True) -> str:
     return "muon/matrix"
 
 
-_LAYOUT = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expert": "batched",
-           "muon/matrix": "matrix"}
-MUON_LAYOUTS = _LAYOUT  # a Muon rule's update layout (its param group's `layout`)
+MUON_LAYOUTS = {"muon/per_head": "blocks", "muon/shared_expert": "blocks", "muon/expert": "batched",
+                "muon/matrix": "matrix"}  # a Muon rule's update layout (its param group's `layout`)
 
 
 def tp_gathered(m, layout: str, tp: int) -> tuple:
@@ -94,7 +93,7 @@ def muon_param_groups(model: torch.nn.Module | None, cfg, params=None) -> list:
         g = {"params": params, "rule": rule, "use_muon": use_muon, "lr": cfg.lr,
              "weight_decay": 0.0 if rule in _NO_DECAY else cfg.weight_decay}
         if use_muon:
-            g.update(layout=_LAYOUT[rule], momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+            g.update(layout=MUON_LAYOUTS[rule], momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                      scale=cfg.muon_scale, ns_dtype=cfg.ns_dtype)
         else:
             g.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

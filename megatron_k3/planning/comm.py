@@ -183,8 +183,8 @@ def _pp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
 
 def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     """Data parallelism and the optimizer's collectives, once per step: ({kind: bytes}, {kind: seconds}) for
-    dp_grad_reduce and dp_param_gather over the dense (dp x cp) and, at ep = 1, expert (edp) groups, the routed
-    experts' edp_grad_all_reduce under ep > 1, and Muon's tp_muon_gather."""
+    dp_grad_reduce and dp_param_gather over the data-parallel group (dp x cp: the dense parameters, and the routed
+    experts at ep = 1), the routed experts' edp_grad_all_reduce under ep > 1, and Muon's tp_muon_gather."""
     start, end = st.stages[st.stage]
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
     groups = [lp.dense for lp in mp.layers[start:end]]
@@ -196,7 +196,8 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
         groups.append(mp.head)
     d = sum(groups, ParamGroup())
     dense, dense_muon, gathered, largest = d.total, d.muon, d.tp_gather, d.largest_shard
-    experts = sum(lp.experts.total for lp in mp.layers[start:end])  # this EP rank's
+    e = sum((lp.experts for lp in mp.layers[start:end]), ParamGroup())  # this EP rank's
+    experts = e.total
     in_zero = lay.experts_in_zero  # at ep = 1 DeepSpeed reduces the experts with the dense parameters
     g_dense = lay.dp * lay.cp
     g_exp, exp_stride = (g_dense, lay.tp) if in_zero else (lay.edp, lay.ep)
@@ -221,7 +222,7 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
         zero = w.zero_stage >= 1 and g_dense > 1
         tp_muon = gathered * 4 * (lay.tp - 1) / (g_dense if zero else 1)
         if zero:
-            ex = sum((lp.experts for lp in mp.layers[start:end]), ParamGroup()) if in_zero else ParamGroup()
+            ex = e if in_zero else ParamGroup()
             cut = (3 + (ex.muon > 0)) * (g_dense - 1) * max(largest, ex.largest_shard)
             split = min(dense_muon + ex.muon, cut) * w.grad_bytes * (g_dense - 1) / g_dense
             dp_bytes_dense += split

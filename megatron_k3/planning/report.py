@@ -7,7 +7,7 @@ from .checkpoint import CheckpointPlan
 from .memory import GB, MXFP4_BYTES_PER_PARAM, Workload
 from .planner import InferPlan, SearchResult, TrainPlan
 
-__all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search",
+__all__ = ["header", "render_train", "render_infer", "render_train_search", "render_infer_search", "rejected",
            "render_checkpoint", "render_balanced", "render_vision"]
 
 
@@ -240,6 +240,11 @@ def render_checkpoint(ck: CheckpointPlan) -> list:
     return out
 
 
+def rejected(res: SearchResult) -> str:
+    """The search's rejected candidates by rule, the most frequent first ("" when none was)."""
+    return "; ".join(f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1]))
+
+
 def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: SearchResult | None = None,
                         infer_args: tuple = (), checkpoint: CheckpointPlan | None = None) -> list:
     world = cluster.world_size
@@ -252,8 +257,7 @@ def render_train_search(cfg, cluster, w: Workload, res: SearchResult, infer: Sea
            f"blocks (pp <= {blocks}); global batch divisible by micro-batch x dp; recompute none/selective/full",
            f"model states alone (weights + gradients + master + optimizer, unsharded): {_bytes(floor)} = "
            f"{floor / pool:.0%} of the {_bytes(pool)} on {world} accelerators (activations come on top)",
-           f"searched {res.evaluated} valid layouts; rejected: " + ("; ".join(
-               f"{v} x {k}" for k, v in sorted(res.invalid.items(), key=lambda kv: -kv[1])) or "none")]
+           f"searched {res.evaluated} valid layouts; rejected: {rejected(res) or 'none'}"]
     if res.fits:
         out += [f"{len(res.fits)} best of the layouts that fit in {cluster.device_memory_gb:g} GB, fastest first "
                 f"(GB per device on the fullest pipeline stage; step time and MFU estimated):", _TABLE]
