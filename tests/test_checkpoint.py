@@ -90,10 +90,14 @@ def _load_then_report(rank, world, overrides, ckpt_dir):
         shutdown()
 
 
+SIX = ["model.num_experts=6", "model.top_k=2"]  # 3 experts per EP rank at ep=2: blocks of 2 and 1 over edp 2
+
+
 @pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [
     (4, ["parallel.tp=2", "parallel.ep=2"], 1, []),
     (1, [], 4, ["parallel.tp=2", "parallel.ep=2"]),
-], ids=["tp2xep2-to-tp1", "tp1-to-tp2xep2"])
+    (4, ["parallel.ep=2"] + SIX, 2, ["parallel.ep=2"] + SIX),  # the experts' states in blocks of 2 + 1, then whole
+], ids=["tp2xep2-to-tp1", "tp1-to-tp2xep2", "ep2xedp2-blocks-to-ep2"])
 def test_checkpoint_loads_under_another_layout(tmp_path, save_world, save_layout, load_world, load_layout):
     saved = run_distributed(_save_then_report, save_world, STATIC + save_layout, str(tmp_path), timeout=300)[0]
     loaded = run_distributed(_load_then_report, load_world, STATIC + load_layout, str(tmp_path), timeout=300)

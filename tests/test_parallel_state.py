@@ -416,3 +416,16 @@ def test_deepspeed_initialize_with_our_mpu():
         for other in grid.group_of("dp-cp", rank):
             assert torch.equal(r["weight"], results[other]["weight"])
     assert not torch.equal(results[0]["weight"], results[1]["weight"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 14, 28])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_expert_blocks_cover_every_expert_once(n, parts):
+    """layout.expert_block (the experts whose optimizer states an edp rank keeps, training.expert_optimizer): in rank
+    order, contiguous, each expert in exactly one block, none larger than ceil(n / parts)."""
+    from megatron_k3.layout import expert_block
+
+    blocks = [expert_block(n, parts, i) for i in range(parts)]
+    assert [s for s, _ in blocks] == sorted(s for s, _ in blocks) and sum(c for _, c in blocks) == n
+    covered = [e for s, c in blocks for e in range(s, s + c)]
+    assert covered == list(range(n)) and max(c for _, c in blocks) == -(-n // parts)

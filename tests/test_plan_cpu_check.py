@@ -128,9 +128,10 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
                          ids=["muon", "adamw_zero2"])
 def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_path, overrides):
     """Under expert parallelism the routed experts have their own optimizer (training.expert_optimizer): on 4 ranks
-    with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps its experts' fp32 masters and
-    optimizer states whole. The planner's `optimizer_experts` is those bytes exactly, per rank and stage (it divided
-    them by edp, as ZeRO would, until 2026-12-05: half the measured here)."""
+    with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps the fp32 masters and optimizer
+    states of its block of whole experts, 4 of its EP rank's 8. The planner's `optimizer_experts` is those bytes
+    exactly, per rank and stage (from 89318a5 to the sharding, when every edp rank kept all 8, the plan and this
+    test counted twice these bytes)."""
     results = run_distributed(_expert_optimizer_bytes, 4, ["parallel.ep=2"] + STATIC + overrides, str(tmp_path),
                               timeout=300)
     for rank, (measured, planned) in enumerate(results):

@@ -3,8 +3,9 @@ rules every layout is checked against."""
 
 from .grid import AXES, DEFAULT_ORDER, GROUPS, RankGrid
 from .rules import Problem, check_layout, default_replica_slots, layout_problems, replica_slots
-from .sharding import check_divisibility, divisors, has_moe, sharding_problems
+from .sharding import check_divisibility, divisors, expert_block, has_moe, sharding_problems
 from .stages import stage_layers
 
 __all__ = ["AXES", "DEFAULT_ORDER", "GROUPS", "RankGrid", "Problem", "check_layout", "layout_problems", "replica_slots",
-           "default_replica_slots", "check_divisibility", "divisors", "has_moe", "sharding_problems", "stage_layers"]
+           "default_replica_slots", "check_divisibility", "divisors", "expert_block", "has_moe", "sharding_problems",
+           "stage_layers"]

@@ -6,11 +6,21 @@ from __future__ import annotations
 
 from ..errors import ParallelConfigError
 
-__all__ = ["sharding_problems", "check_divisibility", "has_moe", "divisors"]
+__all__ = ["sharding_problems", "check_divisibility", "has_moe", "divisors", "expert_block"]
 
 
 def divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_block(n: int, parts: int, index: int) -> tuple:
+    """(start, count) of the whole routed experts, out of an EP rank's `n`, whose optimizer states
+    expert-data-parallel rank `index` of `parts` owns (training.expert_optimizer): blocks of ceil(n / parts) in rank
+    order, so the last blocks are shorter, or empty when parts > n. Whole experts, so Per-Head Muon orthogonalises
+    each one whole wherever it is stepped."""
+    per = -(-n // parts)
+    start = min(index * per, n)
+    return start, min(per, n - start)
 
 
 def has_moe(cfg) -> bool:

@@ -43,18 +43,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ..model.dispatcher import counts, positions
 from ..model.layers import recomputing
 from ..ops.grouped_gemm import weighted_combine
-from .mappings import all_to_all, all_to_all_overlapped
+from .mappings import all_gather_single, all_to_all, all_to_all_overlapped
 
 __all__ = ["alias_plan", "streams", "pair_destinations", "slot_layout", "compute_capacity", "relay_block",
            "BalancedDispatch", "balanced_layers", "flush_replica_gradients", "exchanged"]
-
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def compute_capacity(N: int, k: int, R: int, El: int, S: int) -> int:
@@ -236,7 +232,7 @@ class BalancedDispatch:
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         out = counts_E.new_empty(self.R * counts_E.numel())
-        _all_gather_single(out, counts_E.contiguous(), group=self.group)
+        all_gather_single(out, counts_E.contiguous(), group=self.group)
         return out.view(self.R, -1)
 
     def _replica_weights(self, experts, side):

@@ -25,6 +25,19 @@ import torch
 import torch.distributed as dist
 
 
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """out <- every rank's x, concatenated along dimension 0 (no autograd). torch 2.13 names it all_gather_single
+    and warns on all_gather_into_tensor, the device image's torch 2.11 has only the latter; looked up at each call,
+    through the module attribute, as training.faults wraps them."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """out <- this rank's chunk along dimension 0 of x summed over the group (no autograd); the names as in
+    `all_gather_single`."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 @dataclass(frozen=True)
 class Group:
     """A process group as the parallel layers use it: the group, its size and this rank's index in it. The default

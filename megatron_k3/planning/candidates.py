@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.schema import recomputed_kinds
-from ..layout import Problem, has_moe, rules, stage_layers
+from ..layout import Problem, expert_block, has_moe, rules, stage_layers
 
 __all__ = ["Layout", "planner_problems", "stage_layers", "group_span"]
 
@@ -52,9 +52,16 @@ class Layout:
     @property
     def experts_in_zero(self) -> bool:
         """Whether DeepSpeed holds the routed experts: at ep = 1, with the dense parameters, ZeRO-partitioned over
-        dp x cp (whole on every TP rank); under ep > 1 training.expert_optimizer steps them, whole on every one of
-        the edp ranks that hold an expert."""
+        dp x cp (whole on every TP rank); under ep > 1 training.expert_optimizer steps them, their states sharded
+        over the edp ranks that hold an expert in blocks of whole experts (`expert_share`)."""
         return self.ep == 1
+
+    def expert_share(self, num_experts: int) -> float:
+        """Under ep > 1: the share of an EP rank's routed experts whose fp32 masters, optimizer states, fp32 gradients
+        and Newton-Schulz work the fullest edp rank has (training.expert_optimizer's first block,
+        layout.expert_block: ceil(E/edp) of E); 1 at ep = 1 (the experts are then in ZeRO's partitions)."""
+        local = num_experts // self.ep
+        return expert_block(local, self.edp, 0)[1] / local if self.ep > 1 and local else 1.0
 
     @property
     def sp(self) -> bool:

@@ -15,13 +15,14 @@ Who writes what (training/checkpoint/deepspeed_state.owned_pieces), from the pla
   over the dp x cp ranks that hold it (its ZeRO partitions); tensors every TP rank holds whole (norms, the router,
   the MoE latent projections, ...) are written by TP rank 0's partitions only. Under ZeRO-0 every tensor is split
   evenly over all the ranks holding a copy (dp x cp, times tp for a TP-replicated one);
-* routed experts: one EP rank's experts (not ZeRO-partitioned, replicated over expert-data-parallelism) are split
-  over its edp replicas;
+* routed experts under ep > 1: one EP rank's experts are split over its edp replicas in blocks of whole experts
+  (layout.expert_block: ceil(E/edp) each, the last shorter), as training.expert_optimizer shards their states;
 * the persistent buffers of a stage by one rank of it (TP and DP rank 0).
 
 So under ZeRO-1/2 the dp x cp ranks of TP rank 0 of a stage write D/(dp cp) + E/edp and the others
-(D - R)/(dp cp) + E/edp, where D is one TP rank's dense bytes, R the part of it every TP rank holds and E one EP
-rank's expert bytes; summed over the ranks (with the buffers) that is the total. R comes from the same
+(D - R)/(dp cp) + E/edp (E/edp: its block of experts, equal when edp divides an EP rank's experts), where D is one
+TP rank's dense bytes, R the part of it every TP rank holds and E one EP rank's expert bytes; summed over the ranks
+(with the buffers) that is the total. R comes from the same
 construction: a TP rank holds R + S/tp of a stage whose unique dense bytes are R + S (the tp = 1 build). Not
 modelled: under ZeRO with Muon a matrix's whole momentum is written by the rank holding its first partition, which
 moves at most one matrix's momentum per partition boundary between data-parallel ranks.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..layout import RankGrid, expert_block, has_moe
 from .candidates import Layout, stage_layers
 from .memory import GB, _opt_state_bytes
 from .params import ParamGroup, model_params
@@ -106,10 +108,13 @@ def _stage_dense(cfg, mp, a: int, b: int, first: bool, last: bool, peft: tuple =
 def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1, peft: tuple = ()) -> list:
     """Bytes each rank writes, as (stage, bytes per rank, number of such ranks), the ranks of each stage grouped by
     what they write: the one that writes the buffers; under ZeRO-1/2 the other ranks of TP rank 0 (they write the
-    TP-replicated tensors) and the other TP ranks'; under ZeRO-0 the rest, all alike."""
+    TP-replicated tensors) and the other TP ranks'; under ZeRO-0 the rest, all alike. Under ep > 1 each group is
+    split further by the size of its ranks' blocks of experts (layout.expert_block) where those differ."""
     mp, one = model_params(cfg, lay.tp, lay.ep, peft), model_params(cfg, 1, 1, peft)
     stages = stage_layers(cfg, lay.pp)
     n_dense = lay.dp * lay.cp
+    grid = RankGrid(lay.world, tp=lay.tp, cp=lay.cp, ep=lay.ep, pp=lay.pp)  # the planner's rank order
+    local = cfg.num_experts // lay.ep if has_moe(cfg) else 0
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
@@ -118,18 +123,22 @@ def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1, peft: tup
         d_t, d_1 = _bytes(dense_t, optimizer), _bytes(dense_1, optimizer)
         replicated = (lay.tp * d_t - d_1) / (lay.tp - 1) if lay.tp > 1 else 0.0  # R: held whole by every TP rank
         sharded = d_t - replicated  # this TP rank's slice of the TP-split tensors
-        experts = _bytes(sum((lp.experts for lp in mp.layers[a:b]), ParamGroup()), optimizer) / lay.edp
+        experts = _bytes(sum((lp.experts for lp in mp.layers[a:b]), ParamGroup()), optimizer)
         if zero_stage >= 1:
-            groups = [(sharded + replicated) / n_dense, (sharded + replicated) / n_dense]  # TP rank 0
-            counts = [1, n_dense - 1]
-            if lay.tp > 1:
-                groups.append(sharded / n_dense)
-                counts.append((lay.tp - 1) * n_dense)
+            groups = [(sharded + replicated) / n_dense, (sharded + replicated) / n_dense, sharded / n_dense]
         else:
-            each = sharded / n_dense + replicated / (lay.tp * n_dense)
-            groups, counts = [each, each], [1, lay.tp * n_dense - 1]
+            groups = [sharded / n_dense + replicated / (lay.tp * n_dense)] * 3
         groups[0] += buffers
-        out += [(s, g + experts, n) for g, n in zip(groups, counts) if n > 0]
+        tally = {}
+        for r in range(s * lay.world // lay.pp, (s + 1) * lay.world // lay.pp):
+            c = grid.coords(r)
+            kind = 0 if c["tp"] == 0 and c["cp"] == 0 and c["dp"] == 0 else 1 if c["tp"] == 0 or not zero_stage else 2
+            if lay.ep > 1:  # training.expert_optimizer: this rank's block of whole experts
+                mine = experts * expert_block(local, lay.edp, c["edp"])[1] / local
+            else:  # in DeepSpeed's partitions with the dense parameters
+                mine = experts / lay.edp
+            tally[(kind, -mine)] = tally.get((kind, -mine), 0) + 1
+        out += [(s, groups[kind] - neg, n) for (kind, neg), n in sorted(tally.items())]
     return out
 
 

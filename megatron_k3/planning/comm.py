@@ -25,7 +25,8 @@ Kinds:
 * dp: gradient reduce-scatter and parameter all-gather (ZeRO-1/2; all-reduce with ZeRO-0) over the
   data-parallel group (dp x cp: dense, with the vision tower on the first stage unless model.freeze_vision, and
   the routed experts at ep = 1), with Muon's all-reduce of the matrices a partition boundary cuts; under ep > 1
-  the routed experts' fp32 gradient all-reduce over expert-DP (edp_grad_all_reduce, training.expert_optimizer);
+  the routed experts' fp32 gradient reduce-scatter and parameter all-gather over expert-DP (edp_grad_reduce,
+  edp_param_gather: training.expert_optimizer shards their states in blocks of whole experts);
   across supernodes when the group spans them.
 * tp_muon_gather: Muon's all-gather over TP of the update of each TP-sharded matrix it orthogonalises whole.
 * pp: activations forward and their gradients backward between neighbouring stages; with AttnRes the
@@ -184,7 +185,8 @@ def _pp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
 def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     """Data parallelism and the optimizer's collectives, once per step: ({kind: bytes}, {kind: seconds}) for
     dp_grad_reduce and dp_param_gather over the data-parallel group (dp x cp: the dense parameters, and the routed
-    experts at ep = 1), the routed experts' edp_grad_all_reduce under ep > 1, and Muon's tp_muon_gather."""
+    experts at ep = 1), the routed experts' edp_grad_reduce and edp_param_gather under ep > 1, and Muon's
+    tp_muon_gather."""
     start, end = st.stages[st.stage]
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
     groups = [lp.dense for lp in mp.layers[start:end]]
@@ -206,8 +208,12 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
     ag_dense = dense * w.weight_bytes * (g_dense - 1) / g_dense if (g_dense > 1 and w.zero_stage >= 1) else 0.0
     ag_exp = experts * w.weight_bytes * (g_exp - 1) / g_exp if (g_exp > 1 and w.zero_stage >= 1 and in_zero) else 0.0
-    # ExpertOptimizer.reduce_gradients: each expert's fp32 gradient all-reduced over edp after the last backward
-    edp_bytes = experts * 4 * 2 * (g_exp - 1) / g_exp if g_exp > 1 and not in_zero else 0.0
+    # training.expert_optimizer under ep > 1: after the last backward each expert's fp32 gradient reduce-scattered
+    # over edp to the owner of its block of whole experts, after the step the blocks all-gathered in the weights'
+    # dtype; both over the experts padded to edp equal blocks (layout.expert_block)
+    padded = experts * lay.expert_share(cfg.num_experts) * g_exp
+    edp_rs = padded * 4 * (g_exp - 1) / g_exp if g_exp > 1 and not in_zero else 0.0
+    edp_ag = padded * w.weight_bytes * (g_exp - 1) / g_exp if g_exp > 1 and not in_zero else 0.0
     t_grad = (collective_time(dp_bytes_dense, g_dense, lay.tp, cluster)
               + collective_time(dp_bytes_exp, g_exp, exp_stride, cluster))
     t_param = (collective_time(ag_dense, g_dense, lay.tp, cluster)
@@ -228,10 +234,11 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
             dp_bytes_dense += split
             t_grad += collective_time(split, g_dense, lay.tp, cluster)
     return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,
-             "tp_muon_gather": tp_muon, "edp_grad_all_reduce": edp_bytes},
+             "tp_muon_gather": tp_muon, "edp_grad_reduce": edp_rs, "edp_param_gather": edp_ag},
             {"dp_grad_reduce": t_grad, "dp_param_gather": t_param,
              "tp_muon_gather": collective_time(tp_muon, lay.tp, 1, cluster),
-             "edp_grad_all_reduce": collective_time(edp_bytes, g_exp, lay.ep, cluster)})
+             "edp_grad_reduce": collective_time(edp_rs, g_exp, lay.ep, cluster),
+             "edp_param_gather": collective_time(edp_ag, g_exp, lay.ep, cluster)})
 
 
 def training_comm(cfg, cluster, lay: Layout, w: Workload, stage: int = 0) -> StepComm:

@@ -253,7 +253,7 @@ class StageMemory:
     host: float = 0.0  # activation offload: layer inputs in host memory (not in `total`), per device
     params_frozen: int = 0  # peft=lora: the frozen base's elements on this device (not in params_dense/experts)
     optimizer_experts: float = 0.0  # the routed experts' masters and optimizer states (in `optimizer`): under ep > 1
-    # training.expert_optimizer's, whole on every expert-data-parallel rank
+    # training.expert_optimizer's, of this rank's block of whole experts
 
     @property
     def total(self) -> float:
@@ -514,24 +514,25 @@ class _Sharding:
     """How a layout divides a rank's model states: ZeRO's partitions of the dense and the expert states, and of their
     gradients (ZeRO-2); the bytes per expert parameter of their gradients; n tokens of a micro-batch on a CP rank,
     n_rank of them on a TP rank. Under ep > 1 the routed experts are stepped outside DeepSpeed
-    (training.expert_optimizer.ExpertOptimizer): every expert-data-parallel rank keeps whole fp32 masters and optimizer
-    states of its experts, unsharded, and their fp32 gradients from the reduction to the step."""
+    (training.expert_optimizer.ExpertOptimizer): each expert-data-parallel rank keeps the fp32 masters and optimizer
+    states of its block of whole experts (Layout.expert_share of them at most), and its block's fp32 gradients from
+    the reduce-scatter to the step, after the backward's gradients in the parameters' dtype are freed."""
     dense: int
-    experts: int
+    experts: float
     grad_dense: int
     grad_experts: int
-    expert_grad_bytes: int
+    expert_grad_bytes: float
     n: float
     n_rank: float
 
     @classmethod
-    def of(cls, lay: Layout, w: Workload) -> "_Sharding":
+    def of(cls, cfg, lay: Layout, w: Workload) -> "_Sharding":
         dense = lay.dp * lay.cp if w.zero_stage >= 1 else 1
         in_zero = lay.experts_in_zero
-        experts = dense if in_zero else 1
+        experts = dense if in_zero else 1 / lay.expert_share(cfg.num_experts)
         n = w.micro_batch_size * w.seq_length / lay.cp
-        return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 else 1,
-                   w.grad_bytes if in_zero else max(w.grad_bytes, 4), n, n / lay.tp if lay.sp else n)
+        return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
+                   w.grad_bytes if in_zero else max(w.grad_bytes, 4 / experts), n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -716,7 +717,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)
     stages = stage_layers(cfg, lay.pp)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
-    sh = _Sharding.of(lay, w)
+    sh = _Sharding.of(cfg, lay, w)
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
@@ -737,7 +738,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         if w.optimizer == "muon":  # Newton-Schulz on the largest update orthogonalised at once (momentum, X, X X^T,
             # fp32) in the optimizer step, after the backward has freed the activations: the larger phase counts
-            transient = max(transient, 3 * max(dense.largest_matrix, experts.largest_matrix) * 4 - acts)
+            # (under ep > 1 a block of experts, training.expert_optimizer's)
+            block = experts.largest_matrix * (1 if lay.experts_in_zero else lay.expert_share(cfg.num_experts))
+            transient = max(transient, 3 * max(dense.largest_matrix, block) * 4 - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))

@@ -312,6 +312,10 @@ def _stage_times(cfg, cluster, lay: Layout, w: Workload, stages, mem, rate: floa
     return out
 
 
+# the optimizer's collectives the step waits for (planning.comm's kinds)
+EXPOSED_IN_STEP = ("dp_param_gather", "tp_muon_gather", "edp_grad_reduce", "edp_param_gather")
+
+
 def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
     """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
     problems = planner_problems(cfg, cluster, lay, w)
@@ -330,11 +334,11 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
     # data parallel: the gradient reduction hides behind the last backward with parallel.overlap_grad_reduce under
     # ZeRO-1/2 (overlap_comm), else it is exposed; exposed: DeepSpeed's parameter gather in its step, Muon's traffic
-    # and Newton-Schulz, and under ep > 1 the experts' gradient all-reduce after the last backward (ExpertOptimizer)
+    # and Newton-Schulz, and under ep > 1 the experts' reduce-scatter and all-gather around their step (ExpertOptimizer)
     t_bwd = (bwd + rec) / rate
     t_grad = comm.time_by_kind["dp_grad_reduce"]
     dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
-    dp_exposed += sum(comm.time_by_kind[k] for k in ("dp_param_gather", "tp_muon_gather", "edp_grad_all_reduce"))
+    dp_exposed += sum(comm.time_by_kind[k] for k in EXPOSED_IN_STEP)
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step
@@ -395,7 +399,8 @@ def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, w: Workload) -> flo
     """Newton-Schulz FLOPs of Per-Head Muon on one device of the stage holding `layers` (start, end): its dense
     matrices and its experts (peft=lora: the adapters), the vision tower's on the first stage unless frozen. Under
     ZeRO-1/2 DeepSpeed orthogonalises on each DP rank the matrices of its partition, a 1/(dp x cp) share (the experts
-    too at ep = 1); under ep > 1 training.expert_optimizer orthogonalises every local expert on every edp rank."""
+    too at ep = 1); under ep > 1 training.expert_optimizer orthogonalises on each edp rank its block of whole
+    experts (Layout.expert_share of them at most)."""
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)
     a, b = layers
     dense = sum(lp.dense.ns_flops for lp in mp.layers[a:b])
@@ -403,7 +408,7 @@ def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, w: Workload) -> flo
     if first and not cfg.freeze_vision:
         dense += mp.vision.ns_flops
     share = lay.dp * lay.cp if w.zero_stage >= 1 else 1
-    return dense / share + (experts / share if lay.experts_in_zero else experts)
+    return dense / share + (experts / share if lay.experts_in_zero else experts * lay.expert_share(cfg.num_experts))
 
 
 def _plan_notes(lay: Layout, moe_dispatch: dict, vision: dict, m: int, t0: float, slow: int,

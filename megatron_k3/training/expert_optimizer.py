@@ -1,60 +1,87 @@
-"""The routed experts' optimizer under expert parallelism (ep > 1), outside DeepSpeed, and the global gradient norm
-that includes them."""
+"""The routed experts' optimizer under expert parallelism (ep > 1), outside DeepSpeed, sharded over expert data
+parallelism, and the global gradient norm that includes them."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..annotations import copy_meta
+from ..annotations import copy_meta, full_shape, shard_offsets
+from ..layout import expert_block
 from ..optim.zero import ZeroMuon, clip_coefficient
+from ..parallel.mappings import all_gather_single, reduce_scatter_single
 
 
 class ExpertOptimizer:
-    """The routed experts under expert parallelism (ep > 1), outside DeepSpeed.
+    """The routed experts under expert parallelism (ep > 1), outside DeepSpeed, their optimizer states sharded over
+    the expert-data-parallel group (the ranks holding the same experts) as ZeRO-1/2 shards the dense ones.
 
     DeepSpeed's ZeRO flattens and reduces every parameter it manages over the dense data-parallel group, which
     would add expert e of one EP rank to expert e + E/ep of another. So the local experts get their own
-    optimizer of the same kind (fp32 master copies, which carry the parameters' Muon annotations: with
-    optim=muon each local expert is its own matrix, as in one process): their gradients are summed over the
-    expert-data-parallel group (ranks holding the same experts) and divided by the dense DP size -- each
-    expert has received the tokens of every DP replica in its EP group, so the sum over EDP covers the global
-    batch once -- and they are clipped by the same global norm as the dense parameters (`install_norm`),
-    with the same coefficient (`optim.zero.clip_coefficient`), before the optimizer's momentum sees them."""
+    optimizer of the same kind. Each edp rank owns a block of whole local experts (`layout.expert_block`: ceil(E/edp)
+    of this EP rank's E, the last blocks shorter or empty) and keeps fp32 master copies and optimizer states of that
+    block only; the masters carry the parameters' annotations, so with optim=muon each expert is its own matrix,
+    orthogonalised whole, as in one process. After the last micro-batch's backward each expert's gradient is
+    reduce-scattered in fp32 over edp to its owner's block and divided by the dense DP size -- each expert has
+    received the tokens of every DP replica in its EP group, so the sum over EDP covers the global batch once --
+    and clipped by the same global norm as the dense parameters (`install_norm`), with the same coefficient
+    (`optim.zero.clip_coefficient`), before the optimizer's momentum sees it. After the step every edp rank's updated
+    block is all-gathered in the parameters' dtype."""
 
     def __init__(self, named_params, make_optimizer, ps):
         """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups)."""
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
-        # fp32 masters annotated like their parameters, so they are grouped and stepped the same way
-        self.masters = [copy_meta(p, p.detach().float().clone().requires_grad_(True)) for p in self.params]
-        self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
         self.edp_group, self.ep_group, self.pp_group = ps.group("edp"), ps.group("ep"), ps.group("pp")
-        self.dp, self.pp = ps.size("dp"), ps.size("pp")
+        self.edp, self.dp, self.pp = ps.size("edp"), ps.size("dp"), ps.size("pp")
+        # (start, count) along dimension 0 (the local experts) of the block of each parameter this rank steps
+        self.blocks = [expert_block(p.shape[0], self.edp, ps.rank_in("edp")) for p in self.params]
+        # fp32 masters of the block, annotated like their parameters, so they are grouped and stepped the same way
+        self.masters = [copy_meta(p, p.detach()[s:s + n].float().clone().requires_grad_(True))
+                        for p, (s, n) in zip(self.params, self.blocks)]
+        self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
         self.sq_norm = torch.zeros((), dtype=torch.float64)
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def placement(self, i: int) -> tuple:
+        """(global shape, offsets) of master i in its unsharded tensor: the parameter's EP (and TP) block, moved
+        along the experts by the start of this rank's block."""
+        p, (start, _) = self.params[i], self.blocks[i]
+        offsets = list(shard_offsets(p))
+        offsets[0] += start
+        return full_shape(p), tuple(offsets)
+
+    def _padded(self, p: torch.Tensor) -> tuple:
+        """(rows per edp rank, the local experts padded to edp of them)."""
+        per = -(-p.shape[0] // self.edp)
+        return per, per * self.edp
+
     @torch.no_grad()
     def reduce_gradients(self):
-        """After the last micro-batch's backward: gradients of the global batch into the fp32 masters, and
-        their squared norm over every expert (summed over the EP group: each rank holds different experts). The norm
-        stays on the experts' device: NCCL all-reduces device tensors only (and a host copy per expert would wait
-        for the device each time)."""
+        """After the last micro-batch's backward: gradients of the global batch into the fp32 masters of this rank's
+        blocks, and their squared norm over every expert (summed over the expert-data-parallel, EP and pipeline
+        groups: each rank's blocks are different experts). The norm stays on the experts' device: NCCL all-reduces
+        device tensors only (and a host copy per expert would wait for the device each time)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.masters[0].device if self.masters else None)
-        for p, m in zip(self.params, self.masters):
-            g = torch.zeros_like(m) if p.grad is None else p.grad.float()
-            if dist.get_world_size(self.edp_group) > 1:
-                dist.all_reduce(g, group=self.edp_group)
+        for p, m, (_, n) in zip(self.params, self.masters, self.blocks):
+            g = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if p.grad is None else p.grad.float()
+            p.grad = None
+            if self.edp > 1:
+                per, rows = self._padded(p)
+                if rows > g.shape[0]:
+                    g = torch.cat([g, g.new_zeros((rows - g.shape[0],) + tuple(g.shape[1:]))])
+                mine = g.new_empty((per,) + tuple(g.shape[1:]))
+                reduce_scatter_single(mine, g.contiguous(), group=self.edp_group)
+                g = mine[:n]
             m.grad = g.div_(self.dp)
             sq += m.grad.double().pow(2).sum()
-            p.grad = None
-        if dist.get_world_size(self.ep_group) > 1:
-            dist.all_reduce(sq, group=self.ep_group)
-        if self.pp > 1:  # every stage's experts
-            dist.all_reduce(sq, group=self.pp_group)
+        for group, size in ((self.edp_group, self.edp), (self.ep_group, dist.get_world_size(self.ep_group)),
+                            (self.pp_group, self.pp)):  # every block, every EP rank's experts, every stage's
+            if size > 1:
+                dist.all_reduce(sq, group=group)
         self.sq_norm = sq
 
     def skip(self):
@@ -69,9 +96,23 @@ class ExpertOptimizer:
             for m in self.masters:
                 m.grad.mul_(coef)
         self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
+        for m in self.masters:
             m.grad = None
-            p.copy_(m.to(p.dtype))
+        self.publish()
+
+    @torch.no_grad()
+    def publish(self):
+        """Every parameter from the masters: each edp rank's block, all-gathered over edp in the parameter's dtype."""
+        for p, m, (_, n) in zip(self.params, self.masters, self.blocks):
+            if self.edp == 1:
+                p.copy_(m.to(p.dtype))
+                continue
+            per, rows = self._padded(p)
+            mine = torch.zeros((per,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+            mine[:n] = m
+            out = torch.empty((rows,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+            all_gather_single(out, mine, group=self.edp_group)
+            p.copy_(out[:p.shape[0]])
 
 
 def install_norm(zero, experts: ExpertOptimizer) -> None:

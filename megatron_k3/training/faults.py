@@ -92,9 +92,10 @@ class Preemption:
 
 # ---------------------------------------------------------------------- collectives
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-                "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
-                "reduce", "gather", "gather_object", "scatter", "barrier", "send", "recv", "monitored_barrier")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+                "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "barrier",
+                "send", "recv", "monitored_barrier")
 _TIMEOUT_MARKS = ("timed out", "timeout")
 _PEER_MARKS = ("connection closed by peer", "connection reset", "pair closure", "broken pipe", "socket closed")
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...annotations import full_shape, meta, shard_offsets
+from ...layout import expert_block
 from ...optim.zero import ZeroMuon, momentum_offsets
 from ..engine import base_optimizer, zero_optimizer
 from .shards import RankPieces, share
@@ -253,7 +254,17 @@ def _dense_states(engine, ps):
     return _PlainStates(base, ps) if zero is None else _ZeroPartitions(zero, base, ps)
 
 
-def _gather_experts(t: torch.Tensor, ps) -> torch.Tensor:
+def _gather_experts(t: torch.Tensor, ps, n_local: int) -> torch.Tensor:
+    """An expert master's (or state's) block on this rank, gathered whole: over expert data parallel (the blocks of
+    whole experts of layout.expert_block, out of this EP rank's `n_local`), then over EP (global expert order)."""
+    edp = ps.size("edp")
+    if edp > 1:
+        counts = [expert_block(n_local, edp, i)[1] for i in range(edp)]
+        mine = t.new_zeros((counts[0],) + tuple(t.shape[1:]))
+        mine[:t.shape[0]] = t
+        parts = [torch.empty_like(mine) for _ in range(edp)]
+        dist.all_gather(parts, mine, group=ps.group("edp"))
+        t = torch.cat([q[:c] for q, c in zip(parts, counts)], 0)
     parts = [torch.empty_like(t) for _ in range(ps.size("ep"))]
     dist.all_gather(parts, t.contiguous(), group=ps.group("ep"))
     return torch.cat(parts, 0)
@@ -278,10 +289,11 @@ def full_states(engine, named_params, ps, experts=None) -> tuple:
     scalars = scalars_of(engine, experts)
     if experts is not None:
         elem = _state_keys(experts.optimizer)[0]
-        for name, m in zip(experts.names, experts.masters):
-            weights[name] = _gather_experts(m.detach(), ps).cpu()
+        for name, p, m in zip(experts.names, experts.params, experts.masters):
+            n = p.shape[0]
+            weights[name] = _gather_experts(m.detach(), ps, n).cpu()
             st = experts.optimizer.state.get(m, {})
-            states[name] = {k: _gather_experts(st[k].detach(), ps).cpu() for k in elem if k in st}
+            states[name] = {k: _gather_experts(st[k].detach(), ps, n).cpu() for k in elem if k in st}
     return weights, states, scalars
 
 
@@ -289,7 +301,7 @@ def owned_pieces(engine, named_params, ps, experts=None, buffers=None) -> RankPi
     """What this rank writes to a sharded checkpoint (shards.RankPieces): views, no copies, of
     - its share of every dense fp32 master weight and per-element optimizer state (`_ZeroPartitions` under
       ZeRO-1/2, `_PlainStates` without);
-    - under expert parallelism, its 1/edp share of its experts' fp32 masters and states;
+    - under expert parallelism, its block of whole experts' fp32 masters and states (ExpertOptimizer.blocks);
     - the buffers (router bias), from the rank that is tensor- and data-parallel rank 0 of its stage.
     Every element of every global tensor is written by exactly one rank (shards.merge_index checks it).
     Tensor names: the parameter's, and `name::state key` for its optimizer states."""
@@ -298,16 +310,16 @@ def owned_pieces(engine, named_params, ps, experts=None, buffers=None) -> RankPi
     for name, p in _dense(named_params, experts):
         dense_states.add_pieces(out, name, p)
     if experts is not None:
-        count, idx = ps.size("edp"), ps.rank_in("edp")
         elem = _state_keys(experts.optimizer)[0]
-        for name, mst in zip(experts.names, experts.masters):
-            G, O = full_shape(mst), shard_offsets(mst)
-            start, n = share(mst.numel(), count, idx)
-            out.add_range(name, mst.shape, G, O, start, _flat(mst).narrow(0, start, n))
+        for i, (name, mst) in enumerate(zip(experts.names, experts.masters)):
+            if not mst.numel():  # an edp rank past the last block of experts
+                continue
+            G, O = experts.placement(i)
+            out.add(name, G, O, tuple(mst.shape), mst.detach())
             st = experts.optimizer.state.get(mst, {})
             for k in elem:
                 if k in st:
-                    out.add_range(f"{name}::{k}", mst.shape, G, O, start, _flat(st[k]).narrow(0, start, n))
+                    out.add(f"{name}::{k}", G, O, tuple(mst.shape), st[k].detach())
     if buffers and ps.rank_in("tp") == 0 and ps.rank_in("dp-cp") == 0:
         for name, b in buffers.items():
             out.add(name, b.shape, (0,) * b.dim(), b.shape, b.detach())
@@ -343,12 +355,13 @@ def load_pieces(engine, named_params, index, scalars: dict, ps, experts=None) ->
     if experts is not None:
         e_keys = {id(m): sorted(states_of.get(n, [])) for n, m in zip(experts.names, experts.masters)}
         _ensure_states(experts.optimizer, e_keys, scalars, "experts")
-        for name, p, mst in zip(experts.names, experts.params, experts.masters):
-            O = shard_offsets(mst)
-            index.read(name, O, mst)
+        for i, (name, p, mst) in enumerate(zip(experts.names, experts.params, experts.masters)):
+            whole = index.read(name, shard_offsets(p), torch.empty(p.shape, dtype=torch.float32, device=p.device))
+            start, n = experts.blocks[i]
+            mst.copy_(whole[start:start + n])
             for k in states_of.get(name, []):
-                index.read(f"{name}::{k}", O, experts.optimizer.state[mst][k])
-            p.data.copy_(mst.to(p.dtype))
+                index.read(f"{name}::{k}", experts.placement(i)[1], experts.optimizer.state[mst][k])
+            p.data.copy_(whole.to(p.dtype))
 
 
 @torch.no_grad()
@@ -363,8 +376,8 @@ def masters_from_module(engine, ps, experts=None, exact: dict | None = None) -> 
         if name in (exact or {}) and hasattr(p, "set_full_hp_param"):  # a ZeRO partition of a bf16 parameter
             p.set_full_hp_param(exact[name].to(device=p.device, dtype=torch.float32))
     if experts is not None:
-        for p, m in zip(experts.params, experts.masters):
-            m.copy_(p.detach().float())
+        for p, m, (start, n) in zip(experts.params, experts.masters, experts.blocks):
+            m.copy_(p.detach()[start:start + n].float())
 
 
 def dense_masters(engine, ps, names) -> dict:
