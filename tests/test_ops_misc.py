@@ -150,3 +150,15 @@ def test_attention_with_narrower_values_runs_the_flash_kernel_and_matches_softma
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, got, ref in zip(("o", "dq", "dk", "dv"), results[1], results[0]):
         assert got.shape == ref.shape and max_abs_rel(got, ref) < tol, (name, max_abs_rel(got, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sq_norm64_is_the_float64_sum_of_squares_chunk_by_chunk(dtype):
+    """ops.numerics.sq_norm64 (every gradient norm: ZeRO's, ZeRO-0's, the routed experts'): over more than one chunk
+    and a partial last one, the float64 sum of the exact squares, to float64 rounding (1e-15 relative)."""
+    from megatron_k3.ops.numerics import SQ_NORM_CHUNK, sq_norm64
+
+    t = torch.randn(3, 2 * SQ_NORM_CHUNK // 3 + 4115, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got, want = sq_norm64(t), t.double().pow(2).sum()
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert abs(got.item() - want.item()) <= 1e-15 * want.item()

@@ -10,7 +10,7 @@ Tolerances are test_engine's and for the same reason: losses 1e-5 relative (fp32
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import FAST, PARAM_RTOL, RTOL, STEPS, M, N, full_params, make_trainer, norm_rel, one_process
+from helpers import FAST, PARAM_RTOL, RTOL, STATIC, STEPS, M, N, full_params, make_trainer, norm_rel, one_process
 from trajectory import compare, record
 
 
@@ -229,6 +229,22 @@ def test_pipeline_equals_single_process(reference, tmp_path, world, overrides):
             for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (logged[k], ref))):
                 assert abs(a - b) <= tol * max(abs(b), floor), (rank, k, logged[k], ref)
     assert held == set(ref_steps[-1].params)  # the stages together hold every parameter
+
+
+@pytest.mark.slow
+def test_a_stage_without_moe_layers_joins_the_experts_norm(tmp_path_factory):
+    """pp2 x ep2 with the first two layers dense: stage 0 holds no routed experts, yet the experts' squared gradient
+    norm is summed over the pipeline group (training.expert_optimizer), so that stage joins the sum with nothing of
+    its own (until 2026-12-05 it built no expert optimizer and the other stage waited for it). The run equals one
+    process, the logged global gradient norm (which clips, experts included) on every rank too. (STATIC: every
+    expert has room for every token, as one process gives it.)"""
+    model = ["model.first_k_dense=2"] + STATIC
+    ref_steps, ref_logged = one_process(_train, tmp_path_factory, model, name="ref_dense_stage")
+    results = run_distributed(_train, 4, model + ["parallel.pp=2", "parallel.ep=2"],
+                              str(tmp_path_factory.mktemp("pp2xep2")), timeout=300)
+    for rank, (steps, logged) in enumerate(results):
+        assert compare(ref_steps, steps, RTOL, PARAM_RTOL, f"rank {rank}") == len(steps)
+        assert logged["grad_norm"] == pytest.approx(ref_logged["grad_norm"], rel=RTOL), rank
 
 
 def _restage(rank, world, save_overrides, load_overrides, ckpt_dir):

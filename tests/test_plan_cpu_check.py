@@ -101,9 +101,10 @@ def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, c
 
 
 def _expert_optimizer_bytes(rank, world, overrides, run_dir):
-    """(measured, planned) bytes of the routed experts' fp32 masters and optimizer states on this rank after one step
-    (the planner's figure for this rank's pipeline stage)."""
-    from megatron_k3.planning.memory import training_memory
+    """((measured, planned) bytes of the routed experts' fp32 masters and optimizer states on this rank after one
+    step, (measured, planned) bytes of their gradients: the larger of the backward's, before the reduction, and the
+    fp32 blocks it leaves), the planner's figures for this rank's pipeline stage."""
+    from megatron_k3.planning.memory import _Sharding, training_memory
     from megatron_k3.planning.run import layout, workload
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
@@ -111,28 +112,40 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
     run, _, _ = compose_run_config(FAST + overrides, world_size=world)
     try:
         trainer = Trainer(run, f"{run_dir}/{rank}")
+        ex, grads = trainer.experts, []
+        reduce = ex.reduce_gradients
+
+        def measured_reduce():
+            grads.append(sum(p.grad.numel() * p.grad.element_size() for p in ex.params))
+            reduce()
+            grads.append(sum(m.grad.numel() * m.grad.element_size() for m in ex.masters))
+
+        ex.reduce_gradients = measured_reduce
         trainer.train_step()
-        ex = trainer.experts
         measured = sum(m.numel() * m.element_size() for m in ex.masters)
         measured += sum(t.numel() * t.element_size() for st in ex.optimizer.state.values() for t in st.values()
                         if torch.is_tensor(t) and t.dim() > 0)  # not the step counts
-        stage = trainer.ps.rank_in("pp")
-        planned = training_memory(run.model, run.cluster, layout(run, world), workload(run))[stage].optimizer_experts
-        return measured, planned
+        lay, w = layout(run, world), workload(run)
+        sm = training_memory(run.model, run.cluster, lay, w)[trainer.ps.rank_in("pp")]
+        sh = _Sharding.of(run.model, lay, w)
+        return (measured, sm.optimizer_experts), (max(grads), sm.params_experts * sh.expert_grad_bytes)
     finally:
         shutdown()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["optim=muon"], ["optim=adamw", "parallel.zero_stage=2"]],
-                         ids=["muon", "adamw_zero2"])
+@pytest.mark.parametrize("overrides", [["optim=muon"], ["optim=adamw", "parallel.zero_stage=2"],
+                                       ["optim=muon", "precision=bf16"]], ids=["muon", "adamw_zero2", "muon_bf16"])
 def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_path, overrides):
     """Under expert parallelism the routed experts have their own optimizer (training.expert_optimizer): on 4 ranks
     with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps the fp32 masters and optimizer
     states of its block of whole experts, 4 of its EP rank's 8. The planner's `optimizer_experts` is those bytes
     exactly, per rank and stage (from 89318a5 to the sharding, when every edp rank kept all 8, the plan and this
-    test counted twice these bytes)."""
+    test counted twice these bytes). Their gradients: in the weights' dtype in the backward (fp32, or bf16 under
+    precision=bf16: DeepSpeed's fp32 accumulation is for the parameters it holds), the fp32 block after the
+    reduction; the planner's figure is the larger, exactly (the bf16 whole and the fp32 half are equal here)."""
     results = run_distributed(_expert_optimizer_bytes, 4, ["parallel.ep=2"] + STATIC + overrides, str(tmp_path),
                               timeout=300)
-    for rank, (measured, planned) in enumerate(results):
+    for rank, ((measured, planned), (grads, planned_grads)) in enumerate(results):
         assert measured > 0 and planned == measured, (rank, measured, planned)
+        assert grads > 0 and planned_grads == grads, (rank, grads, planned_grads)

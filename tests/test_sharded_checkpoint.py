@@ -516,20 +516,28 @@ def _share(rank, world, overrides, d):
 
 
 @pytest.mark.slow
-def test_the_planner_predicts_what_each_rank_writes(tmp_path):
-    """tools/plan.py's checkpoint figures (planning.checkpoint) against a real save at tp2 x ep2 x dp2, ZeRO-1: the
-    total is exact (fp32 masters + AdamW states + buffers), the largest share exact to 0.1%, every rank within 5%
-    (measured: the planner spreads a TP rank's tensors evenly over its ZeRO partitions; DeepSpeed's partitions
-    cut the flat buffer where they fall, 3% apart on TP rank 1 here)."""
+@pytest.mark.parametrize("ep", [2, 1])
+def test_the_planner_predicts_what_each_rank_writes(tmp_path, ep):
+    """tools/plan.py's checkpoint figures (planning.checkpoint) against a real save at tp2 x dp2, ZeRO-1, with ep2
+    (each expert-data-parallel rank writes its block of whole experts) and ep1 (the experts are dense parameters every
+    TP rank holds, TP rank 0's partitions write them): the total is exact (fp32 masters + AdamW states + buffers),
+    the largest share exact to 0.1%. At ep2 every rank within 5% (measured: the planner spreads a TP rank's tensors
+    evenly over its ZeRO partitions; DeepSpeed's partitions cut the flat buffer where they fall, 3% apart on TP rank
+    1). At ep1 TP rank 1's two partitions differ by what of the experts (written by TP rank 0) each holds, which the
+    planner does not model (measured 2.52 and 4.97 MB, planned 3.75 each); their sum is exact."""
     from megatron_k3.config import compose_run_config
     from megatron_k3.planning.candidates import Layout
     from megatron_k3.planning.checkpoint import checkpoint_bytes, rank_shares
 
-    layout = ADAMW + ["parallel.tp=2", "parallel.ep=2", "parallel.zero_stage=1"]
+    layout = ADAMW + ["parallel.tp=2", f"parallel.ep={ep}", "parallel.zero_stage=1"]
     got = sorted(run_distributed(_share, 4, layout, str(tmp_path), timeout=300))
     run, _, _ = compose_run_config(FAST + layout, world_size=4)
-    plan = sorted(b for _, b, n in rank_shares(run.model, Layout(world=4, tp=2, ep=2), "adamw", 1) for _ in range(n))
+    plan = sorted(b for _, b, n in rank_shares(run.model, Layout(world=4, tp=2, ep=ep), "adamw", 1) for _ in range(n))
     index = shards.ShardIndex(ckpt.list_checkpoints(tmp_path)[-1])
     assert index.total_bytes == sum(got) == checkpoint_bytes(run.model, "adamw")
     assert abs(got[-1] - plan[-1]) <= 1e-3 * got[-1], (got, plan)
-    assert all(abs(a - b) <= 0.05 * a for a, b in zip(got, plan)), (got, plan)
+    if ep > 1:
+        assert all(abs(a - b) <= 0.05 * a for a, b in zip(got, plan)), (got, plan)
+    else:  # TP rank 0's two ranks write the most; the other two together
+        assert all(abs(a - b) <= 1e-3 * a for a, b in zip(got[2:], plan[2:])), (got, plan)
+        assert abs(sum(got[:2]) - sum(plan[:2])) <= 1e-3 * sum(got[:2]), (got, plan)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["atleast_fp32", "compute_dtype", "in_dtype", "start_cpu_threads"]
+__all__ = ["atleast_fp32", "compute_dtype", "in_dtype", "sq_norm64", "start_cpu_threads"]
 
 
 def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -25,6 +25,20 @@ def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     eager and torch 2.13 are right; pytorch issues 180642, 184113). tests/test_compiled_functions.py compiles each
     of our Functions against eager (`make test-device-torch` runs it under 2.11)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+SQ_NORM_CHUNK = 1 << 22  # elements: 32 MB of float64 per temporary
+
+
+def sq_norm64(t: torch.Tensor) -> torch.Tensor:
+    """sum(t ** 2) in float64 (a 0-dim tensor on t's device), chunk by chunk, so that the float64 temporaries stay at
+    two of SQ_NORM_CHUNK elements whatever t's size (a whole 1e9-element expert gradient would need 16 GB). Squares of
+    fp32 or bf16 values are exact in float64; only the summation order differs from one whole sum (1e-16 relative)."""
+    flat = t.detach().reshape(-1)
+    out = torch.zeros((), dtype=torch.float64, device=t.device)
+    for c in flat.split(SQ_NORM_CHUNK):
+        out += c.double().pow(2).sum()
+    return out
 
 
 def start_cpu_threads() -> None:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+from ..ops.numerics import sq_norm64
 from .muon import Muon
 
 
@@ -249,7 +250,7 @@ def raw_grad_sq_norm(zero) -> torch.Tensor:
         grads = [g for g in zero.averaged_gradients[i] or [] if not getattr(g, "_zero_padding", False)]
         for g, p in zip(grads, zero.params_in_partition[i]):
             if is_model_parallel_parameter(p) or zero.model_parallel_rank == 0:
-                sq += g.detach().double().pow(2).sum()
+                sq += sq_norm64(g)
     dist.all_reduce(sq, group=zero.dp_process_group)
     if zero.model_parallel_group is not None and dist.get_world_size(zero.model_parallel_group) > 1:
         dist.all_reduce(sq, group=zero.model_parallel_group)

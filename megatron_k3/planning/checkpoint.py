@@ -16,7 +16,8 @@ Who writes what (training/checkpoint/deepspeed_state.owned_pieces), from the pla
   the MoE latent projections, ...) are written by TP rank 0's partitions only. Under ZeRO-0 every tensor is split
   evenly over all the ranks holding a copy (dp x cp, times tp for a TP-replicated one);
 * routed experts under ep > 1: one EP rank's experts are split over its edp replicas in blocks of whole experts
-  (layout.expert_block: ceil(E/edp) each, the last shorter), as training.expert_optimizer shards their states;
+  (layout.expert_block: ceil(E/edp) each, the last shorter), as training.expert_optimizer shards their states; at
+  ep = 1 they are dense parameters every TP rank holds whole (written by TP rank 0's partitions under ZeRO-1/2);
 * the persistent buffers of a stage by one rank of it (TP and DP rank 0).
 
 So under ZeRO-1/2 the dp x cp ranks of TP rank 0 of a stage write D/(dp cp) + E/edp and the others
@@ -135,8 +136,10 @@ def rank_shares(cfg, lay: Layout, optimizer: str, zero_stage: int = 1, peft: tup
             kind = 0 if c["tp"] == 0 and c["cp"] == 0 and c["dp"] == 0 else 1 if c["tp"] == 0 or not zero_stage else 2
             if lay.ep > 1:  # training.expert_optimizer: this rank's block of whole experts
                 mine = experts * expert_block(local, lay.edp, c["edp"])[1] / local
-            else:  # in DeepSpeed's partitions with the dense parameters
-                mine = experts / lay.edp
+            elif zero_stage:  # in DeepSpeed's partitions, whole on every TP rank: TP rank 0's to write, as above
+                mine = experts / n_dense if c["tp"] == 0 else 0.0
+            else:
+                mine = experts / (lay.tp * n_dense)
             tally[(kind, -mine)] = tally.get((kind, -mine), 0) + 1
         out += [(s, groups[kind] - neg, n) for (kind, neg), n in sorted(tally.items())]
     return out

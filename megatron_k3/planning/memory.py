@@ -14,8 +14,11 @@ Precision recipes (bytes per parameter):
 * bf16, mx_qat, te_fp8, te_mxfp8 (mixed precision, as Megatron/DeepSpeed run it): bf16 weights 2,
   gradients accumulated in fp32 4 (`grad_dtype=bf16`: 2), fp32 master weights 4 held by the optimizer.
 * AdamW keeps two fp32 moments (8); Muon one fp32 momentum (4) for matrices and AdamW's two for the rest.
-* ZeRO-1 shards master weights and optimizer states over the data-parallel group (dense parameters over
-  DP x CP, routed experts over expert-DP); ZeRO-2 shards the gradients too; ZeRO-0 shards nothing.
+* ZeRO-1 shards master weights and optimizer states over the data-parallel group (DP x CP: the dense parameters,
+  and the routed experts at ep = 1); ZeRO-2 shards their gradients too; ZeRO-0 shards nothing. Under ep > 1 the
+  routed experts are stepped outside DeepSpeed (training.expert_optimizer): their masters and optimizer states
+  sharded over expert-DP in blocks of whole experts, their gradients in the weights' dtype until the step reduces
+  them to fp32 blocks.
 
 MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
 buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
@@ -516,7 +519,8 @@ class _Sharding:
     n_rank of them on a TP rank. Under ep > 1 the routed experts are stepped outside DeepSpeed
     (training.expert_optimizer.ExpertOptimizer): each expert-data-parallel rank keeps the fp32 masters and optimizer
     states of its block of whole experts (Layout.expert_share of them at most), and its block's fp32 gradients from
-    the reduce-scatter to the step, after the backward's gradients in the parameters' dtype are freed."""
+    the reduce-scatter to the step, after the backward's gradients, in the weights' dtype (DeepSpeed's fp32
+    accumulation is for the parameters it holds), are freed: the larger of the two per expert parameter."""
     dense: int
     experts: float
     grad_dense: int
@@ -532,7 +536,7 @@ class _Sharding:
         experts = dense if in_zero else 1 / lay.expert_share(cfg.num_experts)
         n = w.micro_batch_size * w.seq_length / lay.cp
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
-                   w.grad_bytes if in_zero else max(w.grad_bytes, 4 / experts), n, n / lay.tp if lay.sp else n)
+                   w.grad_bytes if in_zero else max(w.weight_bytes, 4 / experts), n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -558,6 +562,29 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
+
+
+def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float:
+    """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
+    on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
+    training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
+    largest: its fp32 copy where the weights are narrower (the gradient itself is counted in `gradients`) and at
+    edp > 1 at most that, the copy padded to edp equal blocks where edp does not divide the experts, and the block
+    received. (The gradient norms' float64 squares go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
+    ns = 0.0
+    share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
+    if w.optimizer == "muon":
+        ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
+    if lay.experts_in_zero or not experts.total:
+        return ns
+    local = cfg.num_experts // lay.ep
+    inner = w.peft[0] if w.peft else cfg.moe_intermediate_size  # peft=lora: the adapters [E, rank, in] are trained
+    largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
+    copy = 4 if w.weight_bytes < 4 else 0
+    if lay.edp == 1:
+        return max(ns, largest * copy)
+    padded = share * lay.edp if local % lay.edp else 0.0
+    return max(ns, largest * (4 + 4 * padded + 4 * share))
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:
@@ -736,11 +763,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, transient = acts + v_acts, transient + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        if w.optimizer == "muon":  # Newton-Schulz on the largest update orthogonalised at once (momentum, X, X X^T,
-            # fp32) in the optimizer step, after the backward has freed the activations: the larger phase counts
-            # (under ep > 1 a block of experts, training.expert_optimizer's)
-            block = experts.largest_matrix * (1 if lay.experts_in_zero else lay.expert_share(cfg.num_experts))
-            transient = max(transient, 3 * max(dense.largest_matrix, block) * 4 - acts)
+        # the optimizer step runs after the backward has freed the activations: the larger phase counts
+        transient = max(transient, step_workspace_bytes(cfg, lay, w, dense, experts) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))

@@ -9,7 +9,8 @@ Time model (training), for the slowest pipeline stage:
   data parallel    with parallel.overlap_grad_reduce (ZeRO-1/2) the gradient reduce-scatter overlaps the last
                    micro-batch's backward and what does not fit is exposed, else all of it is; the parameter
                    all-gather (inside DeepSpeed's optimizer step), Muon's TP gather and Newton-Schulz and,
-                   under ep > 1, the experts' gradient all-reduce are exposed (docs/planning.md, "What the time
+                   under ep > 1, the experts' gradient reduce-scatter and block all-gather are exposed
+                   (docs/planning.md, "What the time
                    model assumes")
   MFU              model FLOPs of the step (causal attention, no recomputation) / (time x world x peak)
 

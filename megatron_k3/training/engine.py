@@ -31,9 +31,11 @@ from deepspeed.utils import groups as ds_groups
 
 from ..annotations import meta
 from ..config import ConfigError, RunConfig
+from ..ops.numerics import sq_norm64
 from ..optim import Muon, build_optimizer
 from ..optim.zero import ZeroMuon, attach, install_global_norm
 from ..parallel import state
+from ..parallel.agree import gather
 from ..parallel.balanced import flush_replica_gradients
 from ..parallel.mappings import Group
 from ..parallel.mpu import get_mpu
@@ -138,7 +140,7 @@ def grad_norm_without_zero(model, ps) -> float:
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None:
-            sq = p.grad.double().pow(2).sum()
+            sq = sq_norm64(p.grad)
             if meta(p).tp_dim is not None:
                 sharded += sq
             else:
@@ -167,8 +169,12 @@ def build_optimizers(model, run: RunConfig, ps) -> tuple:
     expert = [(n, q) for n, q in named if is_expert_parallel(q)]
     optimizer = build_optimizer(model, o, params=dense, tp=tp, dp_group=ps.group("dp"),
                                 muon_class=ZeroMuon if p.zero_stage > 0 else Muon)
+    # every rank when any has trainable routed experts: a pipeline stage without MoE layers still joins the experts'
+    # collectives (their gradient norm is summed over the pipeline group), with nothing to step
+    anywhere = p.ep > 1 and any(gather(bool(expert)))
+    device = next(model.parameters()).device
     experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)", tp=tp),
-                               ps) if expert else None)
+                               ps, device) if anywhere else None)
     return optimizer, experts
 
 

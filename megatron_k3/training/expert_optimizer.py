@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..annotations import copy_meta, full_shape, shard_offsets
 from ..layout import expert_block
+from ..ops.numerics import sq_norm64
 from ..optim.zero import ZeroMuon, clip_coefficient
 from ..parallel.mappings import all_gather_single, reduce_scatter_single
 
@@ -28,8 +29,14 @@ class ExpertOptimizer:
     (`optim.zero.clip_coefficient`), before the optimizer's momentum sees it. After the step every edp rank's updated
     block is all-gathered in the parameters' dtype."""
 
-    def __init__(self, named_params, make_optimizer, ps):
-        """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups)."""
+    def __init__(self, named_params, make_optimizer, ps, device):
+        """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups);
+        `device`: the model's (the gradient norm's, also on a pipeline stage without routed experts, which has
+        nothing to step but joins the norm's collectives).
+
+        The masters are blocks of their parameters: their annotation is the parameter's (so Muon groups them the
+        same way), but where a block sits in the unsharded tensor is `placement`, not annotations.full_shape /
+        shard_offsets of the master."""
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         self.edp_group, self.ep_group, self.pp_group = ps.group("edp"), ps.group("ep"), ps.group("pp")
@@ -39,7 +46,8 @@ class ExpertOptimizer:
         # fp32 masters of the block, annotated like their parameters, so they are grouped and stepped the same way
         self.masters = [copy_meta(p, p.detach()[s:s + n].float().clone().requires_grad_(True))
                         for p, (s, n) in zip(self.params, self.blocks)]
-        self.optimizer = make_optimizer(list(zip(self.names, self.masters)))
+        self.optimizer = make_optimizer(list(zip(self.names, self.masters))) if self.params else _NothingToStep()
+        self.device = device
         self.sq_norm = torch.zeros((), dtype=torch.float64)
 
     @property
@@ -65,7 +73,7 @@ class ExpertOptimizer:
         blocks, and their squared norm over every expert (summed over the expert-data-parallel, EP and pipeline
         groups: each rank's blocks are different experts). The norm stays on the experts' device: NCCL all-reduces
         device tensors only (and a host copy per expert would wait for the device each time)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.masters[0].device if self.masters else None)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, m, (_, n) in zip(self.params, self.masters, self.blocks):
             g = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if p.grad is None else p.grad.float()
             p.grad = None
@@ -77,7 +85,7 @@ class ExpertOptimizer:
                 reduce_scatter_single(mine, g.contiguous(), group=self.edp_group)
                 g = mine[:n]
             m.grad = g.div_(self.dp)
-            sq += m.grad.double().pow(2).sum()
+            sq += sq_norm64(m.grad)
         for group, size in ((self.edp_group, self.edp), (self.ep_group, dist.get_world_size(self.ep_group)),
                             (self.pp_group, self.pp)):  # every block, every EP rank's experts, every stage's
             if size > 1:
@@ -113,6 +121,17 @@ class ExpertOptimizer:
             out = torch.empty((rows,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
             all_gather_single(out, mine, group=self.edp_group)
             p.copy_(out[:p.shape[0]])
+
+
+class _NothingToStep:
+    """The optimizer of a pipeline stage without routed experts (torch's refuse an empty parameter list): no groups,
+    no states, a step that does nothing."""
+
+    def __init__(self):
+        self.param_groups, self.state = [], {}
+
+    def step(self):
+        pass
 
 
 def install_norm(zero, experts: ExpertOptimizer) -> None:
