@@ -63,9 +63,23 @@ class ExpertOptimizer:
         return full_shape(p), tuple(offsets)
 
     def _padded(self, p: torch.Tensor) -> tuple:
-        """(rows per edp rank, the local experts padded to edp of them)."""
-        per = -(-p.shape[0] // self.edp)
+        """(rows per edp rank: the first, largest block; the local experts padded to edp of them)."""
+        per = expert_block(p.shape[0], self.edp, 0)[1]
         return per, per * self.edp
+
+    def whole(self, i: int, block: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A block of parameter i (its master, or an optimizer state of it) gathered over edp: every local expert of
+        this EP rank, in `dtype` (default: the block's). A collective of the edp group."""
+        dtype = dtype or block.dtype
+        if self.edp == 1:
+            return block.to(dtype)
+        p = self.params[i]
+        per, rows = self._padded(p)
+        mine = torch.zeros((per,) + tuple(p.shape[1:]), dtype=dtype, device=block.device)
+        mine[:block.shape[0]] = block
+        out = torch.empty((rows,) + tuple(p.shape[1:]), dtype=dtype, device=block.device)
+        all_gather_single(out, mine, group=self.edp_group)
+        return out[:p.shape[0]]
 
     @torch.no_grad()
     def reduce_gradients(self):
@@ -111,16 +125,8 @@ class ExpertOptimizer:
     @torch.no_grad()
     def publish(self):
         """Every parameter from the masters: each edp rank's block, all-gathered over edp in the parameter's dtype."""
-        for p, m, (_, n) in zip(self.params, self.masters, self.blocks):
-            if self.edp == 1:
-                p.copy_(m.to(p.dtype))
-                continue
-            per, rows = self._padded(p)
-            mine = torch.zeros((per,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-            mine[:n] = m
-            out = torch.empty((rows,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-            all_gather_single(out, mine, group=self.edp_group)
-            p.copy_(out[:p.shape[0]])
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
+            p.copy_(self.whole(i, m, p.dtype))
 
 
 class _NothingToStep:

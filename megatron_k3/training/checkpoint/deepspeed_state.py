@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ...annotations import full_shape, meta, shard_offsets
-from ...layout import expert_block
 from ...optim.zero import ZeroMuon, momentum_offsets
 from ..engine import base_optimizer, zero_optimizer
 from .shards import RankPieces, share
@@ -254,17 +253,8 @@ def _dense_states(engine, ps):
     return _PlainStates(base, ps) if zero is None else _ZeroPartitions(zero, base, ps)
 
 
-def _gather_experts(t: torch.Tensor, ps, n_local: int) -> torch.Tensor:
-    """An expert master's (or state's) block on this rank, gathered whole: over expert data parallel (the blocks of
-    whole experts of layout.expert_block, out of this EP rank's `n_local`), then over EP (global expert order)."""
-    edp = ps.size("edp")
-    if edp > 1:
-        counts = [expert_block(n_local, edp, i)[1] for i in range(edp)]
-        mine = t.new_zeros((counts[0],) + tuple(t.shape[1:]))
-        mine[:t.shape[0]] = t
-        parts = [torch.empty_like(mine) for _ in range(edp)]
-        dist.all_gather(parts, mine, group=ps.group("edp"))
-        t = torch.cat([q[:c] for q, c in zip(parts, counts)], 0)
+def _gather_experts(t: torch.Tensor, ps) -> torch.Tensor:
+    """This EP rank's experts of a master (or state) gathered over EP: global expert order."""
     parts = [torch.empty_like(t) for _ in range(ps.size("ep"))]
     dist.all_gather(parts, t.contiguous(), group=ps.group("ep"))
     return torch.cat(parts, 0)
@@ -289,11 +279,10 @@ def full_states(engine, named_params, ps, experts=None) -> tuple:
     scalars = scalars_of(engine, experts)
     if experts is not None:
         elem = _state_keys(experts.optimizer)[0]
-        for name, p, m in zip(experts.names, experts.params, experts.masters):
-            n = p.shape[0]
-            weights[name] = _gather_experts(m.detach(), ps, n).cpu()
+        for i, (name, m) in enumerate(zip(experts.names, experts.masters)):  # each block whole over edp, then ep
+            weights[name] = _gather_experts(experts.whole(i, m.detach()), ps).cpu()
             st = experts.optimizer.state.get(m, {})
-            states[name] = {k: _gather_experts(st[k].detach(), ps, n).cpu() for k in elem if k in st}
+            states[name] = {k: _gather_experts(experts.whole(i, st[k].detach()), ps).cpu() for k in elem if k in st}
     return weights, states, scalars
 
 
