@@ -876,17 +876,17 @@ def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_
     got = plan_json(plan_tool, capsys, *base, "--search")
     assert got["fits"] == [] and got["min_accelerators"] == 1024
     ls = got["long_sequence"]
-    keys = "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=26"
+    keys = "train.recompute=full train.tile_tokens=2048"
     assert ls["overrides"] == keys and ls["fits"]
-    assert (ls["layout"]["tp"], ls["layout"]["pp"], ls["layout"]["ep"], ls["layout"]["cp"]) == (8, 4, 64, 8)
+    assert (ls["layout"]["tp"], ls["layout"]["pp"], ls["layout"]["ep"], ls["layout"]["cp"]) == (8, 8, 64, 8)
     text = run_plan(plan_tool, capsys, *base, "--search")
-    assert f"with the trainer's long-sequence knobs {keys}: tp8 pp4 ep64 cp8" in text
+    assert f"with the trainer's long-sequence knobs {keys}: tp8 pp8 ep64 cp8" in text
     assert "without them, training needs at least 1024 accelerators (16 supernodes of 64)" in text
     again = plan_json(plan_tool, capsys, *base, *ls["overrides"].split()[1:], "--search")
     assert again["fits"] and again["memory_per_device_gb"] <= 141
     from megatron_k3.config import ConfigError  # tools/build_rank.py --search: the same keys in its refusal
 
-    with pytest.raises(ConfigError, match=f"with {keys} tp8 pp4 ep64 cp8 .* fits"):
+    with pytest.raises(ConfigError, match=f"with {keys} tp8 pp8 ep64 cp8 .* fits"):
         _tool("build_rank").compose(base, {"--search": True})
 
 

@@ -104,7 +104,7 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
     """((measured, planned) bytes of the routed experts' fp32 masters and optimizer states on this rank after one
     step, (measured, planned) bytes of their gradients: the larger of the backward's, before the reduction, and the
     fp32 blocks it leaves), the planner's figures for this rank's pipeline stage."""
-    from megatron_k3.planning.memory import _Sharding, training_memory
+    from megatron_k3.planning.memory import training_memory
     from megatron_k3.planning.run import layout, workload
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
@@ -115,8 +115,9 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
         ex, grads = trainer.experts, []
         reduce = ex.reduce_gradients
 
-        def measured_reduce():
-            grads.append(sum(p.grad.numel() * p.grad.element_size() for p in ex.params))
+        def measured_reduce():  # fp32 weights accumulate in .grad, narrower ones in the optimizer's fp32 main_grads
+            grads.append(sum(g.numel() * g.element_size() for g in [p.grad for p in ex.params] + ex.main_grads
+                             if g is not None))
             reduce()
             grads.append(sum(m.grad.numel() * m.grad.element_size() for m in ex.masters))
 
@@ -127,8 +128,7 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
                         if torch.is_tensor(t) and t.dim() > 0)  # not the step counts
         lay, w = layout(run, world), workload(run)
         sm = training_memory(run.model, run.cluster, lay, w)[trainer.ps.rank_in("pp")]
-        sh = _Sharding.of(run.model, lay, w)
-        return (measured, sm.optimizer_experts), (max(grads), sm.params_experts * sh.expert_grad_bytes)
+        return (measured, sm.optimizer_experts), (max(grads), sm.params_experts * w.grad_bytes)
     finally:
         shutdown()
 
@@ -141,9 +141,10 @@ def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_p
     with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps the fp32 masters and optimizer
     states of its block of whole experts, 4 of its EP rank's 8. The planner's `optimizer_experts` is those bytes
     exactly, per rank and stage (from 89318a5 to the sharding, when every edp rank kept all 8, the plan and this
-    test counted twice these bytes). Their gradients: in the weights' dtype in the backward (fp32, or bf16 under
-    precision=bf16: DeepSpeed's fp32 accumulation is for the parameters it holds), the fp32 block after the
-    reduction; the planner's figure is the larger, exactly (the bf16 whole and the fp32 half are equal here)."""
+    test counted twice these bytes). Their gradients: accumulated in fp32 over the micro-batches (in .grad, or under
+    precision=bf16 in fp32 main_grads beside the bf16 weights), whole until the reduction leaves the fp32 block:
+    the planner's 4 bytes per expert parameter, exactly (from a65e735 to the fp32 accumulation the bf16 experts
+    accumulated in bf16 and the plan counted 2)."""
     results = run_distributed(_expert_optimizer_bytes, 4, ["parallel.ep=2"] + STATIC + overrides, str(tmp_path),
                               timeout=300)
     for rank, ((measured, planned), (grads, planned_grads)) in enumerate(results):

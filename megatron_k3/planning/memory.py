@@ -17,8 +17,8 @@ Precision recipes (bytes per parameter):
 * ZeRO-1 shards master weights and optimizer states over the data-parallel group (DP x CP: the dense parameters,
   and the routed experts at ep = 1); ZeRO-2 shards their gradients too; ZeRO-0 shards nothing. Under ep > 1 the
   routed experts are stepped outside DeepSpeed (training.expert_optimizer): their masters and optimizer states
-  sharded over expert-DP in blocks of whole experts, their gradients in the weights' dtype until the step reduces
-  them to fp32 blocks.
+  sharded over expert-DP in blocks of whole experts, their gradients accumulated in fp32 (4) like the dense ones
+  until the step reduces them to fp32 blocks.
 
 MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
 buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
@@ -518,14 +518,13 @@ class _Sharding:
     gradients (ZeRO-2); the bytes per expert parameter of their gradients; n tokens of a micro-batch on a CP rank,
     n_rank of them on a TP rank. Under ep > 1 the routed experts are stepped outside DeepSpeed
     (training.expert_optimizer.ExpertOptimizer): each expert-data-parallel rank keeps the fp32 masters and optimizer
-    states of its block of whole experts (Layout.expert_share of them at most), and its block's fp32 gradients from
-    the reduce-scatter to the step, after the backward's gradients, in the weights' dtype (DeepSpeed's fp32
-    accumulation is for the parameters it holds), are freed: the larger of the two per expert parameter."""
+    states of its block of whole experts (Layout.expert_share of them at most); their gradients accumulate in fp32
+    over the step's micro-batches as the dense ones do (w.grad_bytes), whole on every rank, until the step
+    reduce-scatters each into the fp32 block that replaces it."""
     dense: int
     experts: float
     grad_dense: int
     grad_experts: int
-    expert_grad_bytes: float
     n: float
     n_rank: float
 
@@ -536,7 +535,7 @@ class _Sharding:
         experts = dense if in_zero else 1 / lay.expert_share(cfg.num_experts)
         n = w.micro_batch_size * w.seq_length / lay.cp
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
-                   w.grad_bytes if in_zero else max(w.weight_bytes, 4 / experts), n, n / lay.tp if lay.sp else n)
+                   n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -557,7 +556,7 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     base = ((dense.frozen + experts.frozen) * w.weight_bytes
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
-    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * sh.expert_grad_bytes / sh.grad_experts
+    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
@@ -567,10 +566,10 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
 def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
-    training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
-    largest: its fp32 copy where the weights are narrower (the gradient itself is counted in `gradients`) and at
-    edp > 1 at most that, the copy padded to edp equal blocks where edp does not divide the experts, and the block
-    received. (The gradient norms' float64 squares go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
+    training.expert_optimizer's) or, under ep > 1 and edp > 1, the experts' gradient reduction, one tensor at a
+    time, of their largest: its fp32 gradient (counted in `gradients`) padded to edp equal blocks where edp does not
+    divide the experts, and the block received. (The gradient norms' float64 squares go by chunks of
+    ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
     if w.optimizer == "muon":
@@ -580,11 +579,10 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float
     local = cfg.num_experts // lay.ep
     inner = w.peft[0] if w.peft else cfg.moe_intermediate_size  # peft=lora: the adapters [E, rank, in] are trained
     largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
-    copy = 4 if w.weight_bytes < 4 else 0
     if lay.edp == 1:
-        return max(ns, largest * copy)
+        return ns
     padded = share * lay.edp if local % lay.edp else 0.0
-    return max(ns, largest * (4 + 4 * padded + 4 * share))
+    return max(ns, largest * (4 * padded + 4 * share))
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:

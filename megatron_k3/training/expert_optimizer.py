@@ -3,6 +3,8 @@ parallelism, and the global gradient norm that includes them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -22,12 +24,15 @@ class ExpertOptimizer:
     optimizer of the same kind. Each edp rank owns a block of whole local experts (`layout.expert_block`: ceil(E/edp)
     of this EP rank's E, the last blocks shorter or empty) and keeps fp32 master copies and optimizer states of that
     block only; the masters carry the parameters' annotations, so with optim=muon each expert is its own matrix,
-    orthogonalised whole, as in one process. After the last micro-batch's backward each expert's gradient is
-    reduce-scattered in fp32 over edp to its owner's block and divided by the dense DP size -- each expert has
-    received the tokens of every DP replica in its EP group, so the sum over EDP covers the global batch once --
-    and clipped by the same global norm as the dense parameters (`install_norm`), with the same coefficient
-    (`optim.zero.clip_coefficient`), before the optimizer's momentum sees it. After the step every edp rank's updated
-    block is all-gathered in the parameters' dtype."""
+    orthogonalised whole, as in one process. Micro-batch gradients accumulate in fp32, as DeepSpeed's (its
+    `grad_accum` attribute) and Megatron's (main_grad) do for the parameters they hold: with weights in a narrower
+    dtype each parameter's gradient is added to an fp32 accumulator as soon as autograd has accumulated it, and
+    dropped (`_accumulate`). After the last micro-batch's backward each expert's gradient is reduce-scattered in fp32
+    over edp to its owner's block and divided by the dense DP size -- each expert has received the tokens of every
+    DP replica in its EP group, so the sum over EDP covers the global batch once -- and clipped by the same global
+    norm as the dense parameters (`install_norm`), with the same coefficient (`optim.zero.clip_coefficient`), before
+    the optimizer's momentum sees it. After the step every edp rank's updated block is all-gathered in the
+    parameters' dtype."""
 
     def __init__(self, named_params, make_optimizer, ps, device):
         """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups);
@@ -40,7 +45,7 @@ class ExpertOptimizer:
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         self.edp_group, self.ep_group, self.pp_group = ps.group("edp"), ps.group("ep"), ps.group("pp")
-        self.edp, self.dp, self.pp = ps.size("edp"), ps.size("dp"), ps.size("pp")
+        self.edp, self.ep, self.dp, self.pp = ps.size("edp"), ps.size("ep"), ps.size("dp"), ps.size("pp")
         # (start, count) along dimension 0 (the local experts) of the block of each parameter this rank steps
         self.blocks = [expert_block(p.shape[0], self.edp, ps.rank_in("edp")) for p in self.params]
         # fp32 masters of the block, annotated like their parameters, so they are grouped and stepped the same way
@@ -49,6 +54,35 @@ class ExpertOptimizer:
         self.optimizer = make_optimizer(list(zip(self.names, self.masters))) if self.params else _NothingToStep()
         self.device = device
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        # the step's fp32 gradient of each parameter held in a narrower dtype (None before its first backward)
+        self.main_grads = [None] * len(self.params)
+        # on every parameter: DeepSpeed casts the module to its weights' dtype after this is built
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i))
+                       for i, p in enumerate(self.params)]
+
+    def _accumulate(self, i: int, p: torch.Tensor) -> None:
+        """Autograd has accumulated a backward's gradient of parameter i into p.grad (in p's dtype): add it to the
+        step's fp32 accumulator and drop it, so a bf16 gradient lives one tensor at a time and no sum is rounded
+        to bf16. fp32 weights accumulate in p.grad."""
+        if p.grad is None or p.grad.dtype == torch.float32:
+            return
+        g, p.grad = p.grad, None
+        if self.main_grads[i] is None:
+            self.main_grads[i] = g.float()
+        else:
+            self.main_grads[i].add_(g)
+
+    def _gradient(self, i: int) -> torch.Tensor:
+        """Parameter i's fp32 gradient of the step (zeros if it had none), taken from its accumulator and p.grad
+        (fp32 weights accumulate there; balanced dispatch's `flush` adds the replicas' gradients there after the
+        last backward), both dropped."""
+        p, acc = self.params[i], self.main_grads[i]
+        self.main_grads[i] = None
+        g = acc if acc is not None else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if p.grad is not None:
+            g = g.add_(p.grad) if acc is not None else p.grad.float()
+        p.grad = None
+        return g
 
     @property
     def param_groups(self):
@@ -88,9 +122,8 @@ class ExpertOptimizer:
         groups: each rank's blocks are different experts). The norm stays on the experts' device: NCCL all-reduces
         device tensors only (and a host copy per expert would wait for the device each time)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p, m, (_, n) in zip(self.params, self.masters, self.blocks):
-            g = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if p.grad is None else p.grad.float()
-            p.grad = None
+        for i, (p, m, (_, n)) in enumerate(zip(self.params, self.masters, self.blocks)):
+            g = self._gradient(i)
             if self.edp > 1:
                 per, rows = self._padded(p)
                 if rows > g.shape[0]:
@@ -100,16 +133,19 @@ class ExpertOptimizer:
                 g = mine[:n]
             m.grad = g.div_(self.dp)
             sq += sq_norm64(m.grad)
-        for group, size in ((self.edp_group, self.edp), (self.ep_group, dist.get_world_size(self.ep_group)),
-                            (self.pp_group, self.pp)):  # every block, every EP rank's experts, every stage's
+        # every block, every EP rank's experts, every stage's
+        for group, size in ((self.edp_group, self.edp), (self.ep_group, self.ep), (self.pp_group, self.pp)):
             if size > 1:
                 dist.all_reduce(sq, group=group)
         self.sq_norm = sq
 
     def skip(self):
-        """A step skipped for non-finite gradients: drop them."""
+        """A step skipped for non-finite gradients: drop them, wherever they are."""
         for m in self.masters:
             m.grad = None
+        for p in self.params:
+            p.grad = None
+        self.main_grads = [None] * len(self.params)
 
     @torch.no_grad()
     def step(self, total_norm: float, clip: float):
