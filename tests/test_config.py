@@ -43,6 +43,18 @@ def test_bad_overrides_name_the_key(override, key):
     assert key in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (["precision.grad_accum_dtype=fp16"], r"precision\.grad_accum_dtype='fp16'.*valid: fp32, bf16"),
+    (["precision.grad_accum_dtype=bf16"], r"precision\.grad_accum_dtype='bf16'.*needs precision\.param_dtype=bf16"),
+])
+def test_bad_gradient_accumulation_dtype_names_the_key(overrides, match):
+    """precision.grad_accum_dtype: fp32 or bf16, and bf16 only with bf16 weights (precision=fp32 here)."""
+    with pytest.raises(ConfigError, match=match):
+        compose_run_config(["model=k3_tiny"] + overrides)
+    run, _, _ = compose_run_config(["model=k3_tiny", "precision=bf16", "precision.grad_accum_dtype=bf16"])
+    assert run.precision.grad_accum_dtype == "bf16"
+
+
 def test_unknown_model_lists_available():
     with pytest.raises(ConfigError, match="available"):
         load_model_config("k9")

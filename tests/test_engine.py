@@ -80,7 +80,7 @@ def test_layout_equals_single_process_with_the_default_optimizer(reference_defau
 
 
 def test_generated_deepspeed_config():
-    from megatron_k3.config import compose_run_config
+    from megatron_k3.config import ConfigError, compose_run_config
     from megatron_k3.training.engine import deepspeed_config
 
     run, _, _ = compose_run_config(FAST + ["train.global_batch_size=16", "train.micro_batch_size=2",
@@ -92,3 +92,12 @@ def test_generated_deepspeed_config():
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["zero_optimization"]["overlap_comm"] is True
     assert cfg["zero_optimization"]["contiguous_gradients"] is True  # untouched keys of the merged section stay
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+    # precision.grad_accum_dtype is the one key of the accumulation dtype (the routed experts and the planner read
+    # it): DeepSpeed's gets it, and a parallel.deepspeed entry contradicting it is refused, naming both
+    bf16_accum = FAST + ["precision=bf16", "precision.grad_accum_dtype=bf16"]
+    run, _, _ = compose_run_config(bf16_accum, world_size=4)
+    assert deepspeed_config(run, dp=4)["data_types"]["grad_accum_dtype"] == "bf16"
+    run, _, _ = compose_run_config(bf16_accum + ["+parallel.deepspeed.data_types.grad_accum_dtype=fp32"], world_size=4)
+    with pytest.raises(ConfigError, match=r"parallel\.deepspeed\.data_types\.grad_accum_dtype.*precision\."
+                                          r"grad_accum_dtype"):
+        deepspeed_config(run, dp=4)

@@ -244,6 +244,27 @@ def test_cli_errors_are_one_line(plan_tool, capsys):
     assert len(err) == 1 and "train.tile_tokens=7" in err[0] and "nothing was planned" in err[0]
 
 
+def test_the_plans_flags_are_the_trainers_keys(plan_tool, capsys):
+    """--zero and --grad-dtype set parallel.zero_stage and precision.grad_accum_dtype: the key alone plans what the
+    flag does, and what the Trainer's start-up check (check_fits) computes for the same overrides (until 2026-12-06
+    the flags' defaults won: `parallel.zero_stage=2` planned ZeRO-1 and no key set --grad-dtype). A flag
+    contradicting its key is refused, naming both."""
+    from megatron_k3.planning.run import check_fits, compose_for_planning
+
+    base = ["model=k3", "cluster=supernodes_8x64", "parallel.tp=8", "parallel.pp=8", "parallel.ep=64",
+            "parallel.sequence_parallel=true", "train.recompute=selective"]
+    plain = plan_json(plan_tool, capsys, *base)["memory_per_device_gb"]
+    for flag, key in ((["--zero", "2"], "parallel.zero_stage=2"),
+                      (["--grad-dtype", "bf16"], "precision.grad_accum_dtype=bf16")):
+        by_flag = plan_json(plan_tool, capsys, *base, *flag)["memory_per_device_gb"]
+        by_key = plan_json(plan_tool, capsys, *base, key)["memory_per_device_gb"]
+        checked = max(s.total for s in check_fits(compose_for_planning(base + [key])[0], 512)) / GB
+        assert by_flag == by_key == pytest.approx(checked, rel=1e-9) and by_key < plain - 2, (flag, by_key, plain)
+    assert plan_tool.main(base + ["parallel.zero_stage=1", "--zero", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--zero='2'" in err and "parallel.zero_stage=1" in err
+
+
 def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
     got = plan_json(plan_tool, capsys, "model=k3_tiny", "cluster=cpu")
     assert got["fits"] and got["workload"]["kernels"] == "eager" and got["workload"]["precision"] == "fp32"

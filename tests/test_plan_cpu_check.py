@@ -104,7 +104,7 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
     """((measured, planned) bytes of the routed experts' fp32 masters and optimizer states on this rank after one
     step, (measured, planned) bytes of their gradients: the larger of the backward's, before the reduction, and the
     fp32 blocks it leaves), the planner's figures for this rank's pipeline stage."""
-    from megatron_k3.planning.memory import training_memory
+    from megatron_k3.planning.memory import _Sharding, training_memory
     from megatron_k3.planning.run import layout, workload
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
@@ -128,14 +128,17 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
                         if torch.is_tensor(t) and t.dim() > 0)  # not the step counts
         lay, w = layout(run, world), workload(run)
         sm = training_memory(run.model, run.cluster, lay, w)[trainer.ps.rank_in("pp")]
-        return (measured, sm.optimizer_experts), (max(grads), sm.params_experts * w.grad_bytes)
+        sh = _Sharding.of(run.model, lay, w)
+        return (measured, sm.optimizer_experts), (max(grads), sm.params_experts * sh.expert_grad_bytes)
     finally:
         shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["optim=muon"], ["optim=adamw", "parallel.zero_stage=2"],
-                                       ["optim=muon", "precision=bf16"]], ids=["muon", "adamw_zero2", "muon_bf16"])
+                                       ["optim=muon", "precision=bf16"],
+                                       ["optim=muon", "precision=bf16", "precision.grad_accum_dtype=bf16"]],
+                         ids=["muon", "adamw_zero2", "muon_bf16", "muon_bf16_accumulation"])
 def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_path, overrides):
     """Under expert parallelism the routed experts have their own optimizer (training.expert_optimizer): on 4 ranks
     with ep=2 each expert lives on two expert-data-parallel ranks, and each keeps the fp32 masters and optimizer
@@ -143,8 +146,8 @@ def test_the_planned_expert_optimizer_memory_is_what_the_trainer_allocates(tmp_p
     exactly, per rank and stage (from 89318a5 to the sharding, when every edp rank kept all 8, the plan and this
     test counted twice these bytes). Their gradients: accumulated in fp32 over the micro-batches (in .grad, or under
     precision=bf16 in fp32 main_grads beside the bf16 weights), whole until the reduction leaves the fp32 block:
-    the planner's 4 bytes per expert parameter, exactly (from a65e735 to the fp32 accumulation the bf16 experts
-    accumulated in bf16 and the plan counted 2)."""
+    the planner's 4 bytes per expert parameter, exactly; under precision.grad_accum_dtype=bf16 in bf16 in .grad,
+    whole, then the fp32 block: the larger of the two (equal here, 2 bytes per expert parameter)."""
     results = run_distributed(_expert_optimizer_bytes, 4, ["parallel.ep=2"] + STATIC + overrides, str(tmp_path),
                               timeout=300)
     for rank, ((measured, planned), (grads, planned_grads)) in enumerate(results):

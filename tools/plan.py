@@ -26,9 +26,10 @@ Flags:
   --recompute none|selective|full|auto   activation recomputation, as train.recompute (auto: the least that
                            fits; the default unless train.recompute is given); the finer knobs are the trainer's
                            train.recompute_modules=[...] (selective) and train.recompute_num_layers=N (full)
-  --zero 0|1|2             ZeRO stage (default 1: optimizer states sharded over data parallelism)
+  --zero 0|1|2             same as parallel.zero_stage=... (default 1: optimizer states sharded over data parallelism)
   --kernels eager|fused    activation model (default: eager on cpu clusters, fused on accelerators)
-  --grad-dtype fp32|bf16   gradient accumulation buffers under mixed precision (default fp32)
+  --grad-dtype fp32|bf16   same as precision.grad_accum_dtype=...: gradient accumulation under bf16 weights
+                           (default fp32)
   --image-share F          with model.vision.enabled: the share of each sequence's tokens that are image features
                            (default 0.25; 4 patches each, images of the position table's grid); the vision tower's
                            activations and FLOPs scale with it (docs/planning.md, "Vision tower")
@@ -74,8 +75,8 @@ CHOICES = {"--mode": ("train", "infer"), "--optimizer": ("adamw", "muon"),
 def parse(argv):
     overrides, flags = split_tool_args(
         argv, ("--search", "--json"), FLAGS_WITH_VALUE, choices=CHOICES,
-        defaults={"--mode": "train", "--batch": "64", "--context": "131072", "--zero": "1",
-                  "--top": "10", "--grad-dtype": "fp32", "--image-share": str(DEFAULT_IMAGE_SHARE),
+        defaults={"--mode": "train", "--batch": "64", "--context": "131072",
+                  "--top": "10", "--image-share": str(DEFAULT_IMAGE_SHARE),
                   **{k: str(v) for k, v in BANDWIDTHS.items()}})
     for k in ("--batch", "--context", "--top"):
         if not flags[k].isdigit() or int(flags[k]) <= 0:
@@ -109,8 +110,20 @@ def checkpoint(run, plan, flags):
                            plan.workload.zero_stage, plan.workload.peft)
 
 
+KEY_FLAGS = {"--zero": "parallel.zero_stage", "--grad-dtype": "precision.grad_accum_dtype"}  # flag: the key it sets
+
+
 def compose(overrides, flags):
-    """The run config and optimizer to plan (megatron_k3.planning.run.compose_for_planning)."""
+    """The run config and optimizer to plan (megatron_k3.planning.run.compose_for_planning); a flag of KEY_FLAGS
+    sets its key, which it must not contradict (the trainer's check reads the key)."""
+    overrides = list(overrides)
+    for flag, key in KEY_FLAGS.items():
+        if flag not in flags:
+            continue
+        given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+        if given and given[-1] != flags[flag]:
+            raise ConfigError(flag, flags[flag], f"contradicts {key}={given[-1]} (the flag sets that key)")
+        overrides.append(f"{key}={flags[flag]}")
     return compose_for_planning(overrides, flags.get("--optimizer"))
 
 
@@ -144,7 +157,7 @@ def main(argv):
     kernels = flags.get("--kernels") or ("eager" if cluster.device_kind == "cpu" else "fused")
     # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
     w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
-                 int(flags["--zero"]), flags["--grad-dtype"], kernels, cfg.moe_overflow, run.moe.redundant_experts,
+                 par.zero_stage, run.precision.grad_accum_dtype, kernels, cfg.moe_overflow, run.moe.redundant_experts,
                  run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce, peft_spec(run.peft))
     as_json = flags.get("--json", False)
     recompute = t.recompute  # the knobs: train.recompute_modules / _num_layers, tile_tokens, offload_buffer_gb

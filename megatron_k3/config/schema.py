@@ -703,6 +703,9 @@ class PrecisionConfig:
     dtype: str = "fp32"  # fp32 or bf16 (autocast; master weights stay fp32); mx_qat and te_* need bf16
     param_dtype: str = "fp32"  # bf16: DeepSpeed's bf16 mode (module weights and gradients bf16; fp32 master
     #                            weights, fp32 gradient accumulation and optimizer states in ZeRO's partitions)
+    grad_accum_dtype: str = "fp32"  # micro-batch gradient accumulation under param_dtype=bf16: fp32 (as Megatron;
+    #   the routed experts under ep > 1 too) or bf16 (half the gradient buffers; DeepSpeed's
+    #   data_types.grad_accum_dtype, which it warns is unsafe over many micro-batches). tools/plan.py --grad-dtype
     # mx_qat: routed experts' weights and input activations fake-quantised to MX, blocks along the reduction dim
     mx_weight_format: str = "e2m1"  # MXFP4
     mx_act_format: str = "e4m3"  # MXFP8
@@ -713,6 +716,11 @@ class PrecisionConfig:
     def validate(self, prefix: str = "precision") -> "PrecisionConfig":
         _require_choice(self, prefix, "dtype", ("fp32", "bf16"))
         _require_choice(self, prefix, "param_dtype", ("fp32", "bf16"))
+        _require_choice(self, prefix, "grad_accum_dtype", ("fp32", "bf16"))
+        if self.grad_accum_dtype == "bf16" and self.param_dtype != "bf16":
+            raise ConfigError(f"{prefix}.grad_accum_dtype", self.grad_accum_dtype,
+                              f"needs {prefix}.param_dtype=bf16 (fp32 weights have fp32 gradients; precision=bf16 "
+                              "sets both)")
         if self.name not in ("fp32", "bf16", "mx_qat", "te_fp8", "te_mxfp8"):
             raise ConfigError(prefix, self.name, "valid: fp32, bf16, mx_qat, te_fp8, te_mxfp8")
         if self.name in ("mx_qat", "te_fp8", "te_mxfp8") and self.dtype != "bf16":

@@ -356,7 +356,8 @@ def planner_step_memory(run, world: int, stage: int, recompute: str = "none") ->
     # adamw: no Newton-Schulz workspace among the transients (no step taken); no image share: the step feeds token
     # ids only (the vision tower's weights and gradients still count); the run's MoE dispatch (balanced: its replica
     # slots and exchange buffers) as it runs
-    w_step = replace(workload(run, kernels="eager"), optimizer="adamw", grad_dtype="bf16", image_share=0.0)
+    w_step = replace(workload(run, kernels="eager"), optimizer="adamw", grad_dtype="bf16", image_share=0.0,
+                     reduced=False)
     lay = layout(run, world, recompute)
     s = training_memory(run.model, run.cluster, lay, w_step)[stage]
     acts_one = s.activations / s.in_flight

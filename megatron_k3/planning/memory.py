@@ -12,13 +12,13 @@ Precision recipes (bytes per parameter):
 * fp32: weights 4, gradients 4; under ZeRO-1/2 DeepSpeed also keeps an fp32 copy of each partition (4,
   sharded), under ZeRO-0 none.
 * bf16, mx_qat, te_fp8, te_mxfp8 (mixed precision, as Megatron/DeepSpeed run it): bf16 weights 2,
-  gradients accumulated in fp32 4 (`grad_dtype=bf16`: 2), fp32 master weights 4 held by the optimizer.
+  gradients accumulated in fp32 4 (precision.grad_accum_dtype=bf16: 2), fp32 master weights 4 held by the optimizer.
 * AdamW keeps two fp32 moments (8); Muon one fp32 momentum (4) for matrices and AdamW's two for the rest.
 * ZeRO-1 shards master weights and optimizer states over the data-parallel group (DP x CP: the dense parameters,
   and the routed experts at ep = 1); ZeRO-2 shards their gradients too; ZeRO-0 shards nothing. Under ep > 1 the
   routed experts are stepped outside DeepSpeed (training.expert_optimizer): their masters and optimizer states
-  sharded over expert-DP in blocks of whole experts, their gradients accumulated in fp32 (4) like the dense ones
-  until the step reduces them to fp32 blocks.
+  sharded over expert-DP in blocks of whole experts, their gradients accumulated like the dense ones (fp32 4, or
+  2 under precision.grad_accum_dtype=bf16) until the step reduces them to fp32 blocks.
 
 MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
 buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
@@ -72,7 +72,7 @@ class Workload:
     precision: str = "bf16"  # fp32, bf16, mx_qat, te_fp8, te_mxfp8
     optimizer: str = "adamw"  # adamw or muon
     zero_stage: int = 1
-    grad_dtype: str = "fp32"  # gradient accumulation buffers under mixed precision: fp32 or bf16
+    grad_dtype: str = "fp32"  # precision.grad_accum_dtype: gradient accumulation under mixed precision, fp32 or bf16
     kernels: str = "fused"  # eager (the torch paths) or fused (flash attention, fla KDA, fused norms)
     moe_overflow: str = "auto"  # model.moe_overflow: auto, drop, dropless (one model: M rows each way) or balanced
     redundant_experts: int = -1  # moe.redundant_experts (balanced): replica slots per EP rank; -1: E/ep of the layout
@@ -81,6 +81,7 @@ class Workload:
     overlap_grad_reduce: bool = False  # parallel.overlap_grad_reduce: the DP gradient reduction hides behind the last
     # backward (ZeRO-1/2 only); without it the reduction is exposed
     peft: tuple = ()  # peft=lora: params.peft_spec (rank, alpha, targets, init, expert_block, tokens); () = all train
+    reduced: bool = True  # the step reduces the gradients (False: planning.dry_run's step, which takes none)
 
     @property
     def weight_bytes(self) -> int:
@@ -518,13 +519,15 @@ class _Sharding:
     gradients (ZeRO-2); the bytes per expert parameter of their gradients; n tokens of a micro-batch on a CP rank,
     n_rank of them on a TP rank. Under ep > 1 the routed experts are stepped outside DeepSpeed
     (training.expert_optimizer.ExpertOptimizer): each expert-data-parallel rank keeps the fp32 masters and optimizer
-    states of its block of whole experts (Layout.expert_share of them at most); their gradients accumulate in fp32
-    over the step's micro-batches as the dense ones do (w.grad_bytes), whole on every rank, until the step
-    reduce-scatters each into the fp32 block that replaces it."""
+    states of its block of whole experts (Layout.expert_share of them at most); their gradients accumulate over the
+    step's micro-batches as the dense ones do (w.grad_bytes: fp32, or bf16 under precision.grad_accum_dtype=bf16),
+    whole on every rank, until the step reduce-scatters each into the fp32 block that replaces it: the larger of the
+    two per expert parameter."""
     dense: int
     experts: float
     grad_dense: int
     grad_experts: int
+    expert_grad_bytes: float
     n: float
     n_rank: float
 
@@ -534,8 +537,9 @@ class _Sharding:
         in_zero = lay.experts_in_zero
         experts = dense if in_zero else 1 / lay.expert_share(cfg.num_experts)
         n = w.micro_batch_size * w.seq_length / lay.cp
+        blocks = 4 / experts if w.reduced and not in_zero else 0.0
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
-                   n, n / lay.tp if lay.sp else n)
+                   max(w.grad_bytes, blocks), n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -556,7 +560,7 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     base = ((dense.frozen + experts.frozen) * w.weight_bytes
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
-    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
+    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * sh.expert_grad_bytes / sh.grad_experts
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
@@ -566,9 +570,10 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
 def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
-    training.expert_optimizer's) or, under ep > 1 and edp > 1, the experts' gradient reduction, one tensor at a
-    time, of their largest: its fp32 gradient (counted in `gradients`) padded to edp equal blocks where edp does not
-    divide the experts, and the block received. (The gradient norms' float64 squares go by chunks of
+    training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
+    largest: its fp32 copy where the gradients accumulate narrower (precision.grad_accum_dtype=bf16; the gradient
+    itself is counted in `gradients`) and at edp > 1 that fp32 gradient padded to edp equal blocks where edp does
+    not divide the experts, and the block received. (The gradient norms' float64 squares go by chunks of
     ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
@@ -579,10 +584,11 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float
     local = cfg.num_experts // lay.ep
     inner = w.peft[0] if w.peft else cfg.moe_intermediate_size  # peft=lora: the adapters [E, rank, in] are trained
     largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
+    copy = 4 if w.grad_bytes < 4 else 0
     if lay.edp == 1:
-        return ns
+        return max(ns, largest * copy)
     padded = share * lay.edp if local % lay.edp else 0.0
-    return max(ns, largest * (4 * padded + 4 * share))
+    return max(ns, largest * (copy + 4 * padded + 4 * share))
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:

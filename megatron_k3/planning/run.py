@@ -42,10 +42,11 @@ def compose_for_planning(overrides, optimizer: str | None = None):
         extra = [x for x, k in (("train=pretrain", "train"), ("precision=bf16", "precision")) if k not in given]
         if extra:
             run, _, _ = compose_config(extra + keep, checkpoint_model_config)
+    run.precision.validate("precision")
     return run, optimizer or run.optim.name, given
 
 
-def workload(run, optimizer: str | None = None, zero_stage: int | None = None, grad_dtype: str = "fp32",
+def workload(run, optimizer: str | None = None, zero_stage: int | None = None, grad_dtype: str | None = None,
              kernels: str | None = None, image_share: float = DEFAULT_IMAGE_SHARE) -> Workload:
     """The planner's Workload of a run (kernels: eager on CPU clusters, fused on accelerators, unless given). The MoE
     dispatch: model.moe_overflow, and under balanced dispatch moe.redundant_experts as the run resolves it
@@ -54,11 +55,12 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
     with model.vision.enabled; tools/plan.py --image-share)."""
     t = run.train
     slots = run.moe.slots(run.model, run.parallel)
+    kernels = kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused")
     return Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name,
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
-                    grad_dtype, kernels or ("eager" if run.cluster.device_kind == "cpu" else "fused"),
-                    run.model.moe_overflow, run.moe.redundant_experts if slots is None else slots,
-                    run.moe.replica_exchange, image_share, run.parallel.overlap_grad_reduce, peft_spec(run.peft))
+                    grad_dtype or run.precision.grad_accum_dtype, kernels, run.model.moe_overflow,
+                    run.moe.redundant_experts if slots is None else slots, run.moe.replica_exchange, image_share,
+                    run.parallel.overlap_grad_reduce, peft_spec(run.peft))
 
 
 def layout(run, world: int, recompute: str | None = None, sequence_parallel: bool | None = None) -> Layout:

@@ -112,9 +112,14 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
                               "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "bf16": {"enabled": bf16},
     }
-    if bf16:  # accumulate micro-batch gradients in fp32, as Megatron does
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if bf16:  # precision.grad_accum_dtype: fp32 (the default, as Megatron) or bf16
+        cfg["data_types"] = {"grad_accum_dtype": run.precision.grad_accum_dtype}
     extra = dict(p.deepspeed or {})
+    given = (extra.get("data_types") or {}).get("grad_accum_dtype")
+    if given is not None and given != cfg.get("data_types", {}).get("grad_accum_dtype", "fp32"):
+        raise ConfigError("parallel.deepspeed.data_types.grad_accum_dtype", given,
+                          "set precision.grad_accum_dtype instead: the routed experts under expert parallelism "
+                          "(outside DeepSpeed) and the planner's memory check read it")
     return _merge(cfg, extra)
 
 
@@ -174,7 +179,8 @@ def build_optimizers(model, run: RunConfig, ps) -> tuple:
     anywhere = p.ep > 1 and any(gather(bool(expert)))
     device = next(model.parameters()).device
     experts = (ExpertOptimizer(expert, lambda ms: build_optimizer(None, o, params=ms, what="(routed experts)", tp=tp),
-                               ps, device) if anywhere else None)
+                               ps, device, fp32_accumulation=run.precision.grad_accum_dtype == "fp32")
+               if anywhere else None)
     return optimizer, experts
 
 

@@ -27,17 +27,18 @@ class ExpertOptimizer:
     orthogonalised whole, as in one process. Micro-batch gradients accumulate in fp32, as DeepSpeed's (its
     `grad_accum` attribute) and Megatron's (main_grad) do for the parameters they hold: with weights in a narrower
     dtype each parameter's gradient is added to an fp32 accumulator as soon as autograd has accumulated it, and
-    dropped (`_accumulate`). After the last micro-batch's backward each expert's gradient is reduce-scattered in fp32
+    dropped (`_accumulate`); with precision.grad_accum_dtype=bf16 they accumulate in the weights' dtype, as
+    DeepSpeed's then do. After the last micro-batch's backward each expert's gradient is reduce-scattered in fp32
     over edp to its owner's block and divided by the dense DP size -- each expert has received the tokens of every
     DP replica in its EP group, so the sum over EDP covers the global batch once -- and clipped by the same global
     norm as the dense parameters (`install_norm`), with the same coefficient (`optim.zero.clip_coefficient`), before
     the optimizer's momentum sees it. After the step every edp rank's updated block is all-gathered in the
     parameters' dtype."""
 
-    def __init__(self, named_params, make_optimizer, ps, device):
+    def __init__(self, named_params, make_optimizer, ps, device, fp32_accumulation: bool = True):
         """`ps`: the rank's parallel.state.ParallelState (its expert-data-parallel, EP, DP and pipeline groups);
         `device`: the model's (the gradient norm's, also on a pipeline stage without routed experts, which has
-        nothing to step but joins the norm's collectives).
+        nothing to step but joins the norm's collectives); `fp32_accumulation`: precision.grad_accum_dtype=fp32.
 
         The masters are blocks of their parameters: their annotation is the parameter's (so Muon groups them the
         same way), but where a block sits in the unsharded tensor is `placement`, not annotations.full_shape /
@@ -58,7 +59,7 @@ class ExpertOptimizer:
         self.main_grads = [None] * len(self.params)
         # on every parameter: DeepSpeed casts the module to its weights' dtype after this is built
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i))
-                       for i, p in enumerate(self.params)]
+                       for i, p in enumerate(self.params)] if fp32_accumulation else []
 
     def _accumulate(self, i: int, p: torch.Tensor) -> None:
         """Autograd has accumulated a backward's gradient of parameter i into p.grad (in p's dtype): add it to the
