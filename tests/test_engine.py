@@ -93,11 +93,10 @@ def test_generated_deepspeed_config():
     assert cfg["zero_optimization"]["contiguous_gradients"] is True  # untouched keys of the merged section stay
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"]["grad_accum_dtype"] == "fp32"
     # precision.grad_accum_dtype is the one key of the accumulation dtype (the routed experts and the planner read
-    # it): DeepSpeed's gets it, and a parallel.deepspeed entry contradicting it is refused, naming both
+    # it): DeepSpeed's gets it, and a parallel.deepspeed entry contradicting it is refused at composition, naming both
     bf16_accum = FAST + ["precision=bf16", "precision.grad_accum_dtype=bf16"]
     run, _, _ = compose_run_config(bf16_accum, world_size=4)
     assert deepspeed_config(run, dp=4)["data_types"]["grad_accum_dtype"] == "bf16"
-    run, _, _ = compose_run_config(bf16_accum + ["+parallel.deepspeed.data_types.grad_accum_dtype=fp32"], world_size=4)
-    with pytest.raises(ConfigError, match=r"parallel\.deepspeed\.data_types\.grad_accum_dtype.*precision\."
+    with pytest.raises(ConfigError, match=r"parallel\.deepspeed\.data_types\.grad_accum_dtype='fp32'.*precision\."
                                           r"grad_accum_dtype"):
-        deepspeed_config(run, dp=4)
+        compose_run_config(bf16_accum + ["+parallel.deepspeed.data_types.grad_accum_dtype=fp32"], world_size=4)

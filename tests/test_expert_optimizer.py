@@ -30,6 +30,7 @@ def test_bf16_expert_gradients_accumulate_in_fp32():
         cw, cf = (torch.randn(3, 4, 5) * scale).bfloat16(), torch.randn(2, 3, 4) * scale
         ((w * cw).float().sum() + (f * cf).sum()).backward()  # gradients: cw (bf16), cf
         assert w.grad is None and ex.main_grads[0].dtype == torch.float32
+        assert f.grad is not None and ex.main_grads[1] is None  # fp32: autograd's own accumulation
         want_w += cw.float()
         want_f += cf
         bf16_sum += cw
@@ -45,11 +46,24 @@ def test_bf16_expert_gradients_accumulate_in_fp32():
 
 def test_a_skipped_step_drops_the_accumulated_gradients():
     """A skipped step (non-finite gradients, or withheld by train.guard) leaves nothing of its gradients to the next
-    step's, reduced or not."""
+    step's, reduced (as training.engine.boundary_step does it) or not."""
     w = torch.nn.Parameter(torch.ones(2, 3).bfloat16())
     ex = _one_rank([("w", w)])
-    (w.float() * float("inf")).sum().backward()
-    ex.skip()
-    (w.float() * 2.0).sum().backward()
-    ex.reduce_gradients()
-    assert torch.equal(ex.masters[0].grad, torch.full((2, 3), 2.0))
+    for reduce_first in (True, False):
+        (w.float() * float("inf")).sum().backward()
+        if reduce_first:
+            ex.reduce_gradients()
+        ex.skip()
+        (w.float() * 2.0).sum().backward()
+        ex.reduce_gradients()
+        assert torch.equal(ex.masters[0].grad, torch.full((2, 3), 2.0)), reduce_first
+        ex.skip()
+
+
+def test_a_second_optimizer_over_the_same_experts_gets_every_gradient():
+    """An ExpertOptimizer built again over the same parameters (a Trainer rebuilt in one process): the first one's
+    hooks step aside, so the gradients reach the new one's accumulators, once."""
+    w = torch.nn.Parameter(torch.ones(2, 3).bfloat16())
+    old, new = _one_rank([("w", w)]), _one_rank([("w", w)])
+    (w.float() * 3.0).sum().backward()
+    assert old.main_grads == [None] and torch.equal(new.main_grads[0], torch.full((2, 3), 3.0))

@@ -260,9 +260,15 @@ def test_the_plans_flags_are_the_trainers_keys(plan_tool, capsys):
         by_key = plan_json(plan_tool, capsys, *base, key)["memory_per_device_gb"]
         checked = max(s.total for s in check_fits(compose_for_planning(base + [key])[0], 512)) / GB
         assert by_flag == by_key == pytest.approx(checked, rel=1e-9) and by_key < plain - 2, (flag, by_key, plain)
-    assert plan_tool.main(base + ["parallel.zero_stage=1", "--zero", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--zero='2'" in err and "parallel.zero_stage=1" in err
+    for contradiction in (["parallel.zero_stage=1", "--zero", "2"], ["++parallel.zero_stage=1", "--zero", "2"]):
+        assert plan_tool.main(base + contradiction) == 2
+        err = capsys.readouterr().err
+        assert "--zero='2'" in err and "parallel.zero_stage=1" in err
+    agree = plan_json(plan_tool, capsys, *base, "precision.grad_accum_dtype='bf16'", "--grad-dtype", "bf16")
+    assert agree["memory_per_device_gb"] == by_key  # the key and the flag saying the same: no contradiction
+    # the flag's key is not the user's: --mode infer still searches the serving layout (parallel.* not given)
+    assert plan_json(plan_tool, capsys, "model=k3", "cluster=supernodes_8x64", "--mode", "infer", "--zero", "1")[
+        "search"]
 
 
 def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):

@@ -114,17 +114,22 @@ KEY_FLAGS = {"--zero": "parallel.zero_stage", "--grad-dtype": "precision.grad_ac
 
 
 def compose(overrides, flags):
-    """The run config and optimizer to plan (megatron_k3.planning.run.compose_for_planning); a flag of KEY_FLAGS
-    sets its key, which it must not contradict (the trainer's check reads the key)."""
-    overrides = list(overrides)
+    """(run, optimizer, keys the overrides give) to plan (megatron_k3.planning.run.compose_for_planning); a flag of
+    KEY_FLAGS sets its key, which it must not contradict (the Trainer's check reads the key); the keys given are the
+    overrides' own."""
+    run, optimizer, given = compose_for_planning(overrides, flags.get("--optimizer"))
+    extra = []
     for flag, key in KEY_FLAGS.items():
         if flag not in flags:
             continue
-        given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
-        if given and given[-1] != flags[flag]:
-            raise ConfigError(flag, flags[flag], f"contradicts {key}={given[-1]} (the flag sets that key)")
-        overrides.append(f"{key}={flags[flag]}")
-    return compose_for_planning(overrides, flags.get("--optimizer"))
+        section, name = key.split(".")
+        value = getattr(getattr(run, section), name)
+        if key in given and str(value) != flags[flag]:
+            raise ConfigError(flag, flags[flag], f"contradicts {key}={value} (the flag sets that key)")
+        extra.append(f"{key}={flags[flag]}")
+    if extra:
+        run, optimizer, _ = compose_for_planning(list(overrides) + extra, flags.get("--optimizer"))
+    return run, optimizer, given
 
 
 def _nothing_valid(res, t) -> str:

@@ -704,8 +704,9 @@ class PrecisionConfig:
     param_dtype: str = "fp32"  # bf16: DeepSpeed's bf16 mode (module weights and gradients bf16; fp32 master
     #                            weights, fp32 gradient accumulation and optimizer states in ZeRO's partitions)
     grad_accum_dtype: str = "fp32"  # micro-batch gradient accumulation under param_dtype=bf16: fp32 (as Megatron;
-    #   the routed experts under ep > 1 too) or bf16 (half the gradient buffers; DeepSpeed's
-    #   data_types.grad_accum_dtype, which it warns is unsafe over many micro-batches). tools/plan.py --grad-dtype
+    #   the routed experts under ep > 1 too) or bf16 (half the gradient buffers in the backward; the experts' step
+    #   still reduces to fp32 blocks; DeepSpeed's data_types.grad_accum_dtype, which it warns is unsafe over many
+    #   micro-batches). tools/plan.py --grad-dtype
     # mx_qat: routed experts' weights and input activations fake-quantised to MX, blocks along the reduction dim
     mx_weight_format: str = "e2m1"  # MXFP4
     mx_act_format: str = "e4m3"  # MXFP8
@@ -926,6 +927,11 @@ class RunConfig:
             raise ConfigError("parallel.zero_stage", 0, f"precision.param_dtype=bf16 (precision={pr.name}) needs ZeRO "
                               "1 or 2, whose partitions hold the fp32 masters (DeepSpeed 0.19 has no ZeRO-0 path for "
                               "bf16 weights with fp32 gradient accumulation)")
+        given = ((p.deepspeed or {}).get("data_types") or {}).get("grad_accum_dtype")
+        if given is not None and given != (pr.grad_accum_dtype if pr.param_dtype == "bf16" else "fp32"):
+            raise ConfigError("parallel.deepspeed.data_types.grad_accum_dtype", given, "set "
+                              "precision.grad_accum_dtype instead: the routed experts under expert parallelism "
+                              "(outside DeepSpeed) and the planner's memory check read it")
         if pr.name == "mx_qat" and has_moe(m):
             for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
                          ("moe_intermediate_size", m.moe_intermediate_size)):

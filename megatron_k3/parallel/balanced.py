@@ -227,8 +227,7 @@ class BalancedDispatch:
             g = store.grad if store.grad is not None else torch.zeros_like(store)
             back = all_to_all(g.contiguous(), self.group)  # [R relays * El, Pp/R]: slice x of each own expert from x
             for w, gw in zip(ws, _unflatten(back.view(R, El, -1).transpose(0, 1).reshape(El, -1), ws)):
-                gw = gw.to(w.dtype)
-                w.grad = gw.clone() if w.grad is None else w.grad.add_(gw)
+                w.grad = gw.to(w.dtype, copy=True) if w.grad is None else w.grad.add_(gw)
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         out = counts_E.new_empty(self.R * counts_E.numel())

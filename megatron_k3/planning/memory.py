@@ -18,7 +18,7 @@ Precision recipes (bytes per parameter):
   and the routed experts at ep = 1); ZeRO-2 shards their gradients too; ZeRO-0 shards nothing. Under ep > 1 the
   routed experts are stepped outside DeepSpeed (training.expert_optimizer): their masters and optimizer states
   sharded over expert-DP in blocks of whole experts, their gradients accumulated like the dense ones (fp32 4, or
-  2 under precision.grad_accum_dtype=bf16) until the step reduces them to fp32 blocks.
+  2 under precision.grad_accum_dtype=bf16) until the step reduces them to fp32 blocks (in the step's phase).
 
 MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
 buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
@@ -521,13 +521,15 @@ class _Sharding:
     (training.expert_optimizer.ExpertOptimizer): each expert-data-parallel rank keeps the fp32 masters and optimizer
     states of its block of whole experts (Layout.expert_share of them at most); their gradients accumulate over the
     step's micro-batches as the dense ones do (w.grad_bytes: fp32, or bf16 under precision.grad_accum_dtype=bf16),
-    whole on every rank, until the step reduce-scatters each into the fp32 block that replaces it: the larger of the
-    two per expert parameter."""
+    whole on every rank, until the step reduce-scatters each into the fp32 block that replaces it (per local expert
+    parameter: `expert_grad_bytes` in the backward, `expert_block_bytes` from the reduction on, which
+    step_workspace_bytes counts where it is larger: bf16 accumulation, edp < 2)."""
     dense: int
     experts: float
     grad_dense: int
     grad_experts: int
     expert_grad_bytes: float
+    expert_block_bytes: float
     n: float
     n_rank: float
 
@@ -539,7 +541,7 @@ class _Sharding:
         n = w.micro_batch_size * w.seq_length / lay.cp
         blocks = 4 / experts if w.reduced and not in_zero else 0.0
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
-                   max(w.grad_bytes, blocks), n, n / lay.tp if lay.sp else n)
+                   w.grad_bytes, blocks, n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -573,22 +575,25 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float
     training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
     largest: its fp32 copy where the gradients accumulate narrower (precision.grad_accum_dtype=bf16; the gradient
     itself is counted in `gradients`) and at edp > 1 that fp32 gradient padded to edp equal blocks where edp does
-    not divide the experts, and the block received. (The gradient norms' float64 squares go by chunks of
-    ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
+    not divide the experts, and the block received; under ep > 1 either comes on top of the fp32 blocks' excess over
+    the accumulated gradients they replace (bf16 accumulation at edp < 2: the whole fp32 gradient). A step that
+    reduces nothing (`Workload.reduced`: planning.dry_run's) has none of it. (The gradient norms' float64 squares go
+    by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
     if w.optimizer == "muon":
         ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
-    if lay.experts_in_zero or not experts.total:
+    if lay.experts_in_zero or not experts.total or not w.reduced:
         return ns
     local = cfg.num_experts // lay.ep
     inner = w.peft[0] if w.peft else cfg.moe_intermediate_size  # peft=lora: the adapters [E, rank, in] are trained
     largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
     copy = 4 if w.grad_bytes < 4 else 0
+    blocks = max(0.0, 4 * share - w.grad_bytes) * experts.total
     if lay.edp == 1:
-        return max(ns, largest * copy)
+        return blocks + max(ns, largest * copy)
     padded = share * lay.edp if local % lay.edp else 0.0
-    return max(ns, largest * (copy + 4 * padded + 4 * share))
+    return blocks + max(ns, largest * (copy + 4 * padded + 4 * share))
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:

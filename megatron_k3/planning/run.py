@@ -37,7 +37,7 @@ def compose_for_planning(overrides, optimizer: str | None = None):
     run, _, _ = compose_config(keep, checkpoint_model_config)  # model=from_checkpoint reads it
     run.cluster.validate("cluster")
     run.model.validate("model")
-    given = {o.split("=", 1)[0] for o in keep}
+    given = {o.split("=", 1)[0].lstrip("+") for o in keep}
     if run.cluster.device_kind == "gpu":
         extra = [x for x, k in (("train=pretrain", "train"), ("precision=bf16", "precision")) if k not in given]
         if extra:

@@ -114,12 +114,7 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
     }
     if bf16:  # precision.grad_accum_dtype: fp32 (the default, as Megatron) or bf16
         cfg["data_types"] = {"grad_accum_dtype": run.precision.grad_accum_dtype}
-    extra = dict(p.deepspeed or {})
-    given = (extra.get("data_types") or {}).get("grad_accum_dtype")
-    if given is not None and given != cfg.get("data_types", {}).get("grad_accum_dtype", "fp32"):
-        raise ConfigError("parallel.deepspeed.data_types.grad_accum_dtype", given,
-                          "set precision.grad_accum_dtype instead: the routed experts under expert parallelism "
-                          "(outside DeepSpeed) and the planner's memory check read it")
+    extra = dict(p.deepspeed or {})  # a data_types.grad_accum_dtype other than precision's: RunConfig refuses it
     return _merge(cfg, extra)
 
 

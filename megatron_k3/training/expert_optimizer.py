@@ -57,15 +57,20 @@ class ExpertOptimizer:
         self.sq_norm = torch.zeros((), dtype=torch.float64)
         # the step's fp32 gradient of each parameter held in a narrower dtype (None before its first backward)
         self.main_grads = [None] * len(self.params)
-        # on every parameter: DeepSpeed casts the module to its weights' dtype after this is built
+        # on every parameter: DeepSpeed casts the module to its weights' dtype after this is built. The parameters
+        # name their optimizer: a hook of an earlier one over the same parameters steps aside instead of taking the
+        # gradients into its own accumulators
+        for p in self.params:
+            p._expert_optimizer = self
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i))
                        for i, p in enumerate(self.params)] if fp32_accumulation else []
 
     def _accumulate(self, i: int, p: torch.Tensor) -> None:
         """Autograd has accumulated a backward's gradient of parameter i into p.grad (in p's dtype): add it to the
-        step's fp32 accumulator and drop it, so a bf16 gradient lives one tensor at a time and no sum is rounded
-        to bf16. fp32 weights accumulate in p.grad."""
-        if p.grad is None or p.grad.dtype == torch.float32:
+        step's fp32 accumulator and drop it, so a bf16 gradient lives one tensor at a time and the micro-batches'
+        sum is fp32 (what one backward sums before this, e.g. the tiles of a tiled MoE block, autograd sums in p's
+        dtype). fp32 weights accumulate in p.grad."""
+        if p.grad is None or p.grad.dtype == torch.float32 or getattr(p, "_expert_optimizer", None) is not self:
             return
         g, p.grad = p.grad, None
         if self.main_grads[i] is None:
