@@ -129,7 +129,7 @@ def _expert_optimizer_bytes(rank, world, overrides, run_dir):
         lay, w = layout(run, world), workload(run)
         sm = training_memory(run.model, run.cluster, lay, w)[trainer.ps.rank_in("pp")]
         sh = _Sharding.of(run.model, lay, w)
-        planned = [sm.params_experts * b for b in (sh.expert_grad_bytes, sh.expert_block_bytes)]
+        planned = [sm.params_experts * b for b in (w.grad_bytes, sh.expert_block_bytes)]
         return (measured, sm.optimizer_experts), (grads, planned)
     finally:
         shutdown()

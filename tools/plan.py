@@ -44,6 +44,7 @@ Flags:
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,10 +59,9 @@ from megatron_k3.planning.checkpoint import (  # noqa: E402
     checkpoint_plan,
 )
 from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
-from megatron_k3.planning.memory import Workload  # noqa: E402
-from megatron_k3.planning.params import count_parameters, peft_spec  # noqa: E402
+from megatron_k3.planning.params import count_parameters  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
-from megatron_k3.planning.run import compose_for_planning, layout, search_knobs  # noqa: E402
+from megatron_k3.planning.run import compose_for_planning, layout, search_knobs, workload  # noqa: E402
 
 BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
               "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
@@ -159,11 +159,10 @@ def main(argv):
         return 2
     cfg, cluster, t, par = run.model, run.cluster, run.train, run.parallel
     counts = count_parameters(cfg)
-    kernels = flags.get("--kernels") or ("eager" if cluster.device_kind == "cpu" else "fused")
-    # MoE dispatch: model.moe_overflow; under balanced, moe.redundant_experts as given (-1: E/ep of each layout)
-    w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, optimizer,
-                 par.zero_stage, run.precision.grad_accum_dtype, kernels, cfg.moe_overflow, run.moe.redundant_experts,
-                 run.moe.replica_exchange, flags["--image-share"], par.overlap_grad_reduce, peft_spec(run.peft))
+    # the Trainer's check's Workload (planning.run.workload), but moe.redundant_experts as given: -1 is E/ep of each
+    # layout planned, not of the run's own
+    w = replace(workload(run, optimizer, kernels=flags.get("--kernels"), image_share=flags["--image-share"]),
+                redundant_experts=run.moe.redundant_experts)
     as_json = flags.get("--json", False)
     recompute = t.recompute  # the knobs: train.recompute_modules / _num_layers, tile_tokens, offload_buffer_gb
     knobs = search_knobs(run)

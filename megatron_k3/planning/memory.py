@@ -522,13 +522,12 @@ class _Sharding:
     states of its block of whole experts (Layout.expert_share of them at most); their gradients accumulate over the
     step's micro-batches as the dense ones do (w.grad_bytes: fp32, or bf16 under precision.grad_accum_dtype=bf16),
     whole on every rank, until the step reduce-scatters each into the fp32 block that replaces it (per local expert
-    parameter: `expert_grad_bytes` in the backward, `expert_block_bytes` from the reduction on, which
-    step_workspace_bytes counts where it is larger: bf16 accumulation, edp < 2)."""
+    parameter: w.grad_bytes in the backward, `expert_block_bytes` from the reduction on, which step_workspace_bytes
+    counts where it is larger: bf16 accumulation, edp < 2)."""
     dense: int
     experts: float
     grad_dense: int
     grad_experts: int
-    expert_grad_bytes: float
     expert_block_bytes: float
     n: float
     n_rank: float
@@ -541,7 +540,7 @@ class _Sharding:
         n = w.micro_batch_size * w.seq_length / lay.cp
         blocks = 4 / experts if w.reduced and not in_zero else 0.0
         return cls(dense, experts, dense if w.zero_stage >= 2 else 1, experts if w.zero_stage >= 2 and in_zero else 1,
-                   w.grad_bytes, blocks, n, n / lay.tp if lay.sp else n)
+                   blocks, n, n / lay.tp if lay.sp else n)
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
@@ -562,14 +561,14 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     base = ((dense.frozen + experts.frozen) * w.weight_bytes
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
-    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * sh.expert_grad_bytes / sh.grad_experts
+    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
 
 
-def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float:
+def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
     training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
@@ -589,7 +588,7 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, dense, experts) -> float
     inner = w.peft[0] if w.peft else cfg.moe_intermediate_size  # peft=lora: the adapters [E, rank, in] are trained
     largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
     copy = 4 if w.grad_bytes < 4 else 0
-    blocks = max(0.0, 4 * share - w.grad_bytes) * experts.total
+    blocks = max(0.0, sh.expert_block_bytes - w.grad_bytes) * experts.total
     if lay.edp == 1:
         return blocks + max(ns, largest * copy)
     padded = share * lay.edp if local % lay.edp else 0.0
@@ -773,7 +772,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         if v_acts:
             detail["vision"] = v_acts
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
-        transient = max(transient, step_workspace_bytes(cfg, lay, w, dense, experts) - acts)
+        transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))
