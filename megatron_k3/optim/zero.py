@@ -12,7 +12,8 @@ What DeepSpeed 0.19.8 does (deepspeed/runtime/zero/stage_1_and_2.py) when the cl
 So the full matrix (or head block) is assembled before Newton-Schulz and only the local shard is kept.
 
 What does not fit, and is replaced. DeepSpeed's update (EMA momentum, a sqrt(max(1, A/B)) scale, heads
-only along rows and not at all in its padded-partition path, torch.compile'd, so a C++ build on CPU) is
+only along rows and not at all in its padded-partition path, torch.compile'd, so a C++ build on CPU; imported here
+without compiling, `_import_uncompiled`) is
 called without the parameter; and DeepSpeed clips the norm of whatever holds the gradient's place, here the
 orthogonalised update. `attach(engine)` therefore:
 1. wraps the ZeRO optimizer's `get_flat_partition`: for a Muon group it points `original_muon.muon_update`,
@@ -42,15 +43,37 @@ is how training/engine.py stores it per parameter in checkpoints.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
+import sys
 
-import deepspeed.runtime.zero.muon.original_muon as ds_muon
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime import compiler as ds_compiler
 
 from ..ops.numerics import sq_norm64
 from .muon import Muon
+
+
+def _import_uncompiled(module: str):
+    """DeepSpeed's Muon module `module`, imported with DeepSpeed's `compiler.compile()` decorator a pass-through
+    while it loads. Its Newton-Schulz and update functions are `torch.compile`d at import, which costs every
+    process that imports this module about 1 s of start-up (torch.compile sets up its backend when it decorates).
+    Nothing here calls them: `attach` replaces `muon_update` wherever DeepSpeed would call it (asserted in
+    tests/test_muon_distributed.py), and CPU offload, DeepSpeed's other caller, is refused. A process that imported
+    the module before keeps its compiled functions."""
+    if module in sys.modules:
+        return sys.modules[module]
+    saved = ds_compiler.compile
+    ds_compiler.compile = lambda: ds_compiler.dummy_decorator
+    try:
+        return importlib.import_module(module)
+    finally:
+        ds_compiler.compile = saved
+
+
+ds_muon = _import_uncompiled("deepspeed.runtime.zero.muon.original_muon")
+MuonWithAuxAdam = _import_uncompiled("deepspeed.runtime.zero.muon.muon_optimizer").MuonWithAuxAdam
 
 
 def clip_coefficient(norm: float, clip: float) -> float:
