@@ -244,6 +244,34 @@ def test_cli_errors_are_one_line(plan_tool, capsys):
     assert len(err) == 1 and "train.tile_tokens=7" in err[0] and "nothing was planned" in err[0]
 
 
+def test_zero0_layouts_the_trainer_refuses_are_not_planned(plan_tool, capsys):
+    """parallel.zero_stage=0 runs one pipeline stage, no expert parallelism and fp32 weights (layout rule 9): the
+    planner's rules refuse a layout exactly when the Trainer's config check does, naming the key, and a search under
+    ZeRO-0 plans no other (until 2026-12-06 `tools/plan.py model=k3 --zero 0 --search` chose tp4 pp8 ep64 with bf16
+    weights, which the Trainer refuses)."""
+    from megatron_k3.config import ConfigError, compose_run_config
+
+    cfg = load_model_config("k3")
+    cl = compose_config(["cluster=supernodes_8x64"])[0].cluster
+    for precision in ("fp32", "bf16"):
+        w = Workload(4096, 1, 4096, precision, "muon", zero_stage=0)
+        for tp, pp, ep in ((8, 1, 1), (8, 8, 1), (8, 1, 64), (4, 8, 64)):
+            planned = planner_problems(cfg, cl, Layout(world=512, tp=tp, pp=pp, ep=ep, sequence_parallel=True), w)
+            refused = None
+            try:
+                compose_run_config(["model=k3", "cluster=supernodes_8x64", "train=pretrain", f"precision={precision}",
+                                    "parallel.zero_stage=0", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                    f"parallel.ep={ep}", "parallel.sequence_parallel=true"], world_size=512)
+            except ConfigError as e:
+                refused = e
+            assert (refused is None) == (planned == []) == (precision == "fp32" and pp == ep == 1), (precision, tp, pp,
+                                                                                                    ep, planned)
+            if refused is not None:
+                assert refused.key == planned[0].key == "parallel.zero_stage" and str(planned[0]) in str(refused)
+    assert plan_tool.main(["model=k3", "cluster=supernodes_8x64", "--zero", "0", "--search"]) != 0
+    assert "ZeRO 1 or 2 with bf16 weights" in capsys.readouterr().err
+
+
 def test_the_plans_flags_are_the_trainers_keys(plan_tool, capsys):
     """--zero and --grad-dtype set parallel.zero_stage and precision.grad_accum_dtype: the key alone plans what the
     flag does, and what the Trainer's start-up check (check_fits) computes for the same overrides (until 2026-12-06

@@ -890,7 +890,9 @@ class RunConfig:
                                    supernode_size=self.cluster.supernode_size,
                                    sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
                                    global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                                   redundant_experts=self.moe.redundant_experts, tile_tokens=t.tile_tokens)
+                                   redundant_experts=self.moe.redundant_experts, tile_tokens=t.tile_tokens,
+                                   zero_stage=p.zero_stage,
+                                   bf16_weights=self.precision.name if self.precision.param_dtype == "bf16" else "")
         if problems:
             raise problems[0].error()
         self._validate_pairings()
@@ -917,16 +919,6 @@ class RunConfig:
 
     def _validate_pairings(self) -> None:
         m, p, pr = self.model, self.parallel, self.precision
-        if p.pp > 1 and p.zero_stage == 0:
-            raise ConfigError("parallel.zero_stage", 0, f"with parallel.pp={p.pp} use ZeRO 1 or 2: DeepSpeed's "
-                              "ZeRO-0 clipping counts replicated parameters on model-parallel rank 0 only, "
-                              "i.e. on the first stage")
-        if has_moe(m) and p.ep > 1 and p.zero_stage == 0:
-            raise ConfigError("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2")
-        if p.zero_stage == 0 and pr.param_dtype == "bf16":
-            raise ConfigError("parallel.zero_stage", 0, f"precision.param_dtype=bf16 (precision={pr.name}) needs ZeRO "
-                              "1 or 2, whose partitions hold the fp32 masters (DeepSpeed 0.19 has no ZeRO-0 path for "
-                              "bf16 weights with fp32 gradient accumulation)")
         given = ((p.deepspeed or {}).get("data_types") or {}).get("grad_accum_dtype")
         if given is not None and given != (pr.grad_accum_dtype if pr.param_dtype == "bf16" else "fp32"):
             raise ConfigError("parallel.deepspeed.data_types.grad_accum_dtype", given, "set "

@@ -18,7 +18,9 @@ Rules, in the order they are reported:
 8. token tiles (train.tile_tokens, checked when the layout is otherwise valid): a part whose tokens on a device fit
    one tile runs untiled; a tiled part's tokens divide into whole tiles (the MoE layers' 1/tp share under sequence
    parallelism, the LM head's micro_batch_size*seq_length/cp); without sequence parallelism a MoE tile's rows divide
-   over tp; never with the drop dispatcher (its capacity would be per tile).
+   over tp; never with the drop dispatcher (its capacity would be per tile);
+9. ZeRO-0 (parallel.zero_stage=0, DeepSpeed's plain all-reduce; checked when the stage is given): one pipeline stage,
+   no expert parallelism over MoE layers, fp32 weights (bf16 weights keep their fp32 masters in ZeRO's partitions).
 
 Each Problem carries its `rule` in words without the numbers, by which the planner counts the layouts it rejects.
 """
@@ -58,10 +60,12 @@ def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
                     order: str = DEFAULT_ORDER, supernode_size: int | None = None, sequence_parallel: bool = False,
                     micro_batch_size: int | None = None, global_batch_size: int | None = None,
                     seq_length: int | None = None, redundant_experts: int | None = None,
-                    moe_overflow: str | None = None, tile_tokens: int = 0) -> list:
+                    moe_overflow: str | None = None, tile_tokens: int = 0, zero_stage: int | None = None,
+                    bf16_weights: str = "") -> list:
     """Every Problem of this layout (empty: it runs). Batch rules apply when the batch sizes are given, the replica
     slots of balanced dispatch when moe.redundant_experts is (`moe_overflow`: in place of the model's), the token
-    tiles when train.tile_tokens is (> 0, with the micro-batch and sequence length)."""
+    tiles when train.tile_tokens is (> 0, with the micro-batch and sequence length), ZeRO-0's limits when
+    `zero_stage` is (`bf16_weights`: the precision whose weights are bf16, empty for fp32 weights)."""
     out = []
     for key, size, what in (("parallel.tp", tp, "TP"), ("parallel.ep", ep, "EP")):
         if supernode_size and isinstance(size, int) and size > supernode_size:
@@ -95,6 +99,25 @@ def layout_problems(model, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
     if tile_tokens and micro_batch_size is not None and seq_length is not None and not out:
         out += _tile_problems(model, tp, cp, sequence_parallel, micro_batch_size * seq_length // cp, tile_tokens,
                               moe_overflow or model.moe_overflow)
+    if zero_stage == 0:
+        out += _zero0_problems(model, pp, ep, bf16_weights)
+    return out
+
+
+def _zero0_problems(model, pp: int, ep: int, bf16_weights: str) -> list:
+    """Rule 9: what parallel.zero_stage=0 cannot run (the Trainer's engine would fail or clip wrongly)."""
+    out, why = [], "ZeRO 1 or 2 with "
+    if pp > 1:
+        out.append(Problem("parallel.zero_stage", 0, f"with parallel.pp={pp} use ZeRO 1 or 2: DeepSpeed's ZeRO-0 "
+                           "clipping counts replicated parameters on model-parallel rank 0 only, i.e. on the first "
+                           "stage", why + "pipeline parallelism"))
+    if has_moe(model) and ep > 1:
+        out.append(Problem("parallel.zero_stage", 0, "expert parallelism needs parallel.zero_stage 1 or 2",
+                           why + "expert parallelism"))
+    if bf16_weights:
+        out.append(Problem("parallel.zero_stage", 0, f"precision.param_dtype=bf16 (precision={bf16_weights}) needs "
+                           "ZeRO 1 or 2, whose partitions hold the fp32 masters (DeepSpeed 0.19 has no ZeRO-0 path "
+                           "for bf16 weights with fp32 gradient accumulation)", why + "bf16 weights"))
     return out
 
 

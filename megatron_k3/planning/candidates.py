@@ -122,7 +122,8 @@ def planner_problems(cfg, cluster, lay: Layout, w) -> list:
         cfg, lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, cp=lay.cp, supernode_size=cluster.supernode_size,
         sequence_parallel=lay.sp, micro_batch_size=w.micro_batch_size, global_batch_size=w.global_batch_size,
         seq_length=w.seq_length, redundant_experts=w.redundant_experts, moe_overflow=w.moe_overflow,
-        tile_tokens=lay.tile_tokens)
+        tile_tokens=lay.tile_tokens, zero_stage=w.zero_stage,
+        bf16_weights=w.precision if w.weight_bytes == 2 else "")
     sn, node = cluster.supernode_size, cluster.devices_per_node
     if lay.tp > node and node > 1:
         out.append(Problem("parallel.tp", lay.tp, f"a TP group of {lay.tp} spans more than one node of {node}",
