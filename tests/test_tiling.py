@@ -8,7 +8,9 @@
   tile by tile, and the router's and experts' GEMMs take another code path for fewer rows (fp32 rounding; measured:
   the loss equal, the worst gradient 2.1e-6 at 16-token tiles, KDA's A_log, whose gradient sums every token and
   channel of a head, 9e-7 at 32). The routers are observed once per micro-batch and MoE layer over all its rows, and
-  the load counts are equal.
+  the load counts are equal (on these inputs: a token whose k-th and (k+1)-th scores are within the router GEMM's
+  rounding can change experts tiled, as under another layout; docs/planning.md). A recomputed tiled block records
+  nothing, whether torch's checkpoint stops the recomputation early or not.
 - Offload, one process: bit for bit equal to full recomputation (the host round trip copies values; the graph is
   full's), the completed AttnRes blocks held once however many layers read them, all host memory released by the
   backward, a budget too small keeps the inputs on the device and is still exact; in the backward every layer's
@@ -142,6 +144,30 @@ def test_tiled_equals_untiled_to_rounding(policy, tile):
     assert worst < GRAD_RTOL, worst
     assert t_observed == observed == (3, 3 * 128)  # once per MoE layer, all 128 rows
     assert all(torch.equal(a, b) for a, b in zip(t_loads, loads))
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "to_the_end"])
+def test_a_recomputed_tiled_pass_records_nothing(early_stop):
+    """Full recomputation runs a tiled MoE block again in the backward: the load counts and dropped assignments the
+    step reads after the backward are the forward's, and the routers are observed once, whether torch's checkpoint
+    stops recomputing early (its default) or runs the recomputation to the end (until 2026-12-06 a tiled block
+    recomputed to the end added the forward's totals once per tile: 8x the loads at 8 tiles)."""
+    from megatron_k3.model.moe import StableLatentMoE
+
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        model, cfg, _ = wrapped_model(TINY_MODEL, Policy("full"), 16)
+        counter = ObservationCounter()
+        moes = [m for m in model.modules() if isinstance(m, StableLatentMoE)]
+        for m in moes:
+            m.balance = counter
+        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+        out = model(ids, labels=ids)
+        recorded = [(m.tokens_per_expert_E.clone(), m.dropped_assignments.clone()) for m in moes]
+        out.loss.backward()
+    assert all(torch.equal(m.tokens_per_expert_E, loads) and torch.equal(m.dropped_assignments, dropped)
+               for m, (loads, dropped) in zip(moes, recorded))
+    assert all(int(loads.sum()) == 128 * cfg.top_k for loads, _ in recorded)
+    assert (counter.calls, counter.rows) == (3, 3 * 128)
 
 
 def _bf16_grads(tile: int, dtype=None):

@@ -65,14 +65,19 @@ def _tiled_moe(moe, tile: int):
         if n % tile:  # the config's layout check refuses this first (layout.rules, rule 8)
             raise ConfigError("train.tile_tokens", tile, f"does not divide the {n} tokens a MoE layer gets per "
                               "micro-batch on this device")
+        # a recomputed pass records nothing (StableLatentMoE.routed): it leaves the forward's records as they are,
+        # whether or not torch's checkpoint stops the recomputation before the end of this function
+        first = not recomputing()
         balance, collect = moe.balance, None
-        if balance is not None and not recomputing() and not torch.compiler.is_compiling():
+        if balance is not None and first and not torch.compiler.is_compiling():
             collect = moe.balance = _Collect()
         outs, loads, dropped, pending, stats = [], 0, 0, [], []
         bal = getattr(moe.dispatcher, "balanced", None)
         try:
             for i in range(n // tile):
                 outs.append(checkpointed_call(forward, rows[:, i * tile:(i + 1) * tile]))
+                if not first:
+                    continue
                 loads = loads + moe.tokens_per_expert_E
                 dropped = dropped + moe.dropped_assignments
                 if moe.pending_observation is not None:  # compiled: the region hands the scores out
@@ -82,7 +87,8 @@ def _tiled_moe(moe, tile: int):
                     stats.append(bal.stats)
         finally:
             moe.balance = balance
-        moe.tokens_per_expert_E, moe.dropped_assignments = loads, dropped
+        if first:
+            moe.tokens_per_expert_E, moe.dropped_assignments = loads, dropped
         if pending:
             moe.pending_observation = tuple(torch.cat(parts) for parts in zip(*pending))
         if collect is not None and collect.seen:
