@@ -92,11 +92,13 @@ def test_generated_deepspeed_config():
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["zero_optimization"]["overlap_comm"] is True
     assert cfg["zero_optimization"]["contiguous_gradients"] is True  # untouched keys of the merged section stay
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+    assert cfg["communication_data_type"] == "fp32"  # reduced in the accumulation dtype, as the planner counts it
     # precision.grad_accum_dtype is the one key of the accumulation dtype (the routed experts and the planner read
     # it): DeepSpeed's gets it, and a parallel.deepspeed entry contradicting it is refused at composition, naming both
     bf16_accum = FAST + ["precision=bf16", "precision.grad_accum_dtype=bf16"]
     run, _, _ = compose_run_config(bf16_accum, world_size=4)
     assert deepspeed_config(run, dp=4)["data_types"]["grad_accum_dtype"] == "bf16"
+    assert deepspeed_config(run, dp=4)["communication_data_type"] == "bf16"
     with pytest.raises(ConfigError, match=r"parallel\.deepspeed\.data_types\.grad_accum_dtype='fp32'.*precision\."
                                           r"grad_accum_dtype"):
         compose_run_config(bf16_accum + ["+parallel.deepspeed.data_types.grad_accum_dtype=fp32"], world_size=4)

@@ -10,12 +10,18 @@ Tolerance: 1e-5 relative per tensor, max|a - b| / max|b|, as tests/test_tensor_p
   zero-initialised AttnRes queries) takes an O(lr) different step, and the next forward carries that
   everywhere; optim=adamw alone behaves the same (measured up to 4e-4 after 3 steps). The tp=2 test
   therefore steps the Muon half only (AdamW groups at lr 0), which is what tensor parallelism changes.
+- bf16 weights, fp32 accumulation (precision.grad_accum_dtype=fp32), ZeRO-1 and ZeRO-2: the gradient of a step of 8
+  micro-batches that the Muon update and the AdamW half receive is the fp32 sum of the micro-batches' bf16 gradients
+  (within 1e-7 of their float64 sum; measured 1.3e-9 and 9.4e-9), where DeepSpeed's own reduction dtype and Muon
+  gradient buffer give 1.7e-3 (ZeRO-1) and 3.7e-3 (ZeRO-2, growing with the micro-batches: bench/RESULTS.md).
 """
+
+from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import max_abs_rel
+from helpers import load_file, max_abs_rel
 
 from megatron_k3.annotations import meta
 from megatron_k3.config import OptimConfig, load_model_config
@@ -28,6 +34,7 @@ OVERRIDES = ["num_layers=4", "hidden_size=64", "dense_intermediate_size=128", "a
              "num_shared_experts=2"]  # two fused shared experts: per-expert blocks of the shared MLP
 RTOL = 1e-5
 STEPS = 3
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _model():
@@ -212,3 +219,27 @@ def test_zero_attach_takes_over_clipping_and_refuses_what_it_cannot_do_exactly()
                       "momentum": 0.95, "nesterov": True, "ns_steps": 5, "scale": 0.2, "ns_dtype": "fp32"}])
     with pytest.raises(RuntimeError, match="attach"):
         bare.step()
+
+
+def _accumulation_worker(rank, world):
+    """{(stage, ours): (worst relative error of a Muon matrix's step gradient, of an AdamW group's)} over 8
+    micro-batches (bench/zero_grad_accumulation.py's setups and reference)."""
+    bench = load_file(ROOT / "bench" / "zero_grad_accumulation.py")
+    torch.set_num_threads(1)
+    ref, out = bench.reference(8), {}
+    for stage in (1, 2):
+        for ours in (False, True):
+            muon, adamw = bench.zero_gradients(8, stage, ours)
+            out[stage, ours] = (max(bench._rel(g, ref[n]) for n, g in muon.items() if ref[n].norm() > 0),
+                                max(bench._rel(g[:sum(ref[m].numel() for m in ms)],
+                                               torch.cat([ref[m].flatten() for m in ms])) for g, ms in adamw))
+    return out
+
+
+@pytest.mark.slow
+def test_bf16_weights_gradients_reach_the_optimizer_summed_in_fp32():
+    got = run_distributed(_accumulation_worker, 1)[0]
+    for stage in (1, 2):
+        assert max(got[stage, True]) < 1e-7, (stage, got)
+        assert got[stage, False][0] > 1e-3, (stage, got)  # DeepSpeed's own: the Muon matrices' sums rounded to bf16
+    assert got[1, False][1] > 1e-3, got  # and ZeRO-1's reduction in bf16

@@ -31,8 +31,11 @@ orthogonalised update. `attach(engine)` therefore:
    is the raw gradients' one. This is what single-process Muon with clipping does: clip, then momentum and
    Newton-Schulz. DeepSpeed's staged momentum is still committed only when the step is not skipped;
 3. runs QK-Clip after DeepSpeed has gathered the updated weights and writes the rescaled rows into the fp32
-   master partitions.
-Its config needs `zero_allow_untested_optimizer: true`. CPU offload takes a different DeepSpeed path (it
+   master partitions;
+4. under bf16 weights with fp32 accumulation, keeps the Muon groups' reduced gradients in fp32
+   (`_fp32_muon_gradient_buffer`; DeepSpeed keeps them in bf16).
+Its config needs `zero_allow_untested_optimizer: true` (and `communication_data_type: fp32` to reduce in fp32, as
+training/engine.py sets it under fp32 accumulation). CPU offload takes a different DeepSpeed path (it
 orthogonalises before clipping) and is refused.
 
 DeepSpeed keeps the momentum in `optimizer.state[flat partition]["momentum_buffer"]`: whole matrices of the
@@ -166,8 +169,34 @@ def attach(engine) -> ZeroMuon:
     _defer_muon_updates(zero, opt)
     _clip_raw_gradients(zero, opt, clip)
     _flush_before_muon_gradients(zero, opt)
+    _fp32_muon_gradient_buffer(zero)
     opt.attached = True
     return opt
+
+
+def _fp32_muon_gradient_buffer(zero) -> None:
+    """Under bf16 weights with fp32 gradient accumulation (precision.grad_accum_dtype=fp32), keep the Muon matrices'
+    gradients in fp32 after their reduction, as the AdamW half's are. DeepSpeed 0.19.8 copies a reduced gradient of
+    a Muon group (not in its compact fp32 partition buffer, which needs no whole matrices) into `grads_in_partition`,
+    made in the weights' dtype, and points the parameter's gradient at it: under ZeRO-1 the step's fp32 sum was
+    rounded to bf16 once (1.7e-3 relative), under ZeRO-2, which reduces every micro-batch, the sum of the
+    micro-batches accumulated in bf16 there (1.3e-2 at 128 micro-batches, growing with their number;
+    bench/zero_grad_accumulation.py). The buffer, remade after every backward, is made here in fp32 and only as
+    large as the parameters that use it (the Muon groups' in this rank's partition)."""
+    if (getattr(zero, "gradient_accumulation_dtype", None) != torch.float32
+            or getattr(zero, "dtype", torch.float32) == torch.float32 or not hasattr(zero, "copy_grads_in_partition")):
+        return
+    original = zero.copy_grads_in_partition
+
+    def copy_grads_in_partition(param, group_idx=None):
+        if zero.grads_in_partition is None and not zero.cpu_offload:
+            used = [i for i in range(len(zero.params_in_partition)) if not zero._use_compact_grad_partition_buffer(i)]
+            size = sum(p.numel() for i in used for p in zero.params_in_partition[i])
+            zero.grads_in_partition = torch.empty(size, dtype=torch.float32, device=param.device)
+            zero.grads_in_partition_offset = 0
+        return original(param, group_idx)
+
+    zero.copy_grads_in_partition = copy_grads_in_partition
 
 
 def _defer_muon_updates(zero, opt: ZeroMuon) -> None:

@@ -114,6 +114,10 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
     }
     if bf16:  # precision.grad_accum_dtype: fp32 (the default, as Megatron) or bf16
         cfg["data_types"] = {"grad_accum_dtype": run.precision.grad_accum_dtype}
+        # the gradient reduction in the same dtype (DeepSpeed reduces in the weights' dtype otherwise, which rounds
+        # the fp32 sums to bf16 once per step under ZeRO-1; Megatron reduces its fp32 main_grad); the planner counts
+        # the reduction's bytes at precision.grad_accum_dtype's size
+        cfg["communication_data_type"] = run.precision.grad_accum_dtype
     extra = dict(p.deepspeed or {})  # a data_types.grad_accum_dtype other than precision's: RunConfig refuses it
     return _merge(cfg, extra)
 
