@@ -10,7 +10,7 @@ THREADS := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}
 # make test and make test-fast: TEST_WORKERS pytest processes (pytest-xdist; 0 runs in this process), each test module
 # on one of them, longest modules first (tests/conftest.py), one intra-op thread each: the 2 cores stay busy while a
 # test waits on its gloo workers, a subprocess or the disk (one process: ~20 minutes on 2 cores, a third of it idle;
-# two: ~18, tests/test_readme.py included)
+# two: ~16, tests/test_readme.py included)
 TEST_WORKERS ?= 2
 XDIST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
@@ -33,7 +33,7 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
-# the whole suite: unit tests, multi-process gloo worlds, training runs, the README's commands (~18 minutes on 2 cores; --durations lists the slowest)
+# the whole suite: unit tests, multi-process gloo worlds, training runs, the README's commands (~16 minutes on 2 cores; --durations lists the slowest)
 test: install-test
 	$(XDIST) -m "not compile" --durations=40 $(PYTEST_ARGS)
 

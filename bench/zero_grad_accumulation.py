@@ -3,10 +3,12 @@
 precision.grad_accum_dtype=fp32 (the default): the Muon matrices' and the AdamW half's, against the float64 sum of
 the same micro-batches' bf16 gradients, over `--micro-batches` micro-batches per step. Two setups side by side:
 "deepspeed", DeepSpeed 0.19.8's own handling (its gradient reduction in the weights' dtype, bf16; the Muon groups'
-reduced gradients kept in a bf16 buffer), and "ours", as the Trainer runs it (megatron_k3.training.engine sets
-`communication_data_type` to precision.grad_accum_dtype; optim.zero.attach keeps that buffer in fp32).
+reduced gradients kept in a bf16 buffer, ZeRO-2's buckets bf16), and "ours", as the Trainer runs it
+(megatron_k3.training.engine sets `communication_data_type` to precision.grad_accum_dtype; optim.zero.attach keeps
+that buffer and ZeRO-2's buckets in fp32).
 
-One process (dp = 1: every element is in the rank's partition; a larger dp reduces the same sums), a 2-layer k3_tiny,
+One process here (dp = 1: every element is in the rank's partition; `zero_gradients` and `reference` also take
+data-parallel ranks, which tests/test_muon_distributed.py runs at dp = 2), a 2-layer k3_tiny,
 DeepSpeed set up as the Trainer sets it up (megatron_k3.training.engine: ZeRO's optimizer for both stages, our
 ZeroMuon attached). The Muon matrices' gradient is what `attach`'s deferred update receives (the whole matrix), the
 AdamW half's what ZeroMuon's step gets (the group's flat fp32 partition). The reference runs the same bf16 model one
@@ -47,28 +49,31 @@ def _model():
     return K3ForCausalLM(load_model_config("k3_tiny", MODEL))
 
 
-def _batches(n: int) -> list:
+def _batches(n: int, rank: int = 0, world: int = 1) -> list:
+    """Data-parallel rank `rank`'s n micro-batches of a step of n * world."""
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 8192, (1, 64), generator=g) for _ in range(n)]
+    return [torch.randint(0, 8192, (1, 64), generator=g) for _ in range(n * world)][rank * n:(rank + 1) * n]
 
 
-def reference(n: int) -> dict:
-    """{name: float64 sum of the n micro-batches' bf16 gradients of loss / n} (DeepSpeed scales each loss by 1/n)."""
+def reference(n: int, world: int = 1) -> dict:
+    """{name: float64 sum of the step's micro-batches' bf16 gradients of loss / n, over `world` data-parallel ranks'
+    n each, divided by world} (DeepSpeed scales each loss by 1/n and averages over data parallel)."""
     model = _model().to(torch.bfloat16)
     ref = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in model.named_parameters()}
-    for ids in _batches(n):
+    for ids in _batches(n * world):
         model.zero_grad()
         (model(ids, labels=ids).loss / n).backward()
         for name, p in model.named_parameters():
             if p.grad is not None:
                 ref[name] += p.grad.double()
-    return ref
+    return {name: r / world for name, r in ref.items()}
 
 
-def zero_gradients(n: int, stage: int, ours: bool) -> tuple:
+def zero_gradients(n: int, stage: int, ours: bool, rank: int = 0, world: int = 1) -> tuple:
     """({Muon matrix name: the gradient its update got}, [(AdamW group's flat fp32 partition gradient, its
-    parameters' names)]) of one step of n micro-batches under ZeRO-`stage`, as the Trainer runs it (`ours`) or with
-    DeepSpeed's own reduction dtype and Muon gradient buffer."""
+    parameters' names, the partition's offset in their concatenation)]) of one step of n micro-batches on each of
+    `world` data-parallel ranks (this process is `rank` of an initialised process group) under ZeRO-`stage`, as the
+    Trainer runs it (`ours`) or with DeepSpeed's own reduction dtype and Muon gradient buffer."""
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # plain gloo collectives, no C++ build
     model = _model()
     names = {id(p): name for name, p in model.named_parameters()}
@@ -100,11 +105,11 @@ def zero_gradients(n: int, stage: int, ours: bool) -> tuple:
 
     def record_adamw(p, group):
         gi = index[id(group)]
-        adamw.append((p.grad.double().clone(), [names[id(q)] for q in zero.bit16_groups[gi]]))
+        adamw.append((p.grad.double().clone(), [names[id(q)] for q in zero.bit16_groups[gi]], rank * p.numel()))
         return adamw_step(p, group)
 
     opt.run_pending_updates, opt._adamw_step = record_muon, record_adamw
-    for ids in _batches(n):
+    for ids in _batches(n, rank, world):
         engine.backward(engine(ids, labels=ids).loss)
         engine.step()
     return muon, adamw
@@ -112,6 +117,17 @@ def zero_gradients(n: int, stage: int, ours: bool) -> tuple:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def errors(ref: dict, muon: dict, adamw: list) -> tuple:
+    """(sorted relative errors of the Muon matrices, of the AdamW groups' partitions) against `reference`."""
+    m = sorted(_rel(g, ref[name]) for name, g in muon.items() if ref[name].norm() > 0)
+    a = []
+    for g, names, start in adamw:
+        whole = torch.cat([ref[name].flatten() for name in names])[start:start + g.numel()]
+        if whole.norm() > 0:
+            a.append(_rel(g[:whole.numel()], whole))
+    return m, a
 
 
 def main(argv=None) -> None:
@@ -127,10 +143,7 @@ def main(argv=None) -> None:
     for n in args.micro_batches:
         ref = reference(n)
         for stage, ours in ((1, False), (1, True), (2, False), (2, True)):
-            muon, adamw = zero_gradients(n, stage, ours)
-            errs = sorted(_rel(g, ref[name]) for name, g in muon.items() if ref[name].norm() > 0)
-            flat = [_rel(g[:sum(ref[m].numel() for m in ms)], torch.cat([ref[m].flatten() for m in ms]))
-                    for g, ms in adamw]
+            errs, flat = errors(ref, *zero_gradients(n, stage, ours))
             print(f"| {n} | {stage} | {'ours' if ours else 'deepspeed'} | {errs[len(errs) // 2]:.2e} | {errs[-1]:.2e} "
                   f"| {max(flat):.2e} |", flush=True)
     dist.destroy_process_group()

@@ -29,11 +29,12 @@ orthogonalised update. `attach(engine)` therefore:
    the AdamW groups' flat partitions are scaled by the same coefficient inside ZeroMuon's step. DeepSpeed's
    own clipping is switched off (`clip_grad = 0`), and its norm (the overflow check, `get_global_grad_norm`)
    is the raw gradients' one. This is what single-process Muon with clipping does: clip, then momentum and
-   Newton-Schulz. DeepSpeed's staged momentum is still committed only when the step is not skipped;
+   Newton-Schulz. A skipped step runs no update, so the momentum is written in place (`_momentum_in_place`:
+   DeepSpeed's staged copy, committed only when the step is not skipped, is not needed);
 3. runs QK-Clip after DeepSpeed has gathered the updated weights and writes the rescaled rows into the fp32
    master partitions;
-4. under bf16 weights with fp32 accumulation, keeps the Muon groups' reduced gradients in fp32
-   (`_fp32_muon_gradient_buffer`; DeepSpeed keeps them in bf16).
+4. under bf16 weights with fp32 accumulation, keeps the Muon groups' reduced gradients, ZeRO-2's buckets and so
+   DeepSpeed's Muon momentum in fp32 (`_fp32_muon_gradient_buffer`; DeepSpeed keeps them in bf16).
 Its config needs `zero_allow_untested_optimizer: true` (and `communication_data_type: fp32` to reduce in fp32, as
 training/engine.py sets it under fp32 accumulation). CPU offload takes a different DeepSpeed path (it
 orthogonalises before clipping) and is refused.
@@ -170,23 +171,37 @@ def attach(engine) -> ZeroMuon:
     _clip_raw_gradients(zero, opt, clip)
     _flush_before_muon_gradients(zero, opt)
     _fp32_muon_gradient_buffer(zero)
+    _momentum_in_place(zero)
     opt.attached = True
     return opt
 
 
+def _momentum_in_place(zero) -> None:
+    """DeepSpeed 0.19.8 stages Muon's momentum: a step's update writes into a copy of it (`_muon_staging_momentum`,
+    one more momentum-sized buffer per Muon group, kept across steps) that `_commit_muon_momentum` copies back when
+    the step is not skipped. Here the update runs only in a step that is taken (`_clip_raw_gradients`: a non-finite
+    norm or train.guard's withheld step runs none), so it writes the momentum itself: no second buffer (4 bytes per
+    element of the rank's Muon matrices, which the planner does not count) and no copy per step."""
+    if hasattr(zero, "_muon_staging_momentum"):
+        zero._muon_staging_momentum = lambda flatten_copy, _: zero.optimizer.state[flatten_copy]["momentum_buffer"]
+
+
 def _fp32_muon_gradient_buffer(zero) -> None:
     """Under bf16 weights with fp32 gradient accumulation (precision.grad_accum_dtype=fp32), keep the Muon matrices'
-    gradients in fp32 after their reduction, as the AdamW half's are. DeepSpeed 0.19.8 copies a reduced gradient of
-    a Muon group (not in its compact fp32 partition buffer, which needs no whole matrices) into `grads_in_partition`,
-    made in the weights' dtype, and points the parameter's gradient at it: under ZeRO-1 the step's fp32 sum was
-    rounded to bf16 once (1.7e-3 relative), under ZeRO-2, which reduces every micro-batch, the sum of the
-    micro-batches accumulated in bf16 there (1.3e-2 at 128 micro-batches, growing with their number;
-    bench/zero_grad_accumulation.py). The buffer, remade after every backward, is made here in fp32 and only as
-    large as the parameters that use it (the Muon groups' in this rank's partition)."""
+    reduced gradients in fp32, as the AdamW half's are. DeepSpeed 0.19.8 copies a reduced gradient of a Muon group
+    (not in its compact fp32 partition buffer, which needs no whole matrices) into `grads_in_partition`, made in the
+    weights' dtype, and points the parameter's gradient at it; under ZeRO-2, which reduces every micro-batch, the
+    reduction itself runs in a bucket of the weights' dtype and writes its fp32 result back there. So under ZeRO-1
+    the step's fp32 sum was rounded to bf16 once (1.7e-3 relative), under ZeRO-2 the micro-batches' sum accumulated
+    in bf16 (1.3e-2 at 128 micro-batches, growing with their number; bench/zero_grad_accumulation.py). Here
+    `grads_in_partition`, remade after every backward, is made in fp32 and only as large as the parameters that use
+    it (the Muon groups' in this rank's partition), and ZeRO-2's buckets are fp32, as ZeRO-1's are (a gradient
+    larger than a bucket, which DeepSpeed reduces where it lies, is made fp32 first). DeepSpeed's Muon momentum takes
+    the gradients' dtype: it is fp32 too (it was bf16)."""
     if (getattr(zero, "gradient_accumulation_dtype", None) != torch.float32
             or getattr(zero, "dtype", torch.float32) == torch.float32 or not hasattr(zero, "copy_grads_in_partition")):
         return
-    original = zero.copy_grads_in_partition
+    copy = zero.copy_grads_in_partition
 
     def copy_grads_in_partition(param, group_idx=None):
         if zero.grads_in_partition is None and not zero.cpu_offload:
@@ -194,9 +209,21 @@ def _fp32_muon_gradient_buffer(zero) -> None:
             size = sum(p.numel() for i in used for p in zero.params_in_partition[i])
             zero.grads_in_partition = torch.empty(size, dtype=torch.float32, device=param.device)
             zero.grads_in_partition_offset = 0
-        return original(param, group_idx)
+        return copy(param, group_idx)
 
     zero.copy_grads_in_partition = copy_grads_in_partition
+    if not zero.partition_gradients:  # ZeRO-1 reduces its fp32 accumulators (grad_accum) in fp32 buckets
+        return
+    zero._gradient_reduction_buffer_dtype = lambda: torch.float32  # the buckets, made at each backward's first
+    reduce = zero.reduce_independent_p_g_buckets_and_remove_grads
+
+    def reduce_independent_p_g_buckets_and_remove_grads(param, i):
+        grad = param.grad
+        if grad is not None and grad.dtype != torch.float32 and param.numel() > zero.reduce_bucket_size:
+            grad.data = grad.data.float()  # reduced in place, outside the buckets
+        return reduce(param, i)
+
+    zero.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
 
 
 def _defer_muon_updates(zero, opt: ZeroMuon) -> None:
@@ -242,8 +269,8 @@ def _clip_raw_gradients(zero, opt: ZeroMuon, clip: float) -> None:
         raw = (raw_grad_sq_norm(zero) + opt.extra_sq_norm()).sqrt()
         norm = float(raw)
         opt.grad_scale = clip_coefficient(norm, clip) if math.isfinite(norm) else 1.0
-        if math.isfinite(norm) and not getattr(opt, "withheld", False):  # else DeepSpeed skips the step (the staged
-            opt.run_pending_updates(opt.grad_scale)  # momentum is not committed; withheld: train.guard's skip)
+        if math.isfinite(norm) and not getattr(opt, "withheld", False):  # else DeepSpeed skips the step and no
+            opt.run_pending_updates(opt.grad_scale)  # momentum moves (withheld: train.guard's skip)
         opt.pending = {}
         norm_fn = zero.scaled_global_norm
         zero.scaled_global_norm = lambda norm_type=2: raw  # DeepSpeed's overflow check and reported norm
@@ -264,7 +291,8 @@ def _clip_raw_gradients(zero, opt: ZeroMuon, clip: float) -> None:
 def _flush_before_muon_gradients(zero, opt: ZeroMuon) -> None:
     """Reduce the pending bucket before a Muon matrix's gradient joins it when the bucket's last gradient belongs to
     an AdamW group. Under bf16 parameters with fp32 gradient accumulation DeepSpeed 0.19.8 reduces AdamW groups
-    into a compact fp32 partition buffer and Muon groups (whole matrices) into its bf16 one; `average_tensor`
+    into a compact fp32 partition buffer and Muon groups (whole matrices) into another (`grads_in_partition`, fp32
+    here: `_fp32_muon_gradient_buffer`); `average_tensor`
     merges a Muon slice into the preceding bucket range when both go to the same rank, and the merged range keeps
     no output buffer, so the AdamW gradient before it is reduced and then dropped (seen: every AttnRes query, short
     conv filter and most norm weights kept their initial value under ZeRO-2 + bf16 + Muon, whose buckets follow the
