@@ -202,11 +202,12 @@ def _fp32_muon_gradient_buffer(zero) -> None:
             or getattr(zero, "dtype", torch.float32) == torch.float32 or not hasattr(zero, "copy_grads_in_partition")):
         return
     copy = zero.copy_grads_in_partition
+    # fixed once DeepSpeed has partitioned the groups (the compact buffer's use depends on the dtypes and groups only)
+    size = sum(p.numel() for i, group in enumerate(zero.params_in_partition)
+               if not zero._use_compact_grad_partition_buffer(i) for p in group)
 
     def copy_grads_in_partition(param, group_idx=None):
-        if zero.grads_in_partition is None and not zero.cpu_offload:
-            used = [i for i in range(len(zero.params_in_partition)) if not zero._use_compact_grad_partition_buffer(i)]
-            size = sum(p.numel() for i in used for p in zero.params_in_partition[i])
+        if zero.grads_in_partition is None:  # attach refuses CPU offload, whose path keeps no such buffer
             zero.grads_in_partition = torch.empty(size, dtype=torch.float32, device=param.device)
             zero.grads_in_partition_offset = 0
         return copy(param, group_idx)
