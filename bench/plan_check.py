@@ -28,8 +28,8 @@ from megatron_k3.model import K3ForCausalLM  # noqa: E402
 from megatron_k3.planning.candidates import Layout  # noqa: E402
 from megatron_k3.planning.flops import model_flops  # noqa: E402
 from megatron_k3.planning.measure import LiveTensorMemory, count_flops  # noqa: E402
-from megatron_k3.planning.memory import Workload  # noqa: E402
 from megatron_k3.planning.planner import plan_training  # noqa: E402
+from megatron_k3.planning.run import workload  # noqa: E402
 
 CONFIGS = [
     [],
@@ -37,6 +37,11 @@ CONFIGS = [
     ["train.micro_batch_size=8", "train.global_batch_size=8", "train.seq_length=128", "model.kda_chunk_size=32"],
     ["train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=1024"],
     ["model=kimi_linear_tiny", "model.vocab_size=8192"],
+    # bf16 weights with fp32 accumulation and Muon, 8 micro-batches of 64 tokens: the model states and DeepSpeed's
+    # gradient buffers (its reduction bucket; under ZeRO-2 the partition buffer made again each backward) lead
+    ["precision=bf16", "optim=muon", "train.micro_batch_size=1", "train.global_batch_size=8", "train.seq_length=64"],
+    ["precision=bf16", "optim=muon", "train.micro_batch_size=1", "train.global_batch_size=8", "train.seq_length=64",
+     "parallel.zero_stage=2"],
 ]
 
 
@@ -44,7 +49,7 @@ def memory_row(overrides):
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
-    # optim=adamw: the results in RESULTS.md were measured with it (plan.py counts Muon's states as well)
+    # optim=adamw unless a row names optim=muon (plan.py counts Muon's states as well)
     run, _, _ = compose_run_config(["logging.wandb.mode=disabled", "optim=adamw", *overrides])
     try:
         trainer = Trainer(run, Path(tempfile.mkdtemp()))  # a one-process DeepSpeed engine (ZeRO-1)
@@ -56,10 +61,7 @@ def memory_row(overrides):
                 trainer.train_step()
     finally:
         shutdown()
-    t = run.train
-    w = Workload(t.seq_length, t.micro_batch_size, t.global_batch_size, run.precision.name, run.optim.name,
-                 zero_stage=run.parallel.zero_stage, kernels="eager")
-    plan = plan_training(run.model, run.cluster, Layout(world=1), w)
+    plan = plan_training(run.model, run.cluster, Layout(world=1), workload(run, kernels="eager"))  # tools/plan.py's
     return run, tracker.peak, plan.memory_per_device
 
 

@@ -81,16 +81,26 @@ def test_layout_equals_single_process_with_the_default_optimizer(reference_defau
 
 def test_generated_deepspeed_config():
     from megatron_k3.config import ConfigError, compose_run_config
+    from megatron_k3.planning.run import workload
     from megatron_k3.training.engine import deepspeed_config
 
     run, _, _ = compose_run_config(FAST + ["train.global_batch_size=16", "train.micro_batch_size=2",
                                            "parallel.zero_stage=2", "precision=bf16",
-                                           "+parallel.deepspeed.zero_optimization.overlap_comm=true"], world_size=4)
+                                           "parallel.overlap_grad_reduce=true",
+                                           "+parallel.deepspeed.zero_optimization.reduce_bucket_size=4096"],
+                                   world_size=4)
     cfg = deepspeed_config(run, dp=4)
     assert cfg["train_batch_size"] == 16 and cfg["train_micro_batch_size_per_gpu"] == 2
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["gradient_clipping"] == run.train.grad_clip
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["zero_optimization"]["overlap_comm"] is True
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 4096  # a merged entry; the planner counts it too
+    assert workload(run).reduce_bucket == 4096 and workload(run).overlap_grad_reduce
     assert cfg["zero_optimization"]["contiguous_gradients"] is True  # untouched keys of the merged section stay
+    # the bucket, otherwise: the model's parameters rounded up to 256 elements, 50M at most (DeepSpeed makes it whole)
+    assert deepspeed_config(run, dp=4, num_params=1000)["zero_optimization"]["allgather_bucket_size"] == 1024
+    plain = compose_run_config(FAST, world_size=4)[0]
+    assert deepspeed_config(plain, dp=4, num_params=1000)["zero_optimization"]["reduce_bucket_size"] == 1024
+    assert deepspeed_config(plain, dp=4, num_params=10 ** 9)["zero_optimization"]["reduce_bucket_size"] == 50_000_000
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"]["grad_accum_dtype"] == "fp32"
     assert cfg["communication_data_type"] == "fp32"  # reduced in the accumulation dtype, as the planner counts it
     # precision.grad_accum_dtype is the one key of the accumulation dtype (the routed experts and the planner read
@@ -102,3 +112,12 @@ def test_generated_deepspeed_config():
     with pytest.raises(ConfigError, match=r"parallel\.deepspeed\.data_types\.grad_accum_dtype='fp32'.*precision\."
                                           r"grad_accum_dtype"):
         compose_run_config(bf16_accum + ["+parallel.deepspeed.data_types.grad_accum_dtype=fp32"], world_size=4)
+    # so are the other entries a key of ours sets: the dtype the gradients are reduced in, the ZeRO stage and the
+    # overlap (the layout rules, the planner's memory and time models read the keys); equal values are accepted
+    for entry, key in (("communication_data_type=fp32", "precision.grad_accum_dtype"),
+                       ("zero_optimization.stage=2", "parallel.zero_stage"),
+                       ("zero_optimization.overlap_comm=true", "parallel.overlap_grad_reduce")):
+        with pytest.raises(ConfigError, match=rf"parallel\.deepspeed\.{entry.split('=')[0]}=.*set {key} instead"):
+            compose_run_config(bf16_accum + [f"+parallel.deepspeed.{entry}"], world_size=4)
+    compose_run_config(bf16_accum + ["+parallel.deepspeed.communication_data_type=bf16",
+                                     "+parallel.deepspeed.zero_optimization.stage=1"], world_size=4)

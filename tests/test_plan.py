@@ -14,6 +14,7 @@ from megatron_k3.config import compose_config, load_model_config
 from megatron_k3.model.params import count_parameters
 from megatron_k3.planning.activations import attn_res_sources
 from megatron_k3.planning.candidates import Layout, planner_problems, stage_layers
+from megatron_k3.planning.comm import training_comm
 from megatron_k3.planning.memory import GB, Workload, training_memory
 from megatron_k3.planning.params import model_params
 from megatron_k3.planning.planner import plan_inference, plan_training, search_training
@@ -304,7 +305,14 @@ def test_the_cpu_plan_reports_what_a_tiny_run_needs(plan_tool, capsys):
     assert got["fits"] and got["workload"]["kernels"] == "eager" and got["workload"]["precision"] == "fp32"
     b = got["memory_breakdown_gb"]
     n = 4488780
-    assert b["weights"] * GB == n * 4 and b["gradients"] * GB == n * 4
+    # the gradients, and beside them ZeRO-1's reduction bucket (2 micro-batches: held from the first backward to the
+    # step's last), fp32, as large as the engine configures it for this model: n rounded up to 256 elements
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.training.engine import deepspeed_config
+
+    bucket = deepspeed_config(compose_run_config([])[0], 1, n)["zero_optimization"]["reduce_bucket_size"]
+    assert bucket == -(-n // 256) * 256
+    assert b["weights"] * GB == n * 4 and b["gradients"] * GB == pytest.approx(n * 4 + bucket * 4, abs=1)
     # the default optim=muon: ZeRO-1's fp32 partition (4 B), Muon's momentum for the matrices it updates (4 B),
     # AdamW's two moments for the rest (8 B); the real run's states: tests/test_plan_cpu_check.py
     from megatron_k3.model import K3ForCausalLM
@@ -635,7 +643,9 @@ def test_vision_tower_sits_on_the_first_stage_whole_on_every_tp_rank():
     assert model_params(on, 2).vision == vis and model_params(off, 1).vision.total == 0
     cl = compose_config(["cluster=cpu"])[0].cluster
     lay = Layout(world=4, tp=2, pp=2)  # dp 1
-    w = Workload(64, 1, 2, "bf16", "adamw", image_share=0.25)
+    # a fixed ZeRO bucket (parallel.deepspeed.zero_optimization.reduce_bucket_size; the engine's own grows with the
+    # parameters up to 50M elements)
+    w = Workload(64, 1, 2, "bf16", "adamw", image_share=0.25, reduce_bucket=1 << 20)
     m_on, m_off = training_memory(on, cl, lay, w), training_memory(off, cl, lay, w)
     assert m_on[1] == m_off[1]
     s0, t0 = m_on[0], m_off[0]
@@ -840,7 +850,7 @@ def test_plan_reports_the_vision_tower(plan_tool, capsys):
 
 
 def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_offload():
-    """K3 at 1M tokens on supernodes_8x64: tp8 pp8 ep64 cp8 with full recomputation alone needs 150.2 GB per device;
+    """K3 at 1M tokens on supernodes_8x64: tp8 pp8 ep64 cp8 with full recomputation alone needs 150.4 GB per device;
     the layer inputs it keeps go to host memory (train.offload_buffer_gb: up to that many bytes per device, the rest
     stays), the MoE blocks and the LM head run over token tiles (train.tile_tokens), and it fits, with the host
     memory per node within cluster.host_memory_gb; a host too small is refused naming train.offload_buffer_gb."""
@@ -852,14 +862,14 @@ def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_of
     w = Workload(1 << 20, 1, 64, "bf16", "muon")
     lay = Layout(world=512, tp=8, pp=8, ep=64, cp=8, recompute="full")
     base = plan_training(cfg, cl, lay, w)
-    assert not base.fits and round(base.memory_per_device / GB, 1) == 150.2
+    assert not base.fits and round(base.memory_per_device / GB, 1) == 150.4
     first = training_memory(cfg, cl, lay, w)[0]
     kept = first.activation_detail["layer_inputs"]
     half = replace(lay, offload_bytes=kept / 2)
     s0 = training_memory(cfg, cl, half, w)[0]
     assert s0.host == pytest.approx(kept / 2) and s0.activations == pytest.approx(first.activations - kept / 2)
     both = plan_training(cfg, cl, replace(lay, tile_tokens=4096, offload_bytes=40e9), w)
-    assert both.fits and round(both.memory_per_device / GB, 1) == 120.2
+    assert both.fits and round(both.memory_per_device / GB, 1) == 120.4
     assert 0 < both.host_per_node_gb < cl.host_memory_gb
     tiled = training_memory(cfg, cl, replace(lay, tile_tokens=4096), w)[-1]
     assert tiled.activation_detail.get("head", 0.0) < training_memory(cfg, cl, lay, w)[-1].activation_detail["head"]
@@ -873,7 +883,7 @@ def test_k3_at_1m_tokens_fits_512_accelerators_with_full_recompute_tiling_and_of
 
 def test_a_plan_over_the_hosts_memory_says_so():
     """The offloaded layer inputs of K3 at 1M tokens take 210 GB per node: with cluster.host_memory_gb=100 the plan
-    does not fit though its 120.2 GB per device do, and the report says why (the host line reads OVER, with the
+    does not fit though its 120.4 GB per device do, and the report says why (the host line reads OVER, with the
     share per device that fits), as does a search's no-fit explanation; --json carries both host figures."""
     from megatron_k3.planning.planner import SearchResult
     from megatron_k3.planning.report import _no_fit, render_train
@@ -897,17 +907,17 @@ M1 = ["model=k3", "cluster=supernodes_8x64", "precision=bf16", "parallel.tp=8", 
 
 
 @pytest.mark.parametrize("memory,given,keys,gb", [
-    (141, [], "train.recompute=full train.tile_tokens=2048", 139.4),  # tiling alone; 4096-token tiles need offload
+    (141, [], "train.recompute=full train.tile_tokens=2048", 139.6),  # tiling alone; 4096-token tiles need offload
     # less device memory: offload too, the whole GB the kept layer inputs take (26.3 GB on the first stage)
-    (125, [], "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=27", 120.2),
+    (125, [], "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=27", 120.4),
     # the run's own tiles kept (the keys name what differs from the run)
-    (125, ["train.tile_tokens=4096"], "train.recompute=full train.offload_buffer_gb=27", 120.2),
+    (125, ["train.tile_tokens=4096"], "train.recompute=full train.offload_buffer_gb=27", 120.4),
     (141, ["train.tile_tokens=4096", "train.recompute_num_layers=4"],
-     "train.recompute=full train.recompute_num_layers=0 train.tile_tokens=2048", 139.4),
+     "train.recompute=full train.recompute_num_layers=0 train.tile_tokens=2048", 139.6),
     # a host of 100 GB per node takes 12.5 GB per device: the offload is capped there, the rest of the kept layer
     # inputs stays on the device (the whole GB above the host's share was refused: "nothing fits")
     (136, ["cluster.host_memory_gb=100"], "train.recompute=full train.tile_tokens=4096 train.offload_buffer_gb=12",
-     131.6)])
+     131.8)])
 def test_a_layout_that_fits_only_tiled_or_offloaded_is_refused_naming_the_keys_that_fit(memory, given, keys, gb):
     """K3 at 1M tokens, tp8 pp8 ep64 cp8 with full recomputation alone does not fit: the refusal names the
     train.tile_tokens / train.offload_buffer_gb that make it fit (the fastest by the planner's step time, the largest
@@ -1037,3 +1047,27 @@ def test_a_configs_layer_kinds_follow_its_fields():
     assert [i for i, t in enumerate(cfg.layer_types()) if t == "mla"] == [1, 3]
     for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
         assert "_kinds" not in other.__dict__ and other.layer_types() == cfg.layer_types() and other == cfg
+
+
+def test_zero2_reduces_the_gradients_after_every_micro_batch():
+    """ZeRO-2 (DeepSpeed's partition_gradients) reduces the gradients after every micro-batch's backward, ZeRO-1 once
+    at the step's last: the planner's dp_grad_reduce bytes and seconds are m times ZeRO-1's (until 2026-12-06 it
+    counted one reduction for both). Exposed without parallel.overlap_grad_reduce; with it, each reduction hides
+    behind its own micro-batch's backward, and ZeRO-1's one behind the last."""
+    run = compose_config(["model=k3", "cluster=supernodes_8x64", "train=pretrain", "precision=bf16"])[0]
+    cfg, cl = run.model, run.cluster
+    lay = Layout(world=512, tp=8, pp=8, ep=64, recompute="selective")
+    w1 = Workload(4096, 1, 4096, "bf16", "muon", zero_stage=1)
+    m = 4096 // lay.dp
+    one, two = (training_comm(cfg, cl, lay, replace(w1, zero_stage=z)) for z in (1, 2))
+    for d in ("bytes_by_kind", "time_by_kind"):
+        assert getattr(two, d)["dp_grad_reduce"] == pytest.approx(m * getattr(one, d)["dp_grad_reduce"], rel=1e-12)
+        assert getattr(two, d)["dp_param_gather"] == getattr(one, d)["dp_param_gather"]  # once, after the step
+    plan = plan_training(cfg, cl, lay, replace(w1, zero_stage=2))  # the slowest stage's collectives
+    gather = sum(plan.comm_time[k] for k in ("dp_param_gather", "tp_muon_gather", "edp_grad_reduce",
+                                             "edp_param_gather"))
+    assert plan.time_breakdown["dp_exposed"] == pytest.approx(plan.comm_time["dp_grad_reduce"] + gather, rel=1e-9)
+    assert plan.comm_time["dp_grad_reduce"] > 100 * plan_training(cfg, cl, lay, w1).comm_time["dp_grad_reduce"]
+    # each micro-batch's reduction (milliseconds) hides behind its backward: only the step's gathers remain
+    hidden = plan_training(cfg, cl, lay, replace(w1, zero_stage=2, overlap_grad_reduce=True))
+    assert hidden.time_breakdown["dp_exposed"] == pytest.approx(gather, rel=1e-9)

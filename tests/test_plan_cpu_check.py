@@ -56,12 +56,19 @@ def _plan_tool():
 @pytest.mark.parametrize("overrides", [
     [],  # the default CPU run: micro-batch 4 x 256 tokens, 2 micro-batches per step, fp32, Muon
     ["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512", "model.hidden_size=96"],
-])
+    # bf16 weights, fp32 accumulation, 4 micro-batches of 64 tokens: the model states and DeepSpeed's buffers lead
+    ["precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=64"],
+    ["precision=bf16", "parallel.zero_stage=2", "train.micro_batch_size=1", "train.global_batch_size=4",
+     "train.seq_length=64"],
+], ids=["default", "one_micro_batch", "bf16_zero1", "bf16_zero2"])
 @pytest.mark.slow
-def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, capsys):
+def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, capsys):
     """Peak of live tensor bytes over two real training steps (the second one has optimizer states) against
-    tools/plan.py's estimate for the same config. Measured ~1-3% apart; 30% is the acceptance bound (the
-    model ignores small constant tensors and allocator-level details)."""
+    tools/plan.py's estimate for the same config. Plan against peak, 2026-12-06: -2.1%, +1.1%, +0.4%, +2.3%; 10% is
+    the bound (the acceptance bound is 30%; the model ignores small constant tensors and allocator-level details).
+    Before that day +1.2%, +9.5%, -15% and -18%: the plan counted the logits as kept for the backward (the Trainer
+    keeps the loss alone), and not DeepSpeed's reduction bucket (as large as this model, fp32) or ZeRO-2's second
+    partition buffer (planning.memory.zero_gradient_buffers), which the bf16 runs' model states make the peak."""
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
@@ -84,11 +91,12 @@ def test_memory_estimate_within_30_percent_of_a_real_step(overrides, tmp_path, c
     assert _plan_tool().main(["model=k3_tiny", "cluster=cpu", *overrides, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     estimate = plan["memory_per_device_gb"] * 1e9
-    assert estimate == pytest.approx(tracker.peak, rel=0.30), (estimate, tracker.peak)
+    assert estimate == pytest.approx(tracker.peak, rel=0.10), (estimate, tracker.peak)
     # the model states: parameters exactly; the optimizer's states (optim=muon: DeepSpeed's flat momentum of the
     # Muon matrices, AdamW's two moments for the rest) and ZeRO's fp32 partition to 1e-3
     n = sum(p.numel() for p in trainer.model.parameters())
-    assert plan["memory_breakdown_gb"]["weights"] * 1e9 == n * 4
+    size = next(trainer.model.parameters()).element_size()
+    assert plan["memory_breakdown_gb"]["weights"] * 1e9 == n * size
     from megatron_k3.training.engine import base_optimizer
 
     base = base_optimizer(trainer.engine)  # the torch optimizer inside DeepSpeed's ZeRO (one partition = all)

@@ -917,13 +917,33 @@ class RunConfig:
                               "export them with tools/convert_checkpoint.py --to-peft (a PEFT directory), or merge "
                               "them into the base with --merge-lora")
 
+    def _validate_deepspeed_overrides(self) -> None:
+        """parallel.deepspeed entries may tune what the generated DeepSpeed config leaves to DeepSpeed (bucket
+        sizes, ...), not contradict a key of ours that the experts outside DeepSpeed, the planner's memory and time
+        checks or the Trainer read: each such entry must equal what the key generates."""
+        p, pr = self.parallel, self.precision
+        ds = p.deepspeed or {}
+        accum = pr.grad_accum_dtype if pr.param_dtype == "bf16" else "fp32"
+        owned = (("data_types.grad_accum_dtype", accum, "precision.grad_accum_dtype", "the routed experts under "
+                  "expert parallelism (outside DeepSpeed) and the planner's memory check read it"),
+                 ("communication_data_type", accum, "precision.grad_accum_dtype", "the dense gradients are reduced "
+                  "in the accumulation dtype, whose bytes the planner counts"),
+                 ("zero_optimization.stage", p.zero_stage, "parallel.zero_stage", "the layout rules, the planner "
+                  "and the checkpoint layout read it"),
+                 ("zero_optimization.overlap_comm", bool(p.overlap_grad_reduce), "parallel.overlap_grad_reduce",
+                  "the planner's time and memory models read it"))
+        for path, want, key, why in owned:
+            node, parts = ds, path.split(".")
+            for part in parts[:-1]:
+                node = node.get(part) if isinstance(node, dict) else None
+            given = node.get(parts[-1]) if isinstance(node, dict) else None
+            if given is not None and given != want:
+                raise ConfigError(f"parallel.deepspeed.{path}", given, f"set {key} instead ({key} gives {want!r} "
+                                  f"here): {why}")
+
     def _validate_pairings(self) -> None:
-        m, p, pr = self.model, self.parallel, self.precision
-        given = ((p.deepspeed or {}).get("data_types") or {}).get("grad_accum_dtype")
-        if given is not None and given != (pr.grad_accum_dtype if pr.param_dtype == "bf16" else "fp32"):
-            raise ConfigError("parallel.deepspeed.data_types.grad_accum_dtype", given, "set "
-                              "precision.grad_accum_dtype instead: the routed experts under expert parallelism "
-                              "(outside DeepSpeed) and the planner's memory check read it")
+        m, pr = self.model, self.precision
+        self._validate_deepspeed_overrides()
         if pr.name == "mx_qat" and has_moe(m):
             for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
                          ("moe_intermediate_size", m.moe_intermediate_size)):

@@ -3,9 +3,17 @@ rules every layout is checked against."""
 
 from .grid import AXES, DEFAULT_ORDER, GROUPS, RankGrid
 from .rules import Problem, check_layout, default_replica_slots, layout_problems, replica_slots
-from .sharding import check_divisibility, divisors, expert_block, has_moe, sharding_problems
+from .sharding import (
+    ZERO_BUCKET,
+    check_divisibility,
+    divisors,
+    expert_block,
+    has_moe,
+    sharding_problems,
+    zero_bucket_elements,
+)
 from .stages import stage_layers
 
 __all__ = ["AXES", "DEFAULT_ORDER", "GROUPS", "RankGrid", "Problem", "check_layout", "layout_problems", "replica_slots",
            "default_replica_slots", "check_divisibility", "divisors", "expert_block", "has_moe", "sharding_problems",
-           "stage_layers"]
+           "stage_layers", "ZERO_BUCKET", "zero_bucket_elements"]

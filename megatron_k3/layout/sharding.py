@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from ..errors import ParallelConfigError
 
-__all__ = ["sharding_problems", "check_divisibility", "has_moe", "divisors", "expert_block"]
+__all__ = ["sharding_problems", "check_divisibility", "has_moe", "divisors", "expert_block", "ZERO_BUCKET",
+           "zero_bucket_elements"]
+
+ZERO_BUCKET = 50_000_000  # elements per ZeRO reduce / all-gather bucket the engine configures at most
 
 
 def divisors(n: int) -> list:
@@ -21,6 +24,14 @@ def expert_block(n: int, parts: int, index: int) -> tuple:
     per = -(-n // parts)
     start = min(index * per, n)
     return start, min(per, n - start)
+
+
+def zero_bucket_elements(num_params: int) -> int:
+    """Elements of the ZeRO-1/2 gradient-reduction bucket (DeepSpeed's reduce_bucket_size, also its
+    allgather_bucket_size) the engine configures for a rank whose DeepSpeed optimizer steps `num_params` parameters:
+    ZERO_BUCKET, or the parameters rounded up to DeepSpeed's 256-element alignment where fewer. DeepSpeed allocates
+    the bucket whole (two under overlap_comm), so a small model gets one no larger than itself."""
+    return min(ZERO_BUCKET, -(-max(num_params, 1) // 256) * 256)
 
 
 def has_moe(cfg) -> bool:

@@ -268,10 +268,11 @@ def head_terms(cfg, tp: int, kernels: str, out_sources: int) -> tuple:
     Transient: the loss gradient over the vocabulary shard, alive at the start of the backward."""
     D, V = cfg.hidden_size, cfg.vocab_size / tp
     kept = _mix(out_sources, D, kernels, "output") + _norm(D, kernels, "final_norm")
+    # the cross-entropy keeps its fp32 log-probabilities; the logits are not kept: the Trainer (and planning.dry_run's
+    # step) keeps only the loss of the model's output for the backward (until 2026-12-06 the eager profile counted
+    # them, which the CPU runs never held)
     kept += [ActTerm("lm_head_input", "head", D, "a", "full"),
              ActTerm("log_probs", "head", V, "f", "full")]
-    if kernels == "eager":  # the logits stay referenced by the model output during the backward
-        kept.append(ActTerm("logits", "head", V, "a", "full"))
     transient = [ActTerm("loss_grad", "head", 2 * V, "f", "full")]
     return kept, transient
 

@@ -335,12 +335,12 @@ def _step(run, model, ps, tracker, dtype) -> dict:
         with forward_context(run.precision, "cpu"):  # the Trainer's forward: autocast, as the precision has it
             out = model(ids if first or cp > 1 else None, labels=ids if last else None, state_in=state_in)
         tracker.phase = "backward"
-        if last:
-            out.loss.backward()
-        else:
-            y = pack(out)
-            y.backward(torch.randn_like(y))
+        # what the Trainer's backward has: the loss (or the stage's output) alone, not the model's output with the
+        # logits
+        y = out.loss if last else pack(out)
         del out
+        y.backward(None if last else torch.randn_like(y))
+        del y
     seconds = time.perf_counter() - t0
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return {"tokens": B * T, "live_peak_bytes": tracker.peak, "peak_phase": tracker.peak_phase,

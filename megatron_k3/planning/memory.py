@@ -19,6 +19,8 @@ Precision recipes (bytes per parameter):
   routed experts are stepped outside DeepSpeed (training.expert_optimizer): their masters and optimizer states
   sharded over expert-DP in blocks of whole experts, their gradients accumulated like the dense ones (fp32 4, or
   2 under precision.grad_accum_dtype=bf16) until the step reduces them to fp32 blocks (in the step's phase).
+* DeepSpeed's ZeRO-1/2 gradient reduction (`zero_gradient_buffers`) also holds its bucket (layout.zero_bucket_elements
+  in the gradients' dtype, two under overlap_comm) and under ZeRO-2 remakes its partition buffer at every backward.
 
 MoE dispatch (`Workload.moe_overflow`): auto, drop and dropless share one model (an all-to-all send and receive
 buffer of the rank's top-k rows per layer). `balanced` (megatron_k3.parallel.balanced, `BalancedMoE` below) adds
@@ -45,7 +47,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config.schema import kda_tile, recomputed_kinds
-from ..layout import replica_slots
+from ..layout import replica_slots, zero_bucket_elements
 from ..ops.mx import ROUND_TRIP_BYTES_PER_ELEMENT, ROUND_TRIP_CHUNK
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
@@ -82,6 +84,8 @@ class Workload:
     # backward (ZeRO-1/2 only); without it the reduction is exposed
     peft: tuple = ()  # peft=lora: params.peft_spec (rank, alpha, targets, init, expert_block, tokens); () = all train
     reduced: bool = True  # the step reduces the gradients (False: planning.dry_run's step, which takes none)
+    reduce_bucket: int = 0  # parallel.deepspeed.zero_optimization.reduce_bucket_size; 0: the engine's own
+    # (layout.zero_bucket_elements of the stage's parameters)
 
     @property
     def weight_bytes(self) -> int:
@@ -568,6 +572,38 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
 
 
+def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int) -> tuple:
+    """(bytes held with the gradients, bytes made during a backward) of DeepSpeed's ZeRO-1/2 gradient reduction
+    beyond the gradients themselves, on a stage whose DeepSpeed optimizer steps `dense` (and `experts` at ep = 1),
+    as DeepSpeed 0.19.8 runs it (stage_1_and_2.py):
+
+    - its reduction bucket, made whole at a backward's first gradient (the engine's reduce_bucket_size elements in
+      the gradients' dtype; two under overlap_comm). ZeRO-1 reduces at the step's last backward and frees it only
+      then: held from the first micro-batch's backward on, beside the gradients (with one micro-batch, in that
+      backward only). ZeRO-2 reduces every backward and frees it at each one's end;
+    - ZeRO-2 from a step's second backward on: the buffer the reduced gradients of the rank's partition are copied
+      into (grads_in_partition) is made anew while the parameters' gradients still point into the last one, so the
+      groups that use it are held twice: under bf16 weights with fp32 accumulation the Muon groups (the others keep
+      one fixed fp32 partition), every group otherwise.
+
+    The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
+    vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
+    reduces nothing (planning.dry_run's) and ZeRO-0 (no ZeRO optimizer) have none."""
+    if w.zero_stage < 1 or not w.reduced:
+        return 0.0, 0.0
+    in_zero = experts if lay.experts_in_zero else type(experts)()
+    elements = w.reduce_bucket or zero_bucket_elements(int(dense.total + in_zero.total))
+    bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
+    if w.zero_stage == 1:
+        return (bucket, 0.0) if micro_batches > 1 else (0.0, bucket)
+    if micro_batches < 2:
+        return 0.0, bucket
+    muon_only = w.precision in MIXED and w.grad_dtype == "fp32"  # DeepSpeed's compact fp32 buffer for the rest
+    part = ((dense.muon if muon_only else dense.total) / sh.grad_dense
+            + (in_zero.muon if muon_only else in_zero.total) / sh.grad_experts)
+    return 0.0, bucket + part * w.grad_bytes
+
+
 def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
@@ -612,6 +648,17 @@ def frozen_expert_decode_bytes(cfg, w: Workload) -> float:
     return block * 5 * cfg.moe_intermediate_size * cfg.expert_width * w.act_bytes
 
 
+def _head_transient(cfg, lay: Layout, w: Workload, out_src, head_weights: float) -> float:
+    """The last stage's transient at the start of the backward: the loss gradient over the vocabulary shard (of one
+    tile under train.tile_tokens, with the tiled head's working set and the sum of its tiles' weight gradients)."""
+    fh = tile_shares(lay, w)[1]
+    n = w.micro_batch_size * w.seq_length / lay.cp
+    _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
+    head_t = fh * (sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
+                   + (_head_tiled_bytes(cfg, lay, w, out_src) if fh < 1 else 0.0))
+    return head_t + (head_weights if fh < 1 else 0.0)
+
+
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int,
                        head_weights: float = 0.0) -> tuple:
     """(activation bytes kept on the device for the backward, by category, transient bytes, bytes offloaded to host)
@@ -637,19 +684,14 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
     per_micro, cat, _ = _micro_activation(cfg, lay, w, full.stop, b, last, rec,
                                           head_scale=0.0 if fh < 1 else 1.0, **tiled)
     detail = {k: v * in_flight for k, v in cat.items()}
-    head_t = 0.0
-    if last:
-        n = w.micro_batch_size * w.seq_length / lay.cp
-        _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
-        head_t = fh * (sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
-                       + (_head_tiled_bytes(cfg, lay, w, out_src) if fh < 1 else 0.0))
-        head_t += head_weights if fh < 1 else 0.0
-    transient = head_t
+    head_t = _head_transient(cfg, lay, w, out_src, head_weights) if last else 0.0
+    transient, layers_t = head_t, 0.0  # layers_t: the same without the head's transients (the backward's later part)
     if fm < 1:  # one MoE tile's working set at a time (forward, and its recomputation in the backward)
-        transient = max(transient, fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b)))
+        tile = fm * max(_tiled_bytes(cfg, lay, w, i, sources[i], rec) for i in range(a, b))
+        transient, layers_t = max(transient, tile), tile
     if fk < 1:  # one KDA tile's chunk terms
-        transient = max(transient, fk * max(_kda_tiled_bytes(cfg, lay, w, i, sources[i], rec)[0]
-                                            for i in range(a, b)))
+        tile = fk * max(_kda_tiled_bytes(cfg, lay, w, i, sources[i], rec)[0] for i in range(a, b))
+        transient, layers_t = max(transient, tile), max(layers_t, tile)
     host = 0.0
     if len(full):
         ckpt = _full_recompute_checkpoints(cfg, lay, w, full.start, full.stop)
@@ -661,7 +703,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
         if host:
             detail["layer_inputs_on_host"] = host
         # one layer recomputed at a time during the backward, beside the inputs offload has loaded back for it
-        transient += largest + _offload_reload_bytes(cfg, lay, w, full.start, full.stop, host)
+        layer = largest + _offload_reload_bytes(cfg, lay, w, full.start, full.stop, host)
+        transient, layers_t = transient + layer, layers_t + layer
     if rec and b > a:
         freed = _micro_activation(cfg, lay, w, b, b, last, rec)[0]  # the head's kept terms
         worst = 0.0
@@ -670,8 +713,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
                                             kda_scale=fk)[0] for k in rec)
             worst = max(worst, rebuilt - freed)
             freed += _micro_activation(cfg, lay, w, i, i + 1, False, rec, **tiled)[0]
-        transient = max(transient, worst)
-    return in_flight * per_micro - host, detail, transient, host
+        transient, layers_t = max(transient, worst), max(layers_t, worst)
+    return in_flight * per_micro - host, detail, (transient, layers_t), host
 
 
 def expert_workspace_bytes(cfg, lay: Layout, w: Workload, mp, moe_layers, bal: BalancedMoE | None) -> float:
@@ -759,18 +802,23 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
         head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
-        acts, detail, transient, host = _stage_activations(cfg, lay, w, a, b, last, in_flight, head_weights)
+        acts, detail, (transient, layers_t), host = _stage_activations(cfg, lay, w, a, b, last, in_flight,
+                                                                      head_weights)
         moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh, mp)
-        acts, transient = acts + moe_acts, transient + moe_trans
+        acts = acts + moe_acts
         detail.update(moe_detail)
+        rest = moe_trans + token_rows_copy_bytes(cfg, lay, w) * (first + last)
         if any(t == "moe" for t in cfg.ffn_types()[a:b]):
-            transient += frozen_expert_decode_bytes(cfg, w)
-        transient += token_rows_copy_bytes(cfg, lay, w) * (first + last)
+            rest += frozen_expert_decode_bytes(cfg, w)
         vis = mp.vision if first else type(mp.embedding)()
         v_acts, v_trans, vision = _stage_vision(cfg, lay, w, vis, frozen, in_flight, sh)
-        acts, transient = acts + v_acts, transient + v_trans
+        acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
+        held, in_backward = zero_gradient_buffers(lay, w, sh, dense, experts, m)
+        grads += held
+        # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
+        transient = max(transient + rest, layers_t + rest + in_backward)
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,

@@ -7,7 +7,8 @@ Time model (training), for the slowest pipeline stage:
                    (collectives on the critical path, not overlapped with compute)
   pipeline         (m + pp - 1) x t_micro for m micro-batches per step (1F1B; bubble (pp-1)/(m+pp-1))
   data parallel    with parallel.overlap_grad_reduce (ZeRO-1/2) the gradient reduce-scatter overlaps the last
-                   micro-batch's backward and what does not fit is exposed, else all of it is; the parameter
+                   micro-batch's backward (ZeRO-2: each micro-batch's reduction its own backward) and what does
+                   not fit is exposed, else all of it is; the parameter
                    all-gather (inside DeepSpeed's optimizer step), Muon's TP gather and Newton-Schulz and,
                    under ep > 1, the experts' gradient reduce-scatter and block all-gather are exposed
                    (docs/planning.md, "What the time
@@ -317,6 +318,18 @@ def _stage_times(cfg, cluster, lay: Layout, w: Workload, stages, mem, rate: floa
 EXPOSED_IN_STEP = ("dp_param_gather", "tp_muon_gather", "edp_grad_reduce", "edp_param_gather")
 
 
+def _dp_exposed(w: Workload, comm, t_bwd: float, m: int) -> float:
+    """Seconds of the data-parallel and optimizer collectives a step exposes: the gradient reduction, hidden behind
+    the last backward (`t_bwd` seconds) with parallel.overlap_grad_reduce under ZeRO-1/2 (ZeRO-2 reduces after every
+    micro-batch, which comm counts m times: each behind its own backward), else exposed; DeepSpeed's parameter
+    gather, Muon's traffic and the experts' reduce-scatter and all-gather under ep > 1 (EXPOSED_IN_STEP)."""
+    t_grad = comm.time_by_kind["dp_grad_reduce"]
+    n = m if w.zero_stage >= 2 else 1
+    hidden = w.overlap_grad_reduce and w.zero_stage >= 1
+    exposed = n * max(0.0, t_grad / n - t_bwd) if hidden else t_grad
+    return exposed + sum(comm.time_by_kind[k] for k in EXPOSED_IN_STEP)
+
+
 def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = None) -> TrainPlan:
     """Plan one layout. `counts` is tools/param_count's dict (total/active), computed if not given."""
     problems = planner_problems(cfg, cluster, lay, w)
@@ -333,13 +346,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_micro, fwd, bwd, rec, comm, slow = max(per_stage, key=lambda x: x[0])
     pipeline = (m + lay.pp - 1) * t_micro
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
-    # data parallel: the gradient reduction hides behind the last backward with parallel.overlap_grad_reduce under
-    # ZeRO-1/2 (overlap_comm), else it is exposed; exposed: DeepSpeed's parameter gather in its step, Muon's traffic
-    # and Newton-Schulz, and under ep > 1 the experts' reduce-scatter and all-gather around their step (ExpertOptimizer)
-    t_bwd = (bwd + rec) / rate
-    t_grad = comm.time_by_kind["dp_grad_reduce"]
-    dp_exposed = (max(0.0, t_grad - t_bwd) if w.overlap_grad_reduce and w.zero_stage >= 1 else t_grad)
-    dp_exposed += sum(comm.time_by_kind[k] for k in EXPOSED_IN_STEP)
+    dp_exposed = _dp_exposed(w, comm, (bwd + rec) / rate, m)  # and Muon's Newton-Schulz, exposed in the step:
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step

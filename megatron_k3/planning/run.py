@@ -60,7 +60,9 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
                     optimizer or run.optim.name, run.parallel.zero_stage if zero_stage is None else zero_stage,
                     grad_dtype or run.precision.grad_accum_dtype, kernels, run.model.moe_overflow,
                     run.moe.redundant_experts if slots is None else slots, run.moe.replica_exchange, image_share,
-                    run.parallel.overlap_grad_reduce, peft_spec(run.peft))
+                    run.parallel.overlap_grad_reduce, peft_spec(run.peft),
+                    reduce_bucket=int(((run.parallel.deepspeed or {}).get("zero_optimization") or {})
+                                      .get("reduce_bucket_size") or 0))
 
 
 def layout(run, world: int, recompute: str | None = None, sequence_parallel: bool | None = None) -> Layout:

@@ -31,6 +31,7 @@ from deepspeed.utils import groups as ds_groups
 
 from ..annotations import meta
 from ..config import ConfigError, RunConfig
+from ..layout import ZERO_BUCKET, zero_bucket_elements
 from ..ops.numerics import sq_norm64
 from ..optim import Muon, build_optimizer
 from ..optim.zero import ZeroMuon, attach, install_global_norm
@@ -85,9 +86,6 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-BUCKET = 50_000_000  # elements per ZeRO reduce / all-gather bucket (DeepSpeed allocates one of this size)
-
-
 def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> dict:
     """The DeepSpeed JSON config of a run (`parallel.deepspeed` entries are merged over it, for knobs we do not
     set: bucket sizes, overlap, ...). DeepSpeed checks train_batch = micro_batch * grad_accum * dp."""
@@ -97,7 +95,7 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
                           "valid: 0, 1, 2 (ZeRO-3 partitions parameters, which the tensor/expert-parallel layers "
                           "already shard themselves)")
     bf16 = run.precision.param_dtype == "bf16"
-    bucket = min(BUCKET, -(-(num_params or BUCKET) // 256) * 256)  # DeepSpeed wants a multiple of its alignment
+    bucket = zero_bucket_elements(num_params) if num_params else ZERO_BUCKET  # the planner counts it (memory.py)
     cfg = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
