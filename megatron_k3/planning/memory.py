@@ -661,9 +661,9 @@ def _head_transient(cfg, lay: Layout, w: Workload, out_src, head_weights: float)
 
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int,
                        head_weights: float = 0.0) -> tuple:
-    """(activation bytes kept on the device for the backward, by category, transient bytes, bytes offloaded to host)
-    of the stage's micro-batches in flight under the layout's recomputation, tiling and offload, the LM head's
-    transients included on the last stage:
+    """(activation bytes kept on the device for the backward, by category, (transient bytes, the same without the
+    head's, which the backward's later part has), bytes offloaded to host) of the stage's micro-batches in flight
+    under the layout's recomputation, tiling and offload, the LM head's transients included on the last stage:
 
     - none: everything kept; the loss gradient over the vocabulary shard is transient at the start of the backward;
     - selective: the recomputed module kinds' terms dropped and their regions' inputs kept; each region is rebuilt on
