@@ -14,6 +14,7 @@ Tolerance: 1e-5 relative per tensor, max|a - b| / max|b|, as tests/test_tensor_p
   of a step of 8 micro-batches per rank that the Muon update and the AdamW half receive is the fp32 sum of the
   micro-batches' bf16 gradients (within 1e-7 of their float64 sum), where DeepSpeed's own reduction dtype and Muon
   gradient buffer give 1.7e-3 (ZeRO-1) and 3.7e-3 (ZeRO-2, growing with the micro-batches: bench/RESULTS.md).
+- Muon's fp32 momentum is written in place: DeepSpeed's staged copy of it is never made.
 """
 
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from helpers import load_file, max_abs_rel
+from helpers import FAST, load_file, max_abs_rel
 
 from megatron_k3.annotations import meta
 from megatron_k3.config import OptimConfig, load_model_config
@@ -242,3 +243,35 @@ def test_bf16_weights_gradients_reach_the_optimizer_summed_in_fp32(world):
             assert max(got[stage, True]) < 1e-7, (rank, stage, got)
             assert got[stage, False][0] > 1e-3, (rank, stage, got)  # DeepSpeed's own: Muon sums rounded to bf16
         assert got[1, False][1] > 1e-3, (rank, got)  # and ZeRO-1's reduction in bf16
+
+
+@pytest.mark.slow
+def test_muon_momentum_is_written_in_place_with_no_staged_copy(tmp_path):
+    """DeepSpeed 0.19.8 stages Muon's momentum in a second momentum-sized buffer per Muon group, kept across steps
+    (`_muon_staging_momentum` / `_muon_pending_momentum`), which the planner does not count; optim.zero's
+    `_momentum_in_place` writes the committed fp32 momentum itself. After two Trainer steps under bf16 weights no
+    staged buffer exists, and the committed momentum moved (the update wrote it). Under DeepSpeed's own staging each
+    Muon group would hold one (the control below)."""
+    from megatron_k3.config import compose_run_config
+    from megatron_k3.training.engine import shutdown
+    from megatron_k3.training.loop import Trainer
+
+    run, _, _ = compose_run_config(FAST + ["optim=muon", "precision=bf16"])
+    try:
+        trainer = Trainer(run, tmp_path)
+        zero = trainer.engine.optimizer
+        trainer.train_step()
+        first = {id(k): s["momentum_buffer"].clone() for k, s in zero.optimizer.state.items()
+                 if "momentum_buffer" in s}
+        trainer.train_step()
+        assert first and zero._muon_pending_momentum == {}
+        for k, s in zero.optimizer.state.items():
+            if "momentum_buffer" in s:
+                m = s["momentum_buffer"]
+                assert m.dtype == torch.float32 and not torch.equal(m, first[id(k)])
+        # the control: DeepSpeed's own staging makes a separate buffer for the group it is asked about
+        flat, state = next((k, s) for k, s in zero.optimizer.state.items() if "momentum_buffer" in s)
+        staged = type(zero)._muon_staging_momentum(zero, flat, 0)
+        assert staged.untyped_storage().data_ptr() != state["momentum_buffer"].untyped_storage().data_ptr()
+    finally:
+        shutdown()

@@ -87,8 +87,9 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> dict:
-    """The DeepSpeed JSON config of a run (`parallel.deepspeed` entries are merged over it, for knobs we do not
-    set: bucket sizes, overlap, ...). DeepSpeed checks train_batch = micro_batch * grad_accum * dp."""
+    """The DeepSpeed JSON config of a run (`parallel.deepspeed` entries are merged over it, for knobs we leave to
+    DeepSpeed: bucket sizes, ...; RunConfig refuses an entry that contradicts a key of ours). DeepSpeed checks
+    train_batch = micro_batch * grad_accum * dp."""
     t, p = run.train, run.parallel
     if p.zero_stage not in ZERO_STAGES:
         raise ConfigError("parallel.zero_stage", p.zero_stage,
