@@ -415,6 +415,13 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.overlap_grad_reduce", self.overlap_grad_reduce, "must be true or false")
         return self
 
+    def deepspeed_entry(self, path: str):
+        """The `parallel.deepspeed` entry at a dotted path ("zero_optimization.stage"), or None where not given."""
+        node = self.deepspeed or {}
+        for part in path.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+        return node
+
 
 GUARD_POLICIES = ("none", "skip", "stop", "rerun", "rollback")  # megatron_k3.training.guard
 
@@ -922,7 +929,6 @@ class RunConfig:
         sizes, ...), not contradict a key of ours that the experts outside DeepSpeed, the planner's memory and time
         checks or the Trainer read: each such entry must equal what the key generates."""
         p, pr = self.parallel, self.precision
-        ds = p.deepspeed or {}
         accum = pr.grad_accum_dtype if pr.param_dtype == "bf16" else "fp32"
         owned = (("data_types.grad_accum_dtype", accum, "precision.grad_accum_dtype", "the routed experts under "
                   "expert parallelism (outside DeepSpeed) and the planner's memory check read it"),
@@ -933,10 +939,7 @@ class RunConfig:
                  ("zero_optimization.overlap_comm", bool(p.overlap_grad_reduce), "parallel.overlap_grad_reduce",
                   "the planner's time and memory models read it"))
         for path, want, key, why in owned:
-            node, parts = ds, path.split(".")
-            for part in parts[:-1]:
-                node = node.get(part) if isinstance(node, dict) else None
-            given = node.get(parts[-1]) if isinstance(node, dict) else None
+            given = p.deepspeed_entry(path)
             if given is not None and given != want:
                 raise ConfigError(f"parallel.deepspeed.{path}", given, f"set {key} instead ({key} gives {want!r} "
                                   f"here): {why}")

@@ -42,7 +42,7 @@ from .flops import vision_tp_share
 from .memory import Workload, balanced_moe, replica_bytes_per_param
 from .params import ParamGroup, model_params
 
-__all__ = ["StepComm", "training_comm", "collective_time", "vision_tp_bytes"]
+__all__ = ["StepComm", "training_comm", "collective_time", "vision_tp_bytes", "gradient_reductions"]
 
 GB = 1e9
 
@@ -182,7 +182,7 @@ def _pp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     return pp_bytes, collective_time(pp_bytes, 2, lay.world // lay.pp, cluster)
 
 
-def _reductions(lay: Layout, w: Workload) -> int:
+def gradient_reductions(lay: Layout, w: Workload) -> int:
     """How many times a step reduces the gradients DeepSpeed holds: under ZeRO-2 after every micro-batch's backward
     (DeepSpeed's partition_gradients), else once at the step's last."""
     return max(1, w.global_batch_size // (w.micro_batch_size * lay.dp)) if w.zero_stage >= 2 and lay.dp else 1
@@ -191,8 +191,8 @@ def _reductions(lay: Layout, w: Workload) -> int:
 def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     """Data parallelism and the optimizer's collectives per step: ({kind: bytes}, {kind: seconds}) for
     dp_grad_reduce and dp_param_gather over the data-parallel group (dp x cp: the dense parameters, and the routed
-    experts at ep = 1; under ZeRO-2 once per micro-batch, `_reductions`), the routed experts' edp_grad_reduce and
-    edp_param_gather under ep > 1, and Muon's tp_muon_gather."""
+    experts at ep = 1; under ZeRO-2 once per micro-batch, `gradient_reductions`), the routed experts'
+    edp_grad_reduce and edp_param_gather under ep > 1, and Muon's tp_muon_gather."""
     start, end = st.stages[st.stage]
     mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
     groups = [lp.dense for lp in mp.layers[start:end]]
@@ -211,7 +211,8 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     g_exp, exp_stride = (g_dense, lay.tp) if in_zero else (lay.edp, lay.ep)
     rs = 2 if w.zero_stage == 0 else 1  # ZeRO-0 all-reduces (= reduce-scatter + all-gather of gradients)
     # ZeRO-2 reduces after every micro-batch's backward (into the partition it accumulates), ZeRO-0/1 once per step
-    rs *= _reductions(lay, w)
+    reductions = gradient_reductions(lay, w)
+    rs *= reductions
     dp_bytes_dense = dense * w.grad_bytes * rs * (g_dense - 1) / g_dense if g_dense > 1 else 0.0
     dp_bytes_exp = experts * w.grad_bytes * rs * (g_exp - 1) / g_exp if g_exp > 1 and in_zero else 0.0
     ag_dense = dense * w.weight_bytes * (g_dense - 1) / g_dense if (g_dense > 1 and w.zero_stage >= 1) else 0.0
@@ -238,7 +239,7 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
         if zero:
             ex = e if in_zero else ParamGroup()
             cut = (3 + (ex.muon > 0)) * (g_dense - 1) * max(largest, ex.largest_shard)
-            split = min(dense_muon + ex.muon, cut) * w.grad_bytes * (g_dense - 1) / g_dense * _reductions(lay, w)
+            split = min(dense_muon + ex.muon, cut) * w.grad_bytes * (g_dense - 1) / g_dense * reductions
             dp_bytes_dense += split
             t_grad += collective_time(split, g_dense, lay.tp, cluster)
     return ({"dp_grad_reduce": dp_bytes_dense + dp_bytes_exp, "dp_param_gather": ag_dense + ag_exp,

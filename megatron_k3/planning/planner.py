@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from ..config.schema import RECOMPUTE_MODULES as MODULES
 from ..layout import rules
 from .candidates import Layout, planner_problems, stage_layers
-from .comm import training_comm
+from .comm import gradient_reductions, training_comm
 from .flops import (
     decode_flops_per_token,
     frozen_base,
@@ -318,13 +318,13 @@ def _stage_times(cfg, cluster, lay: Layout, w: Workload, stages, mem, rate: floa
 EXPOSED_IN_STEP = ("dp_param_gather", "tp_muon_gather", "edp_grad_reduce", "edp_param_gather")
 
 
-def _dp_exposed(w: Workload, comm, t_bwd: float, m: int) -> float:
+def _dp_exposed(lay: Layout, w: Workload, comm, t_bwd: float) -> float:
     """Seconds of the data-parallel and optimizer collectives a step exposes: the gradient reduction, hidden behind
     the last backward (`t_bwd` seconds) with parallel.overlap_grad_reduce under ZeRO-1/2 (ZeRO-2 reduces after every
-    micro-batch, which comm counts m times: each behind its own backward), else exposed; DeepSpeed's parameter
+    micro-batch, comm.gradient_reductions: each behind its own backward), else exposed; DeepSpeed's parameter
     gather, Muon's traffic and the experts' reduce-scatter and all-gather under ep > 1 (EXPOSED_IN_STEP)."""
     t_grad = comm.time_by_kind["dp_grad_reduce"]
-    n = m if w.zero_stage >= 2 else 1
+    n = gradient_reductions(lay, w)
     hidden = w.overlap_grad_reduce and w.zero_stage >= 1
     exposed = n * max(0.0, t_grad / n - t_bwd) if hidden else t_grad
     return exposed + sum(comm.time_by_kind[k] for k in EXPOSED_IN_STEP)
@@ -346,7 +346,7 @@ def plan_training(cfg, cluster, lay: Layout, w: Workload, counts: dict | None = 
     t_micro, fwd, bwd, rec, comm, slow = max(per_stage, key=lambda x: x[0])
     pipeline = (m + lay.pp - 1) * t_micro
     bubble = (lay.pp - 1) / (m + lay.pp - 1)
-    dp_exposed = _dp_exposed(w, comm, (bwd + rec) / rate, m)  # and Muon's Newton-Schulz, exposed in the step:
+    dp_exposed = _dp_exposed(lay, w, comm, (bwd + rec) / rate)  # and Muon's Newton-Schulz, exposed in the step:
     t_opt = _muon_time(cfg, lay, stages[slow], slow == 0, w) / rate if w.optimizer == "muon" else 0.0
     # collectives run once per step (the vision gradients on stage 0, the balanced step exchange): the stage that
     # spends the most on them sets the step

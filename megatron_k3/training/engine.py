@@ -117,7 +117,7 @@ def deepspeed_config(run: RunConfig, dp: int, num_params: int | None = None) -> 
         # the fp32 sums to bf16 once per step under ZeRO-1; Megatron reduces its fp32 main_grad); the planner counts
         # the reduction's bytes at precision.grad_accum_dtype's size
         cfg["communication_data_type"] = run.precision.grad_accum_dtype
-    extra = dict(p.deepspeed or {})  # a data_types.grad_accum_dtype other than precision's: RunConfig refuses it
+    extra = dict(p.deepspeed or {})  # entries contradicting a key of ours: RunConfig refuses them
     return _merge(cfg, extra)
 
 
