@@ -42,6 +42,8 @@ CONFIGS = [
     ["precision=bf16", "optim=muon", "train.micro_batch_size=1", "train.global_batch_size=8", "train.seq_length=64"],
     ["precision=bf16", "optim=muon", "train.micro_batch_size=1", "train.global_batch_size=8", "train.seq_length=64",
      "parallel.zero_stage=2"],
+    # ZeRO-0 at 16 tokens: the step phase leads, with DeepSpeed's flat copy of every gradient for its all-reduce
+    ["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"],
 ]
 
 

@@ -269,12 +269,13 @@ def _plan(overrides) -> dict:
 @pytest.mark.slow
 def test_memory_estimate_under_context_parallelism(tmp_path):
     """The peak of live tensor bytes of two real k3_tiny steps (one micro-batch of 2 x 512 tokens, packed) at cp=1 and
-    cp=2 against tools/plan.py for the same runs. Measured on 2 CPU cores (2026-12-06): cp=1 435 MB vs 444 MB planned,
-    cp=2 230 MB vs 244 MB (the estimate is 2% and 6% high; the saving 0.53 measured, 0.55 planned); 10% is the bound.
-    Until 2026-12-06 the plan was 478 / 261 MB, 10-14% high: it counted the logits as kept for the backward, which
-    the Trainer never holds (it keeps the loss alone). The cp=2 plan includes the gathered latent and the keys and
-    values expanded from it on every rank, the attention spans of the zigzag query blocks and KDA's wider chunk
-    kernel (planning/activations.py)."""
+    cp=2 against tools/plan.py for the same runs. Measured on 2 CPU cores (2026-12-06): cp=1 435 MB vs 426 MB planned,
+    cp=2 230 MB vs 229 MB (the estimate is 2.2% and 0.6% low; the saving 0.53 measured, 0.54 planned); 10% is the
+    bound. Earlier that day the plan was 444 / 244 MB: with one micro-batch a step it counted the gradients at the
+    loss gradient's peak, where none exists yet; before, 478 / 261 MB, 10-14% high: it counted the logits as kept for
+    the backward, which the Trainer never holds (it keeps the loss alone). The cp=2 plan includes the gathered latent
+    and the keys and values expanded from it on every rank, the attention spans of the zigzag query blocks and KDA's
+    wider chunk kernel (planning/activations.py)."""
     base = ["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512"]
     peaks, plans = {}, {}
     for cp in (1, 2):

@@ -18,9 +18,12 @@ by O(1).
 """
 
 import pytest
+from deepspeed.runtime import engine as ds_engine
 from dist_utils import run_distributed
 from helpers import FAST, PARAM_RTOL, RTOL, norm_rel, one_process, train_layout, train_layout_default_optimizer
 from trajectory import compare
+
+from megatron_k3.layout import ZERO0_ALLREDUCE_BUCKET
 
 # The run (helpers.train_layout: FAST, STEPS steps through the real Trainer) and the tolerances are in tests/helpers.py,
 # which the other layout tests share.
@@ -101,6 +104,8 @@ def test_generated_deepspeed_config():
     plain = compose_run_config(FAST, world_size=4)[0]
     assert deepspeed_config(plain, dp=4, num_params=1000)["zero_optimization"]["reduce_bucket_size"] == 1024
     assert deepspeed_config(plain, dp=4, num_params=10 ** 9)["zero_optimization"]["reduce_bucket_size"] == 50_000_000
+    # ZeRO-0's boundary all-reduce goes by DeepSpeed's own flat copies, which the planner sizes from the same constant
+    assert ZERO0_ALLREDUCE_BUCKET == ds_engine.MEMORY_OPT_ALLREDUCE_SIZE
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"]["grad_accum_dtype"] == "fp32"
     assert cfg["communication_data_type"] == "fp32"  # reduced in the accumulation dtype, as the planner counts it
     # precision.grad_accum_dtype is the one key of the accumulation dtype (the routed experts and the planner read

@@ -4,6 +4,7 @@ rules every layout is checked against."""
 from .grid import AXES, DEFAULT_ORDER, GROUPS, RankGrid
 from .rules import Problem, check_layout, default_replica_slots, layout_problems, replica_slots
 from .sharding import (
+    ZERO0_ALLREDUCE_BUCKET,
     ZERO_BUCKET,
     check_divisibility,
     divisors,
@@ -16,4 +17,4 @@ from .stages import stage_layers
 
 __all__ = ["AXES", "DEFAULT_ORDER", "GROUPS", "RankGrid", "Problem", "check_layout", "layout_problems", "replica_slots",
            "default_replica_slots", "check_divisibility", "divisors", "expert_block", "has_moe", "sharding_problems",
-           "stage_layers", "ZERO_BUCKET", "zero_bucket_elements"]
+           "stage_layers", "ZERO_BUCKET", "ZERO0_ALLREDUCE_BUCKET", "zero_bucket_elements"]

@@ -7,9 +7,13 @@ from __future__ import annotations
 from ..errors import ParallelConfigError
 
 __all__ = ["sharding_problems", "check_divisibility", "has_moe", "divisors", "expert_block", "ZERO_BUCKET",
-           "zero_bucket_elements"]
+           "ZERO0_ALLREDUCE_BUCKET", "zero_bucket_elements"]
 
 ZERO_BUCKET = 50_000_000  # elements per ZeRO reduce / all-gather bucket the engine configures at most
+# ZeRO-0: DeepSpeed 0.19.8's engine all-reduces the gradients at a step's boundary through flat copies of consecutive
+# gradients, each closed at the first gradient that takes it past this many elements (engine.py's
+# MEMORY_OPT_ALLREDUCE_SIZE, buffered_allreduce_fallback), also with one data-parallel rank
+ZERO0_ALLREDUCE_BUCKET = 500_000_000
 
 
 def divisors(n: int) -> list:

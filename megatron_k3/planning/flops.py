@@ -79,7 +79,10 @@ def _mm(name, cat, flops, both_grads=True) -> FlopTerm:
 def kda_chunk_flops(T: int, C: int, H: int, K: int, V: int) -> list:
     """Matmul FLOPs of `chunk_kda`'s torch form for one sequence of T tokens, as FlopTerms totalled over the
     sequence (divide by T for per token). Mirrors `megatron_k3.ops.kda._chunk_kda_torch`: padded to whole
-    chunks of C, per head."""
+    chunks of C, per head; training's call (a zero initial state, no final state). P, R, M, N are batched over the
+    chunks, so their backward runs for every chunk, the first's incoming state and the last's outgoing one included,
+    except with a single chunk: then nothing reaches the state and autograd skips what only feeds it (the hand-off
+    product K_tail^T [U | W], the tail decays of K_tail, the incoming state's gradient P^T dO)."""
     NC = -(-T // C)
     per_chunk = []  # (name, fwd flops per chunk and head, backward factor kind)
     S = C
@@ -116,8 +119,17 @@ def kda_chunk_flops(T: int, C: int, H: int, K: int, V: int) -> list:
             bwd = f * H * (max(NC - 1, 0) + max(NC - 2, 0))
         else:  # the solve again for the right-hand side's gradient, and grad_A = -grad_rhs X^T as a full matmul
             bwd = fwd + 2 * C * C * (V + K) * NC * H
+        if NC == 1:
+            bwd -= _single_chunk_skipped(name, C, K, V) * H
         out.append(FlopTerm(name, "kda", fwd, bwd))
     return out
+
+
+def _single_chunk_skipped(name: str, C: int, K: int, V: int) -> int:
+    """Backward FLOPs per head of a chunk_kda term that a single chunk does not run (kda_chunk_flops): both gradient
+    products of N, KW = K_tail^T [U | W], the tail sum's 0/1-triangle matmul (K_tail's decays), and P^T dO."""
+    return {"kda.wy_products": 2 * (2 * K * C * (V + K)), "kda.chunk_decay_sums": 2 * C * C * K,
+            "kda.output": 2 * C * K * V}.get(name, 0)
 
 
 def _mixer_terms(cfg, layer_type: str, T: int, attention: str) -> list:

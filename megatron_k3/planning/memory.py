@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config.schema import kda_tile, recomputed_kinds
-from ..layout import replica_slots, zero_bucket_elements
+from ..layout import ZERO0_ALLREDUCE_BUCKET, replica_slots, zero_bucket_elements
 from ..ops.mx import ROUND_TRIP_BYTES_PER_ELEMENT, ROUND_TRIP_CHUNK
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
@@ -611,13 +611,18 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
     largest: its fp32 copy where the gradients accumulate narrower (precision.grad_accum_dtype=bf16; the gradient
     itself is counted in `gradients`) and at edp > 1 that fp32 gradient padded to edp equal blocks where edp does
     not divide the experts, and the block received; under ep > 1 either comes on top of the fp32 blocks' excess over
-    the accumulated gradients they replace (bf16 accumulation at edp < 2: the whole fp32 gradient). A step that
-    reduces nothing (`Workload.reduced`: planning.dry_run's) has none of it. (The gradient norms' float64 squares go
-    by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
+    the accumulated gradients they replace (bf16 accumulation at edp < 2: the whole fp32 gradient). Under ZeRO-0,
+    before the update, DeepSpeed's all-reduce of the gradients at the step's boundary (with one data-parallel rank
+    too): flat copies of consecutive gradients made one at a time, each closed at the first gradient that takes it
+    past ZERO0_ALLREDUCE_BUCKET elements (counted at that many at most: beyond it low by up to one gradient). A step
+    that reduces nothing (`Workload.reduced`: planning.dry_run's) has none of it. (The gradient norms' float64 squares
+    go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
     if w.optimizer == "muon":
         ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
+    if w.zero_stage == 0 and w.reduced:  # ZeRO-0 runs one stage without EP (layout rule 9): every gradient
+        ns = max(ns, min(dense.total + experts.total, ZERO0_ALLREDUCE_BUCKET) * w.grad_bytes)
     if lay.experts_in_zero or not experts.total or not w.reduced:
         return ns
     local = cfg.num_experts // lay.ep
@@ -817,8 +822,10 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         held, in_backward = zero_gradient_buffers(lay, w, sh, dense, experts, m)
         grads += held
-        # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
-        transient = max(transient + rest, layers_t + rest + in_backward)
+        # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients;
+        # with one micro-batch a step no gradient exists yet at the loss gradient (the step before freed them all)
+        unmade = grads if m == 1 and w.reduced else 0.0
+        transient = max(transient + rest - unmade, layers_t + rest + in_backward)
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
