@@ -955,7 +955,7 @@ def test_a_search_that_finds_nothing_names_the_long_sequence_keys_that_fit(plan_
         _tool("build_rank").compose(base, {"--search": True})
 
 
-def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_that_fits():
+def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_that_fits(plan_tool, capsys):
     """tp8 pp8 ep64 at 4096 tokens (the search's best on supernodes_8x64): train.recompute=auto (train=pretrain)
     resolves to selective and fits; none is refused before anything is built, naming train.recompute and what fits."""
     from megatron_k3.config import ConfigError
@@ -970,6 +970,22 @@ def test_the_trainer_takes_the_planners_best_layout_and_names_the_recomputation_
     assert (best.layout.tp, best.layout.pp, best.layout.ep, best.layout.recompute) == (8, 8, 64, "selective")
     with pytest.raises(ConfigError, match=r"train\.recompute='none'.*train\.recompute=selective fits"):
         check_fits(compose_for_planning(args + ["train.recompute=none"])[0], 512)
+    # a finer knob that recomputes too little is named, with the least widening of it that fits, before any other
+    # policy: selective over one module (146.0 GB) fits with every module; full over 1 layer of a stage (147.4 GB)
+    # with 3 (full over all 8 fits too, with more recomputation)
+    for knob, fix in ((["train.recompute=selective", "train.recompute_modules=[moe_act]"],
+                       r"train\.recompute_modules=\['moe_act'\]: .*train\.recompute_modules=\['moe_act'\]\), over .*"
+                       r"train\.recompute_modules=\[\] \(every module\) fits \(137\.7 GB\)"),
+                      (["train.recompute=full", "train.recompute_num_layers=1"],
+                       r"train\.recompute_num_layers=1: .*: train\.recompute_num_layers=3 fits \(137\.0 GB\)")):
+        with pytest.raises(ConfigError, match=fix):
+            check_fits(compose_for_planning(args + knob)[0], 512)
+    # tools/plan.py's report of the layout that does not fit names the same
+    capsys.readouterr()
+    assert plan_tool.main(args + ["--recompute", "none"]) == 0
+    out = capsys.readouterr().out
+    hint = out.find("train.recompute=selective fits this layout (137.7 GB per device)")
+    assert 0 < out.find("DOES NOT FIT") < hint, out
 
 
 @pytest.mark.parametrize("args,key", [

@@ -180,6 +180,28 @@ def test_bad_recompute_keys_name_the_key_and_what_is_valid():
         run, _, _ = compose_config(overrides)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             run.validate()
+    # a module the model has no region of, and more layers than a pipeline stage holds, are refused, not run as none
+    # or as every layer
+    for overrides, message in (
+            (["model=kimi_linear_tiny", "train.recompute=selective", "train.recompute_modules=[attn_res,moe_act]"],
+             r"train\.recompute_modules=\['attn_res', 'moe_act'\]: model kimi_linear_tiny has no attn_res region.*"
+             r"its modules: layernorm, core_attn, mlp_act, moe_act"),
+            (["train.recompute=full", "train.recompute_num_layers=5", "parallel.pp=2"],
+             r"train\.recompute_num_layers=5: more than the 4 layers of the largest pipeline stage.*at most 4")):
+        run, _, _ = compose_config(overrides)
+        with pytest.raises(ConfigError, match=message):
+            run.validate(2)
+    compose_config(["train.recompute=full", "train.recompute_num_layers=4", "parallel.pp=2"])[0].validate(2)
+
+
+@pytest.mark.parametrize("name", ["k3_tiny", "kimi_linear_tiny", "k3_vl_tiny"])
+def test_the_modules_a_config_names_are_the_regions_its_model_has(name):
+    """config.schema.recompute_regions (what train.recompute_modules may name) from the model config alone equals the
+    kinds parallel.recompute wraps at least once in the built model."""
+    from megatron_k3.config.schema import recompute_regions
+
+    _, cfg, wrapped = wrapped_model([f"model={name}"], Policy("selective"))
+    assert set(recompute_regions(cfg)) == {k for k, n in wrapped.items() if n > 0}
     with pytest.raises(ValueError, match="moe"):
         Policy("selective", ("moe",))
     for kwargs in ({"num_layers": -1}, {"num_layers": 1.5}, {"offload_bytes": -5}, {"offload_bytes": True}):

@@ -48,12 +48,24 @@ def test_bad_override_exits_with_one_line(override, key, tmp_path):
     ("trian.steps=5", "did you mean train.steps?"),
     ("optim.lrr=1e-3", "did you mean optim.lr?"),
     ("model=k3_tin", "did you mean model=k3_tiny?"),
+    # Hydra's + and ++ add a key even to the schema-checked config: refused all the same, not silently ignored
+    ("+train.recompute_method=block", "did you mean train.recompute_modules?"),
+    ("++model.hidden_sise=32", "did you mean model.hidden_size?"),
+    ("+train.foo=1", "train.foo='1': unknown key"),
 ])
 def test_a_misspelled_key_suggests_the_near_one(override, near):
     from megatron_k3.config import ConfigError, compose_run_config
 
     with pytest.raises(ConfigError, match=re.escape(near)):
         compose_run_config([override])
+
+
+def test_a_plus_override_of_a_free_form_section_is_kept():
+    """parallel.deepspeed is a dict merged over the generated DeepSpeed config: + adds any key there."""
+    from megatron_k3.config import compose_run_config
+
+    run, _, _ = compose_run_config(["+parallel.deepspeed.zero_optimization.reduce_bucket_size=4096"])
+    assert run.parallel.deepspeed == {"zero_optimization": {"reduce_bucket_size": 4096}}
 
 
 def test_a_checkpoint_load_that_holds_no_checkpoint_stops_before_building(tmp_path):

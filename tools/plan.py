@@ -59,9 +59,10 @@ from megatron_k3.planning.checkpoint import (  # noqa: E402
     checkpoint_plan,
 )
 from megatron_k3.planning.flops import DEFAULT_IMAGE_SHARE  # noqa: E402
+from megatron_k3.planning.memory import GB  # noqa: E402
 from megatron_k3.planning.params import count_parameters  # noqa: E402
 from megatron_k3.planning.planner import plan_inference, plan_training, search_inference, search_training  # noqa: E402
-from megatron_k3.planning.run import compose_for_planning, layout, search_knobs, workload  # noqa: E402
+from megatron_k3.planning.run import compose_for_planning, layout, recompute_fix, search_knobs, workload  # noqa: E402
 
 BANDWIDTHS = {"--fs-bandwidth": DEFAULT_FS_GBPS, "--node-fs-bandwidth": DEFAULT_NODE_GBPS,
               "--host-copy-bandwidth": DEFAULT_HOST_COPY_GBPS}
@@ -154,6 +155,7 @@ def main(argv):
         run.train.recompute = flags.get("--recompute") or (run.train.recompute if "train.recompute" in given
                                                            else "auto")
         run.train.validate("train")
+        run.validate_offload_share()
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -224,6 +226,10 @@ def main(argv):
                 return _dump({**plan.as_dict(), "checkpoint": ck.as_dict()})
             lines += report.render_train(plan) + report.render_checkpoint(ck)
             if not plan.fits:
+                fix = None if plan.host_over else recompute_fix(run, cluster.world_size, plan.layout.recompute, w,
+                                                                cluster.device_memory_gb * GB, sp)
+                if fix:
+                    lines.append(f"{fix[2]} fits this layout ({fix[3] / GB:.1f} GB per device)")
                 lines.append("try --search for layouts that fit")
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)

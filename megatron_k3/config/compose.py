@@ -144,6 +144,7 @@ def compose_config(overrides: Iterable[str] = (), model_reader=None):
         hydra_node = cfg.hydra
         with open_dict(cfg):
             del cfg["hydra"]
+        _refuse_added_keys(cfg, overrides)
         run = OmegaConf.to_object(cfg)
     except ConfigError:
         raise
@@ -240,6 +241,23 @@ def schema_keys(cls=RunConfig, prefix: str = "") -> dict:
         else:
             out[key] = f
     return out
+
+
+def _refuse_added_keys(node, overrides, cls=RunConfig, prefix: str = "") -> None:
+    """ConfigError for a key the schema does not have that a `+key=` or `++key=` override added (Hydra adds keys
+    that way even to a schema-checked config, where `key=` is refused; OmegaConf then hands the unknown key on as an
+    attribute nothing reads, so a misspelt or invented key would be silently ignored). Free-form dict fields
+    (`parallel.deepspeed`) take any key."""
+    hints = typing.get_type_hints(cls)
+    for key in node:
+        full = f"{prefix}{key}"
+        if key not in hints:
+            typed = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0].startswith(full)), full)
+            name, _, value = typed.lstrip("+~").partition("=")
+            raise ConfigError(name, value or None, f"unknown key{_did_you_mean(name, full)} (an override with + adds "
+                              "no key the schema lacks; every key: megatron_k3/config/schema.py, or --help)")
+        if dataclasses.is_dataclass(hints[key]) and OmegaConf.is_dict(node[key]):
+            _refuse_added_keys(node[key], overrides, hints[key], full + ".")
 
 
 def _did_you_mean(typed: str, unknown: str) -> str:

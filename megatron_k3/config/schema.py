@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ..errors import ConfigError
-from ..layout import has_moe, layout_problems, replica_slots
+from ..layout import has_moe, layout_problems, replica_slots, stage_layers
 
 # Marks a ModelConfig field that changes no tensor and no tensor's meaning: it may differ between a checkpoint and
 # the run that loads it, and between a Hugging Face config.json and the model config it is loaded for.
@@ -30,6 +30,21 @@ def _key(prefix: str, k: str) -> str:
 # docstring says what each rebuilds; megatron_k3.planning.activations tags its terms with the same names)
 RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
 RECOMPUTE_MODULES = ("attn_res", "layernorm", "core_attn", "mlp_act", "moe_act")
+
+
+def recompute_regions(m) -> tuple:
+    """The RECOMPUTE_MODULES a model (ModelConfig) has regions of, in that order (parallel.recompute wraps them):
+    norms and the mixers' cores always, the AttnRes depth mixes with model.attn_res, the dense FFN's and the shared
+    experts' activation with dense layers or shared experts, the routed experts' with MoE layers."""
+    ffn = m.ffn_types()
+    kinds = {"layernorm", "core_attn"}
+    if m.attn_res:
+        kinds.add("attn_res")
+    if "dense" in ffn or ("moe" in ffn and m.num_shared_experts):
+        kinds.add("mlp_act")
+    if "moe" in ffn:
+        kinds.add("moe_act")
+    return tuple(k for k in RECOMPUTE_MODULES if k in kinds)
 
 
 def recomputed_kinds(policy: str, modules) -> frozenset:
@@ -944,9 +959,35 @@ class RunConfig:
                 raise ConfigError(f"parallel.deepspeed.{path}", given, f"set {key} instead ({key} gives {want!r} "
                                   f"here): {why}")
 
+    def validate_offload_share(self) -> None:
+        """train.offload_buffer_gb bounds the host memory one rank pins for its offloaded layer inputs: at most its
+        device's share of the node's host memory (cluster.host_memory_per_device_gb)."""
+        share, c = self.cluster.host_memory_per_device_gb, self.cluster
+        if self.train.offload_buffer_gb > share:
+            raise ConfigError("train.offload_buffer_gb", self.train.offload_buffer_gb, (
+                f"more host memory than a device's share: cluster.host_memory_gb={c.host_memory_gb:g} over "
+                f"cluster.devices_per_node={c.devices_per_node} is {share:.4g} GB per device, at most that"))
+
+    def _validate_recompute_knobs(self) -> None:
+        """train.recompute_modules names regions the model has; train.recompute_num_layers at most a stage's layers."""
+        m, t = self.model, self.train
+        present = recompute_regions(m)
+        missing = [k for k in t.recompute_modules if k not in present]
+        if missing:
+            raise ConfigError("train.recompute_modules", list(t.recompute_modules), (
+                f"model {m.name} has no {', '.join(missing)} region (model.attn_res, dense or MoE layers, shared "
+                f"experts); its modules: {', '.join(present)}"))
+        most = max(b - a for a, b in stage_layers(m, self.parallel.pp))
+        if t.recompute_num_layers > most:
+            raise ConfigError("train.recompute_num_layers", t.recompute_num_layers, (
+                f"more than the {most} layers of the largest pipeline stage (model.num_layers={m.num_layers}, "
+                f"parallel.pp={self.parallel.pp}): at most {most}, or 0 for every layer"))
+
     def _validate_pairings(self) -> None:
         m, pr = self.model, self.precision
         self._validate_deepspeed_overrides()
+        self.validate_offload_share()
+        self._validate_recompute_knobs()
         if pr.name == "mx_qat" and has_moe(m):
             for k, v in (("moe_latent_size" if m.moe_latent_size else "hidden_size", m.expert_width),
                          ("moe_intermediate_size", m.moe_intermediate_size)):

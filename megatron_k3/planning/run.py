@@ -14,13 +14,14 @@ from dataclasses import replace
 
 from ..config import CONF_DIR, ConfigError, compose_config
 from ..interop import checkpoint_model_config
-from .candidates import Layout
+from .candidates import Layout, stage_layers
 from .flops import DEFAULT_IMAGE_SHARE
 from .memory import GB, Workload, balanced_slots, training_memory
 from .params import peft_spec
 from .planner import long_sequence_plan
 
-__all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits", "search_knobs"]
+__all__ = ["compose_for_planning", "workload", "layout", "resolve_recompute", "check_fits", "recompute_fix",
+           "search_knobs"]
 
 
 def compose_for_planning(overrides, optimizer: str | None = None):
@@ -173,19 +174,61 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
                     f"{base / GB:.4g} GB with the drop dispatcher), over cluster.device_memory_gb="
                     f"{run.cluster.device_memory_gb}: {fix}"))
         parts = ", ".join(f"{k} {v:.1f}" for k, v in worst.breakdown_gb().items())
-        order = ("none", "selective", "full")
-        more = ((rc, _largest_stage(run, world, rc, w)) for rc in order[order.index(recompute) + 1:])
-        fits = [(rc, gb) for rc, gb in more if gb <= capacity][:1]
+        fits = recompute_fix(run, world, recompute, w, capacity)
         long = None if fits else long_sequence_plan(run.model, run.cluster, [layout(run, world, "full")], w)
-        fix = (f"train.recompute={fits[0][0]} fits ({fits[0][1] / GB:.1f} GB)" if fits else
+        fix = (f"{fits[2]} fits ({fits[3] / GB:.1f} GB)" if fits else
                f"no recomputation alone fits this layout; {long.layout.trainer_keys(search_knobs(run)[1:])} fits "
                f"({long.memory_per_device / GB:.1f} GB)" if long else
                f"no recomputation, tiling or offload fits this layout; tools/plan.py model={run.model.name} "
                f"cluster={run.cluster.name} --search lists layouts that fit")
-        key = "train.recompute" if fits else "parallel"
-        raise ConfigError(key, recompute if fits else _layout_keys(run), (
+        raise ConfigError(fits[0] if fits else "parallel", fits[1] if fits else _layout_keys(run), (
             (f"layout {_layout_keys(run)}: " if fits else "")
             + f"pipeline stage {worst.stage} needs {worst.total / GB:.1f} GB per device "
-            f"({parts} GB; train.recompute={recompute}), over cluster.device_memory_gb="
+            f"({parts} GB; {_recompute_keys(run, recompute)}), over cluster.device_memory_gb="
             f"{run.cluster.device_memory_gb}: {fix}"))
     return stages
+
+
+def _recompute_keys(run, recompute: str) -> str:
+    """train.recompute=R, with the finer knob R reads where it is set."""
+    t = run.train
+    if recompute == "selective" and t.recompute_modules:
+        return f"train.recompute=selective, train.recompute_modules={list(t.recompute_modules)}"
+    if recompute == "full" and t.recompute_num_layers:
+        return f"train.recompute=full, train.recompute_num_layers={t.recompute_num_layers}"
+    return f"train.recompute={recompute}"
+
+
+def recompute_fix(run, world: int, recompute: str, w: Workload, capacity: float, sequence_parallel=None):
+    """The least recomputation beyond `recompute` (and the run's finer knobs) that fits: (the key to change, its
+    value now, the setting that fits, its largest stage's bytes), or None. First the policy itself with its finer
+    knob widened (selective: every module; full: the fewest more layers of a stage, up to all), then the policies
+    that recompute more, with the run's knobs, then with theirs at the defaults. `sequence_parallel`: as `layout`
+    takes it."""
+    t, order = run.train, ("none", "selective", "full")
+    tried = []
+
+    def layout_of(rc):
+        return layout(run, world, rc, sequence_parallel)
+
+    if recompute == "selective" and t.recompute_modules:
+        tried.append(("train.recompute_modules", list(t.recompute_modules),
+                      "train.recompute_modules=[] (every module)", replace(layout_of(recompute), recompute_modules=())))
+    if recompute == "full" and t.recompute_num_layers:  # more layers of each stage, the fewest that fit first
+        most = max(b - a for a, b in stage_layers(run.model, run.parallel.pp))
+        tried += [("train.recompute_num_layers", t.recompute_num_layers,
+                   f"train.recompute_num_layers={n}" if n else "train.recompute_num_layers=0 (every layer of a stage)",
+                   replace(layout_of(recompute), recompute_num_layers=n))
+                  for n in [*range(t.recompute_num_layers + 1, most), 0]]
+    for rc in order[order.index(recompute) + 1:]:
+        lay = layout_of(rc)
+        tried.append(("train.recompute", recompute, f"train.recompute={rc}", lay))
+        default = replace(lay, recompute_modules=(), recompute_num_layers=0)
+        if default != lay:
+            knob = "train.recompute_modules=[]" if rc == "selective" else "train.recompute_num_layers=0"
+            tried.append(("train.recompute", recompute, f"train.recompute={rc} {knob}", default))
+    for key, value, setting, lay in tried:
+        gb = max(m.total for m in training_memory(run.model, run.cluster, lay, w))
+        if gb <= capacity:
+            return key, value, setting, gb
+    return None
