@@ -42,7 +42,9 @@ working set is transient).
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -547,10 +549,47 @@ class _Sharding:
                    blocks, n, n / lay.tp if lay.sp else n)
 
 
-def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding) -> tuple:
+def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
+                    sh: _Sharding) -> tuple:
+    """(elements of whole parameters, elements of flat partitions) of the ZeRO-2 gradients the fullest data-parallel
+    rank of the stage holding layers [a, b) keeps, as DeepSpeed 0.19.8 does (stage_1_and_2.py): each param group
+    (optim.grouping's, in the model's parameter order) is flattened, padded to a multiple of 2 x the data-parallel
+    size and cut into equal partitions; a rank keeps the reduced gradients of every parameter its partition touches,
+    whole (grads_in_partition), except in the groups DeepSpeed gives a compact fp32 partition instead (bf16 weights
+    with fp32 accumulation: all but the Muon groups), which keep exactly their partition. So a parameter the boundary
+    cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches."""
+    entries = [e for lp in mp.layers[a:b] for e in lp.entries if lay.experts_in_zero or not e.expert]
+    if first:
+        entries += list(mp.embedding_entries) + ([] if cfg.freeze_vision else list(mp.vision_entries))
+    if last:
+        entries += list(mp.head_entries)
+    groups = {}
+    for e in sorted(entries, key=lambda e: e.index):
+        key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
+        groups.setdefault(key, []).append(e.numel)
+    fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
+    D = sh.grad_dense
+    whole, compact = [0] * D, 0
+    for key, sizes in groups.items():
+        n = sum(sizes)
+        part = -(-n // (2 * D)) * 2  # elements per partition
+        if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
+            compact += part
+            continue
+        starts = list(itertools.accumulate(sizes, initial=0))  # starts[i]: parameter i's first element
+        for r in range(D):  # the parameters overlapping [r part, (r + 1) part), whole
+            i = bisect.bisect_right(starts, r * part, hi=len(sizes)) - 1
+            j = bisect.bisect_left(starts, (r + 1) * part, hi=len(sizes))
+            whole[r] += starts[j] - starts[max(i, 0)] if j > max(i, 0) else 0
+    return max(whole), compact
+
+
+def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding,
+                  partition: tuple | None = None, experts_in_zero: bool = True) -> tuple:
     """(dense ParamGroup trained, frozen vision parameters, experts ParamGroup, weights, gradients, optimizer
     bytes, the routed experts' share of them) of the stage holding layers [a, b); under peft=lora the groups' frozen
-    base (ParamGroup.frozen, frozen_mx) adds weights only."""
+    base (ParamGroup.frozen, frozen_mx) adds weights only. `partition`: under ZeRO-2 zero2_partition's figures, the
+    gradients of what DeepSpeed steps (the routed experts too when `experts_in_zero`)."""
     dense = sum((lp.dense for lp in mp.layers[a:b]), type(mp.embedding)())
     if first:
         dense = dense + mp.embedding
@@ -566,13 +605,16 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
     grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
+    if partition is not None:  # ZeRO-2: whole parameters and compact partitions, the experts with them at ep = 1
+        grads = (sum(partition) + (0 if experts_in_zero else e_total / sh.grad_experts)) * w.grad_bytes
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)
     opt_exp = (e_group.total * w.master_bytes + _opt_state_bytes(e_group, w.optimizer)) / sh.experts
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
 
 
-def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int) -> tuple:
+def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int,
+                          partition: tuple | None = None) -> tuple:
     """(bytes held with the gradients, bytes made during a backward) of DeepSpeed's ZeRO-1/2 gradient reduction
     beyond the gradients themselves, on a stage whose DeepSpeed optimizer steps `dense` (and `experts` at ep = 1),
     as DeepSpeed 0.19.8 runs it (stage_1_and_2.py):
@@ -584,7 +626,8 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     - ZeRO-2 from a step's second backward on: the buffer the reduced gradients of the rank's partition are copied
       into (grads_in_partition) is made anew while the parameters' gradients still point into the last one, so the
       groups that use it are held twice: under bf16 weights with fp32 accumulation the Muon groups (the others keep
-      one fixed fp32 partition), every group otherwise.
+      one fixed fp32 partition), every group otherwise; the whole parameters the rank's partition touches
+      (`partition`: zero2_partition's figures).
 
     The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
     vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
@@ -598,9 +641,7 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
         return (bucket, 0.0) if micro_batches > 1 else (0.0, bucket)
     if micro_batches < 2:
         return 0.0, bucket
-    muon_only = w.precision in MIXED and w.grad_dtype == "fp32"  # DeepSpeed's compact fp32 buffer for the rest
-    part = ((dense.muon if muon_only else dense.total) / sh.grad_dense
-            + (in_zero.muon if muon_only else in_zero.total) / sh.grad_experts)
+    part = partition[0] if partition is not None else (dense.total + in_zero.total) / sh.grad_dense
     return 0.0, bucket + part * w.grad_bytes
 
 
@@ -804,7 +845,10 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh)
+        partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh) if w.zero_stage >= 2 and w.reduced
+                     else None)
+        dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh,
+                                                                                   partition, lay.experts_in_zero)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
         head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
         acts, detail, (transient, layers_t), host = _stage_activations(cfg, lay, w, a, b, last, in_flight,
@@ -820,7 +864,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        held, in_backward = zero_gradient_buffers(lay, w, sh, dense, experts, m)
+        held, in_backward = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition)
         grads += held
         # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients;
         # with one micro-batch a step no gradient exists yet at the loss gradient (the step before freed them all)

@@ -35,8 +35,8 @@ from ..parallel.plan import ParallelGroups, build_model
 from ..parallel.tensor import TensorParallel
 from ..peft import FrozenExperts, apply_lora, is_adapter
 
-__all__ = ["ParamGroup", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops", "count_parameters",
-           "peft_spec"]
+__all__ = ["ParamGroup", "ParamEntry", "LayerKindParams", "ModelParams", "model_params", "newton_schulz_flops",
+           "count_parameters", "peft_spec"]
 
 
 def peft_spec(peft) -> tuple:
@@ -89,6 +89,20 @@ class LayerKindParams:
     experts: ParamGroup  # the routed experts of the layer on one EP rank
     buffer_bytes: int = 0  # persistent buffers (state-dict entries that are not parameters: the router's bias)
     moe_dense: int = 0  # of `dense`, the MoE block's (router, shared experts, latent projections): tiling runs them
+    entries: tuple = ()  # ParamEntry of each trained parameter, dense (TP rank) and routed experts (EP rank)
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One trained parameter as an optimizer groups it: its place in the model's parameter order (the same on every
+    rank and layout), Muon's rule for it (optim.grouping.muon_rule, per-head blocks), whether optim=adamw decays it,
+    its elements on this rank, and whether it is a routed expert's. ZeRO flattens each param group in this order
+    (planning.memory.zero2_partition)."""
+    index: int
+    rule: str
+    decay: bool
+    numel: int
+    expert: bool
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,10 @@ class ModelParams:
     # model.vision.enabled: the tower and the projector, on the first stage, whole on every TP rank (else empty)
     vision_tower: ParamGroup = ParamGroup()
     mm_projector: ParamGroup = ParamGroup()
+    # ParamEntry tuples of the embedding (first stage), the head (last) and the vision tower with its projector
+    embedding_entries: tuple = ()
+    head_entries: tuple = ()
+    vision_entries: tuple = ()
 
     @property
     def vision(self) -> ParamGroup:
@@ -160,6 +178,18 @@ def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> 
     return dense, experts
 
 
+def _entries(module, prefix: str, frozen_base: bool, order: dict) -> tuple:
+    """ParamEntry of each trained parameter of a module (peft=lora, `frozen_base`: the adapters), `order`: the
+    model's parameter names by their place in it."""
+    out = []
+    for name, p in module.named_parameters(prefix=prefix):
+        if (frozen_base and not is_adapter(name)) or name not in order:  # a tied weight's second name
+            continue
+        out.append(ParamEntry(order[name], muon_rule(p), p.ndim >= 2 and "embed_tokens" not in name, p.numel(),
+                              ".experts." in name or name.startswith("experts.")))
+    return tuple(out)
+
+
 def _buffer_bytes(module) -> int:
     """Bytes of a module's persistent buffers at their dtype: what its state dict holds beside the parameters."""
     n = 0
@@ -185,23 +215,28 @@ def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
     if peft:
         apply_lora(model, _peft_config(peft), groups.tp)
     f = bool(peft)
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f, tp), _buffer_bytes(layer),
-                                   _moe_dense(layer, f))
+                                   _moe_dense(layer, f), _entries(layer, f"model.layers.{layer.layer_idx}", f, order))
                    for layer in model.model.layers)
     emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f, tp)
-    head, head_buffers = ParamGroup(), 0
+    head, head_buffers, head_entries = ParamGroup(), 0, ()
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
                       ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
         if mod is not None:
             head = head + _group(mod, name, f, tp)[0]
             head_buffers += _buffer_bytes(mod)
+            head_entries += _entries(mod, name, f, order)
     if cfg.tie_word_embeddings:
         head = replace(head, total=head.total - emb.total, frozen=head.frozen - emb.frozen, frozen_mx=0)
     tower = getattr(model, "vision_tower", None)
     proj = getattr(model, "mm_projector", None)
+    vision = tuple(e for mod, name in ((tower, "vision_tower"), (proj, "mm_projector")) if mod is not None
+                   for e in _entries(mod, name, f, order))
     tower = _group(tower, "vision_tower", f, tp)[0] if tower is not None else ParamGroup()
     proj = _group(proj, "mm_projector", f, tp)[0] if proj is not None else ParamGroup()
-    return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj)
+    return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj,
+                       _entries(model.model.embed_tokens, "model.embed_tokens", f, order), head_entries, vision)
 
 
 @functools.lru_cache(maxsize=256)
@@ -221,10 +256,11 @@ def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = ()) -> ModelParams
     if tp == 1 or ep == 1:
         return _built(cfg, tp, ep, peft)
     dense, experts = _built(cfg, tp, 1, peft), _built(cfg, 1, ep, peft)
-    layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes, d.moe_dense)
+    layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes, d.moe_dense,
+                                   tuple(x for x in d.entries if not x.expert) + tuple(x for x in e.entries
+                                                                                     if x.expert))
                    for d, e in zip(dense.layers, experts.layers))
-    return ModelParams(tp, ep, layers, dense.embedding, dense.head, dense.embedding_buffer_bytes,
-                       dense.head_buffer_bytes, dense.vision_tower, dense.mm_projector)
+    return replace(dense, ep=ep, layers=layers)
 
 
 def vision_counts(cfg) -> dict:
