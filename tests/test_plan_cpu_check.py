@@ -134,6 +134,26 @@ def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, c
     assert plan["memory_breakdown_gb"]["optimizer"] * 1e9 == pytest.approx(states + masters, rel=1e-3)
 
 
+def test_the_whole_parameters_of_a_partition_are_deepspeeds():
+    """planning.memory.whole_in_partitions against DeepSpeed's own get_partition_info (stage_1_and_2.py) on fresh
+    random groups: per partition, the elements of the parameters it keeps whole, exactly."""
+    import random
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from megatron_k3.planning.memory import partition_size, whole_in_partitions
+
+    rng = random.Random()
+    for _ in range(200):
+        sizes = [rng.choice([1, 2, 3, 5, 8, 64, 100, 1000, 4097]) for _ in range(rng.randint(1, 12))]
+        dp = rng.choice([1, 2, 3, 4, 8, 16, 64])
+        tensors = [torch.empty(n, device="meta") for n in sizes]
+        part = partition_size(sum(sizes), dp)
+        theirs = [sum(t.numel() for t in DeepSpeedZeroOptimizer.get_partition_info(None, tensors, part, r)[0])
+                  for r in range(dp)]
+        assert whole_in_partitions(sizes, dp) == theirs, (sizes, dp)
+
+
 def _zero2_partition(rank, world, overrides, run_dir):
     """(elements of whole parameters in DeepSpeed's grads_in_partition, elements of its compact fp32 partitions) on
     this rank, and the planner's (planning.memory.zero2_partition: the fullest rank's)."""

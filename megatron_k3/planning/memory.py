@@ -571,17 +571,31 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
     D = sh.grad_dense
     whole, compact = [0] * D, 0
     for key, sizes in groups.items():
-        n = sum(sizes)
-        part = -(-n // (2 * D)) * 2  # elements per partition
         if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
-            compact += part
-            continue
-        starts = list(itertools.accumulate(sizes, initial=0))  # starts[i]: parameter i's first element
-        for r in range(D):  # the parameters overlapping [r part, (r + 1) part), whole
-            i = bisect.bisect_right(starts, r * part, hi=len(sizes)) - 1
-            j = bisect.bisect_left(starts, (r + 1) * part, hi=len(sizes))
-            whole[r] += starts[j] - starts[max(i, 0)] if j > max(i, 0) else 0
+            compact += partition_size(sum(sizes), D)
+        else:
+            whole = [x + y for x, y in zip(whole, whole_in_partitions(sizes, D))]
     return max(whole), compact
+
+
+def partition_size(n: int, dp: int) -> int:
+    """Elements of each of the `dp` partitions DeepSpeed's ZeRO-1/2 cuts a param group of `n` elements into (padded to
+    a multiple of 2 x dp)."""
+    return -(-n // (2 * dp)) * 2
+
+
+def whole_in_partitions(sizes, dp: int) -> list:
+    """Per partition of a param group whose parameters have `sizes` elements, in order: the elements of the
+    parameters it touches, whole (DeepSpeed's get_partition_info: those starting inside it, and the one across its
+    start)."""
+    part = partition_size(sum(sizes), dp)
+    starts = list(itertools.accumulate(sizes, initial=0))  # parameter i spans [starts[i], starts[i + 1])
+    out = []
+    for r in range(dp):
+        i = bisect.bisect_right(starts, r * part, lo=1) - 1  # the first that ends after the partition's start
+        j = bisect.bisect_left(starts, (r + 1) * part, hi=len(sizes))  # the first that starts at its end or later
+        out.append(starts[j] - starts[i] if j > i else 0)
+    return out
 
 
 def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload, sh: _Sharding,
