@@ -77,7 +77,9 @@ def main():
         model.zero_grad(set_to_none=True)
         tracker = LiveTensorMemory()
         off = getattr(model, "host_offload", None)
-        if off is not None:  # the offloaded copies are host memory, apart from the peak
+        if off is not None:  # the offloaded copies are host memory, apart from the peak: made anew under the tracker
+            off.reset()  # (the warm-up's buffers, reused, would be copied into outside it and read as device memory)
+            off.release_idle()
             off.host_context = tracker.host_allocations
         with tracker:
             step(model, ids)

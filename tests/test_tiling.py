@@ -325,6 +325,11 @@ def test_offload_drops_idle_buffers_of_another_size_for_room():
         (packed,) = off.pack_layer([t])
         assert torch.equal(off.unpack(packed), t)
     assert off.allocated == 360 and sorted(off._free) == [120, 200, 240] and not off._free[200], off._free
+    off.release_idle()  # every idle buffer freed: the next tensor takes a new one
+    assert off.allocated == 0 and not any(off._free.values())
+    t = torch.randn(60)
+    (packed,) = off.pack_layer([t])
+    assert off.allocated == 240 and torch.equal(off.unpack(packed), t)
 
 
 

@@ -188,6 +188,13 @@ class HostOffload:
         self._started.clear()
         self.used = self.reloaded = 0
 
+    def release_idle(self) -> None:
+        """Free every host buffer no tensor uses now (after `reset`, or a step's last backward: all of them), each
+        after its last copy; the next offloads allocate theirs anew (a memory measurement of one step sees them)."""
+        for bufs in self._free.values():
+            while bufs:
+                self._drop(bufs.pop())
+
     def _take(self, nbytes: int, pinned: bool):
         """A host buffer of `nbytes`: a free one of that size, else a new one if the budget has room (made by
         dropping free buffers of other sizes if need be), else None."""
