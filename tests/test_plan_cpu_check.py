@@ -170,7 +170,7 @@ def _zero2_partition(rank, world, overrides, run_dir):
         whole = sum(p.numel() for i, g in enumerate(z.params_in_partition) if not compact[i] for p in g)
         flat = sum(int(z.partition_size[i]) for i in range(len(compact)) if compact[i])
         lay, w, m = layout(run, world), workload(run), run.model
-        planned = zero2_partition(model_params(m, lay.tp, lay.ep), 0, m.num_layers, True, True, m, lay, w,
+        planned = zero2_partition(model_params(m, lay.tp, lay.ep, w.peft), 0, m.num_layers, True, True, m, lay, w,
                                   _Sharding.of(m, lay, w))
         return (whole, flat), planned
     finally:
