@@ -20,14 +20,19 @@ def _named(model, params):
     return list(model.named_parameters()) if params is None else list(params)
 
 
+def adamw_decays(name: str, p: torch.Tensor) -> bool:
+    """optim=adamw's rule: weight decay on every matrix except the embedding, none on 1-D parameters."""
+    return p.ndim >= 2 and "embed_tokens" not in name
+
+
 def adamw_param_groups(model: torch.nn.Module | None, weight_decay: float, params=None) -> list:
-    """optim=adamw: weight decay on every matrix except the embedding, none on 1-D parameters. `params`:
-    (name, parameter) pairs to group instead of all of `model`'s."""
+    """optim=adamw: two groups by `adamw_decays`. `params`: (name, parameter) pairs to group instead of all of
+    `model`'s."""
     decay, no_decay = [], []
     for n, p in _named(model, params):
         if not p.requires_grad:  # frozen (model.freeze_vision): no update, no state
             continue
-        (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
+        (decay if adamw_decays(n, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "rule": "adamw/decay"},
             {"params": no_decay, "weight_decay": 0.0, "rule": "adamw/no_decay"}]
 
@@ -120,5 +125,5 @@ def log_grouping(name: str, groups: list):
         log.info("optimizer %s: parameter grouping\n%s", name, grouping_table(groups))
 
 
-__all__ = ["muon_rule", "MUON_LAYOUTS", "tp_gathered", "muon_param_groups", "adamw_param_groups", "grouping_table",
-           "log_grouping"]
+__all__ = ["muon_rule", "MUON_LAYOUTS", "tp_gathered", "muon_param_groups", "adamw_decays", "adamw_param_groups",
+           "grouping_table", "log_grouping"]

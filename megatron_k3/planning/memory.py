@@ -618,8 +618,9 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     base = ((dense.frozen + experts.frozen) * w.weight_bytes
             + (dense.frozen_mx + experts.frozen_mx) * MXFP4_BYTES_PER_PARAM)
     weights = (dense.total + frozen + e_total) * w.weight_bytes + base
-    grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
-    if partition is not None:  # ZeRO-2: whole parameters and compact partitions, the experts with them at ep = 1
+    if partition is None:
+        grads = dense.total * w.grad_bytes / sh.grad_dense + e_total * w.grad_bytes / sh.grad_experts
+    else:  # ZeRO-2: whole parameters and compact partitions, the experts with them at ep = 1
         grads = (sum(partition) + (0 if experts_in_zero else e_total / sh.grad_experts)) * w.grad_bytes
     opt_dense = dense.total * w.master_bytes + _opt_state_bytes(dense, w.optimizer)
     e_group = type(dense)(int(e_total), int(e_muon), experts.largest_matrix)

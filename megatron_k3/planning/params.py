@@ -29,7 +29,7 @@ from ..annotations import full_shape, meta
 from ..config.schema import PeftConfig, token_ids
 from ..model.params import count_parameters as _count_text
 from ..model.vision import MoonViT3d, PatchMergerV2
-from ..optim.grouping import MUON_LAYOUTS, muon_rule, tp_gathered
+from ..optim.grouping import MUON_LAYOUTS, adamw_decays, muon_rule, tp_gathered
 from ..parallel.mappings import Group
 from ..parallel.plan import ParallelGroups, build_model
 from ..parallel.tensor import TensorParallel
@@ -153,6 +153,10 @@ def _muon_matrices(p, rule: str, tp: int) -> tuple:
     return count * newton_schulz_flops(rows, cols), largest, gather
 
 
+def _routed_expert(name: str) -> bool:
+    return ".experts." in name or name.startswith("experts.")
+
+
 def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> tuple:
     """(dense, routed experts) ParamGroups of a module on one of `tp` TP ranks: which parameters Muon updates is the
     optimizer's rule (optim.grouping.muon_rule), and how (`_muon_matrices`), as the optimizer does.
@@ -171,7 +175,7 @@ def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> 
         ns, largest, gather = _muon_matrices(p, rule, tp) if muon else (0.0, 0, False)
         g = ParamGroup(p.numel(), p.numel() if muon else 0, largest, ns, tp_gather=p.numel() if gather else 0,
                        largest_shard=p.numel() if muon else 0)
-        if ".experts." in name or name.startswith("experts."):
+        if _routed_expert(name):
             experts = experts + g
         else:
             dense = dense + g
@@ -185,8 +189,7 @@ def _entries(module, prefix: str, frozen_base: bool, order: dict) -> tuple:
     for name, p in module.named_parameters(prefix=prefix):
         if (frozen_base and not is_adapter(name)) or name not in order:  # a tied weight's second name
             continue
-        out.append(ParamEntry(order[name], muon_rule(p), p.ndim >= 2 and "embed_tokens" not in name, p.numel(),
-                              ".experts." in name or name.startswith("experts.")))
+        out.append(ParamEntry(order[name], muon_rule(p), adamw_decays(name, p), p.numel(), _routed_expert(name)))
     return tuple(out)
 
 
