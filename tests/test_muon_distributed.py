@@ -182,12 +182,33 @@ def test_tensor_parallel_muon_equals_single_process(per_head):
     (and, with per_head off, of the head projections) gather the full matrix over TP. The elements gathered per step
     are the planner's `tp_gather` count (planning/params.py: its Newton-Schulz FLOPs and tp_muon_gather traffic)."""
     ref = _reference(1, per_head=per_head, adamw=False)
-    planned = model_params(load_model_config("k3_tiny", OVERRIDES), 2, 1)
+    planned = model_params(load_model_config("k3_tiny", OVERRIDES), 2, 1, (), per_head)
     planned = sum(g.tp_gather for g in [lp.dense for lp in planned.layers] + [planned.embedding, planned.head])
     for params, gathered in run_distributed(_tp_worker, 2, per_head, timeout=240):
         _assert_close(params, ref)
-        if per_head:  # the planner's rule is the optimizer's (the default, per-head): what a step gathers
-            assert gathered == planned > 0, (gathered, planned)
+        assert gathered == planned > 0, (gathered, planned)  # the planner's rule is the optimizer's, either way
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_the_planners_newton_schulz_flops_are_a_muon_steps(per_head):
+    """The FLOPs of one Muon step (FlopCounterMode over optimizer.step: its Newton-Schulz matrix products) are the
+    planner's ns_flops summed over the model, exactly, with optim.per_head on (a block per head) and off (each head
+    projection whole: more FLOPs; until 2026-12-06 the planner counted per-head blocks whatever the key said)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model()
+    opt = _optimizer(model, per_head=per_head, adamw=False)
+    ids, labels, cu = _batch(1)
+    model(ids, labels=labels, cu_seqlens=cu).loss.backward()
+    with FlopCounterMode(display=False) as counter:
+        opt.step()
+    mp = model_params(load_model_config("k3_tiny", OVERRIDES), 1, 1, (), per_head)
+    groups = [g for lp in mp.layers for g in (lp.dense, lp.experts)] + [mp.embedding, mp.head]
+    assert counter.get_total_flops() == sum(g.ns_flops for g in groups) > 0
+    if not per_head:
+        per_head_plan = model_params(load_model_config("k3_tiny", OVERRIDES), 1, 1, (), True)
+        assert counter.get_total_flops() > sum(g.ns_flops for lp in per_head_plan.layers for g in (lp.dense,
+                                                                                                    lp.experts))
 
 
 def test_zero_attach_takes_over_clipping_and_refuses_what_it_cannot_do_exactly():

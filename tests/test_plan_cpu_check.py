@@ -170,22 +170,25 @@ def _zero2_partition(rank, world, overrides, run_dir):
         whole = sum(p.numel() for i, g in enumerate(z.params_in_partition) if not compact[i] for p in g)
         flat = sum(int(z.partition_size[i]) for i in range(len(compact)) if compact[i])
         lay, w, m = layout(run, world), workload(run), run.model
-        planned = zero2_partition(model_params(m, lay.tp, lay.ep, w.peft), 0, m.num_layers, True, True, m, lay, w,
-                                  _Sharding.of(m, lay, w))
+        mp = model_params(m, lay.tp, lay.ep, w.peft, w.per_head)
+        planned = zero2_partition(mp, 0, m.num_layers, True, True, m, lay, w, _Sharding.of(m, lay, w))
         return (whole, flat), planned
     finally:
         shutdown()
 
 
 @pytest.mark.slow
-def test_the_zero2_partition_is_what_deepspeed_keeps(tmp_path):
+@pytest.mark.parametrize("per_head", ["true", "false"])
+def test_the_zero2_partition_is_what_deepspeed_keeps(tmp_path, per_head):
     """ZeRO-2 keeps, on each data-parallel rank, the reduced gradients of every parameter its partition touches, whole,
     except in the groups with DeepSpeed's compact fp32 partition (bf16 weights with fp32 accumulation: all but Muon's):
     the planner's figures are the fullest rank's exactly, from the same groups in the same order (optim.grouping) cut
     the same way (until 2026-12-06 it counted the Muon groups' share, elements / dp: 8% low here, where the ranks
-    hold 444,800 and 444,416 of the 815,488)."""
-    results = run_distributed(_zero2_partition, 2, ["optim=muon", "precision=bf16", "parallel.zero_stage=2"],
-                              str(tmp_path), timeout=300)
+    hold 444,800 and 444,416 of the 815,488). optim.per_head=false puts the head projections in Muon's whole-matrix
+    group instead of the per-head one, which the planner follows (Workload.per_head; until 2026-12-06 it grouped as
+    per-head whatever the key said)."""
+    results = run_distributed(_zero2_partition, 2, ["optim=muon", "precision=bf16", "parallel.zero_stage=2",
+                                                    f"optim.per_head={per_head}"], str(tmp_path), timeout=300)
     (whole, flat), planned = max(results)
     assert whole > 0 and flat > 0 and (whole, flat) == planned, results
     assert all(r[0][1] == flat for r in results)

@@ -194,7 +194,7 @@ def _dp_comm(cfg, cluster, lay: Layout, w: Workload, st: _Stage):
     experts at ep = 1; under ZeRO-2 once per micro-batch, `gradient_reductions`), the routed experts'
     edp_grad_reduce and edp_param_gather under ep > 1, and Muon's tp_muon_gather."""
     start, end = st.stages[st.stage]
-    mp = model_params(cfg, lay.tp, lay.ep, w.peft)  # peft=lora: the adapters' gradients only
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft, w.per_head)  # peft=lora: the adapters' gradients only
     groups = [lp.dense for lp in mp.layers[start:end]]
     if st.first:
         groups.append(mp.embedding)

@@ -88,6 +88,8 @@ class Workload:
     reduced: bool = True  # the step reduces the gradients (False: planning.dry_run's step, which takes none)
     reduce_bucket: int = 0  # parallel.deepspeed.zero_optimization.reduce_bucket_size; 0: the engine's own
     # (layout.zero_bucket_elements of the stage's parameters)
+    per_head: bool = True  # optim.per_head (optim=muon): each attention head's block orthogonalised on its own; off,
+    # the head projections are whole matrices (Newton-Schulz of the whole, all-gathered over TP, another ZeRO group)
 
     @property
     def weight_bytes(self) -> int:
@@ -853,7 +855,7 @@ def _stage_vision(cfg, lay: Layout, w: Workload, vis, frozen: int, in_flight: in
 
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
-    mp = model_params(cfg, lay.tp, lay.ep, w.peft)
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft, w.per_head)
     stages = stage_layers(cfg, lay.pp)
     m = w.global_batch_size // (w.micro_batch_size * lay.dp) if lay.dp else 1
     sh = _Sharding.of(cfg, lay, w)

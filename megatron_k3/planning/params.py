@@ -157,10 +157,10 @@ def _routed_expert(name: str) -> bool:
     return ".experts." in name or name.startswith("experts.")
 
 
-def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> tuple:
+def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1, per_head: bool = True) -> tuple:
     """(dense, routed experts) ParamGroups of a module on one of `tp` TP ranks: which parameters Muon updates is the
-    optimizer's rule (optim.grouping.muon_rule), and how (`_muon_matrices`), as the optimizer does.
-    `frozen_base` (peft=lora): only the adapters train; the rest counts as frozen, the MXFP4 experts apart."""
+    optimizer's rule (optim.grouping.muon_rule, with optim.per_head), and how (`_muon_matrices`), as the optimizer
+    does. `frozen_base` (peft=lora): only the adapters train; the rest counts as frozen, the MXFP4 experts apart."""
     dense, experts = ParamGroup(), ParamGroup()
     if frozen_base:
         mx = sum(2 * m.w1_packed.numel() + 2 * m.w3_packed.numel() + 2 * m.w2_packed.numel()
@@ -170,7 +170,7 @@ def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> 
         if frozen_base and not is_adapter(name):
             dense = dense + ParamGroup(frozen=p.numel())
             continue
-        rule = muon_rule(p)
+        rule = muon_rule(p, per_head)
         muon = rule.startswith("muon/")
         ns, largest, gather = _muon_matrices(p, rule, tp) if muon else (0.0, 0, False)
         g = ParamGroup(p.numel(), p.numel() if muon else 0, largest, ns, tp_gather=p.numel() if gather else 0,
@@ -182,14 +182,16 @@ def _group(module, prefix: str = "", frozen_base: bool = False, tp: int = 1) -> 
     return dense, experts
 
 
-def _entries(module, prefix: str, frozen_base: bool, order: dict) -> tuple:
+def _entries(module, prefix: str, frozen_base: bool, order: dict, per_head: bool = True) -> tuple:
     """ParamEntry of each trained parameter of a module (peft=lora, `frozen_base`: the adapters), `order`: the
-    model's parameter names by their place in it."""
+    model's parameter names by their place in it, `per_head`: optim.per_head (which Muon group a head projection
+    joins)."""
     out = []
     for name, p in module.named_parameters(prefix=prefix):
         if (frozen_base and not is_adapter(name)) or name not in order:  # a tied weight's second name
             continue
-        out.append(ParamEntry(order[name], muon_rule(p), adamw_decays(name, p), p.numel(), _routed_expert(name)))
+        out.append(ParamEntry(order[name], muon_rule(p, per_head), adamw_decays(name, p), p.numel(),
+                              _routed_expert(name)))
     return tuple(out)
 
 
@@ -210,55 +212,65 @@ def _moe_dense(layer, frozen_base: bool) -> int:
     return _group(layer.mlp, f"model.layers.{layer.layer_idx}.mlp", frozen_base)[0].total
 
 
-def _model_params(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
+def _model_params(cfg, tp: int, ep: int, peft: tuple = (), per_head: bool = True) -> ModelParams:
     """One TP x EP rank's model built on the meta device exactly as a run builds it (parallel.build_model; under
-    peft=lora adapted as the run adapts it), then counted per layer, embedding and head."""
+    peft=lora adapted as the run adapts it), then counted per layer, embedding and head, its matrices grouped as
+    Muon groups them with optim.per_head = `per_head`."""
     groups = ParallelGroups(tp=TensorParallel(size=tp), ep=Group(size=ep))
     model = build_model(cfg, groups, device="meta")
     if peft:
         apply_lora(model, _peft_config(peft), groups.tp)
     f = bool(peft)
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-    layers = tuple(LayerKindParams(*_group(layer, f"model.layers.{layer.layer_idx}", f, tp), _buffer_bytes(layer),
-                                   _moe_dense(layer, f), _entries(layer, f"model.layers.{layer.layer_idx}", f, order))
+
+    def group(mod, name):
+        return _group(mod, name, f, tp, per_head)
+
+    def entries(mod, name):
+        return _entries(mod, name, f, order, per_head)
+
+    layers = tuple(LayerKindParams(*group(layer, f"model.layers.{layer.layer_idx}"), _buffer_bytes(layer),
+                                   _moe_dense(layer, f), entries(layer, f"model.layers.{layer.layer_idx}"))
                    for layer in model.model.layers)
-    emb, _ = _group(model.model.embed_tokens, "model.embed_tokens", f, tp)
+    emb, _ = group(model.model.embed_tokens, "model.embed_tokens")
     head, head_buffers, head_entries = ParamGroup(), 0, ()
     for name, mod in (("lm_head", model.lm_head), ("model.norm", model.model.norm),
                       ("model.output_attn_res", getattr(model.model, "output_attn_res", None))):
         if mod is not None:
-            head = head + _group(mod, name, f, tp)[0]
+            head = head + group(mod, name)[0]
             head_buffers += _buffer_bytes(mod)
-            head_entries += _entries(mod, name, f, order)
+            head_entries += entries(mod, name)
     if cfg.tie_word_embeddings:
         head = replace(head, total=head.total - emb.total, frozen=head.frozen - emb.frozen, frozen_mx=0)
     tower = getattr(model, "vision_tower", None)
     proj = getattr(model, "mm_projector", None)
     vision = tuple(e for mod, name in ((tower, "vision_tower"), (proj, "mm_projector")) if mod is not None
-                   for e in _entries(mod, name, f, order))
-    tower = _group(tower, "vision_tower", f, tp)[0] if tower is not None else ParamGroup()
-    proj = _group(proj, "mm_projector", f, tp)[0] if proj is not None else ParamGroup()
+                   for e in entries(mod, name))
+    tower = group(tower, "vision_tower")[0] if tower is not None else ParamGroup()
+    proj = group(proj, "mm_projector")[0] if proj is not None else ParamGroup()
     return ModelParams(tp, ep, layers, emb, head, _buffer_bytes(model.model.embed_tokens), head_buffers, tower, proj,
-                       _entries(model.model.embed_tokens, "model.embed_tokens", f, order), head_entries, vision)
+                       entries(model.model.embed_tokens, "model.embed_tokens"), head_entries, vision)
 
 
 @functools.lru_cache(maxsize=256)
-def _built(cfg, tp: int, ep: int, peft: tuple = ()) -> ModelParams:
-    """_model_params, memoised per (config value, tp, ep, peft spec): building a rank on the meta device takes a
-    while."""
-    return _model_params(cfg, tp, ep, peft)
+def _built(cfg, tp: int, ep: int, peft: tuple = (), per_head: bool = True) -> ModelParams:
+    """_model_params, memoised per (config value, tp, ep, peft spec, per_head): building a rank on the meta device
+    takes a while."""
+    return _model_params(cfg, tp, ep, peft, per_head)
 
 
 @functools.lru_cache(maxsize=1024)
-def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = ()) -> ModelParams:
+def model_params(cfg, tp: int = 1, ep: int = 1, peft: tuple = (), per_head: bool = True) -> ModelParams:
     """Per-layer parameter counts on one rank of tensor-parallel size `tp` and expert-parallel size `ep`
     (ValueError if either does not divide the model). Tensor parallelism does not split the routed experts and
     expert parallelism nothing else, so the dense part comes from a (tp, 1) build and the experts from a (1, ep)
     one (memoised: a planner search builds each size once, not each pair, and combines each pair once);
-    tools/build_rank.py checks the sum against ranks built with both. `peft`: a `peft_spec` (() = no peft)."""
+    tools/build_rank.py checks the sum against ranks built with both. `peft`: a `peft_spec` (() = no peft);
+    `per_head`: optim.per_head (Workload.per_head), which decides how Muon groups and orthogonalises the attention
+    heads' projections (a whole matrix, TP-gathered, when off)."""
     if tp == 1 or ep == 1:
-        return _built(cfg, tp, ep, peft)
-    dense, experts = _built(cfg, tp, 1, peft), _built(cfg, 1, ep, peft)
+        return _built(cfg, tp, ep, peft, per_head)
+    dense, experts = _built(cfg, tp, 1, peft, per_head), _built(cfg, 1, ep, peft, per_head)
     layers = tuple(LayerKindParams(d.dense, e.experts, d.buffer_bytes, d.moe_dense,
                                    tuple(x for x in d.entries if not x.expert) + tuple(x for x in e.entries
                                                                                      if x.expert))

@@ -265,7 +265,7 @@ def _stage_flops(cfg, lay: Layout, w: Workload, start: int, end: int, last: bool
 def model_state_bytes(cfg, w: Workload) -> float:
     """Weights + gradients + master + optimizer states of the whole model, unsharded: the floor on the
     accelerators' combined memory for training (activations come on top)."""
-    mp = model_params(cfg, 1, 1, w.peft)
+    mp = model_params(cfg, 1, 1, w.peft, w.per_head)
     frozen = mp.vision.total if cfg.freeze_vision else 0  # model.freeze_vision: the tower's weights only
     total = mp.dense_total() + mp.expert_total() - frozen
     groups = [mp.embedding, mp.head, mp.vision] + [g for lp in mp.layers for g in (lp.dense, lp.experts)]
@@ -409,7 +409,7 @@ def _muon_time(cfg, lay: Layout, layers: tuple, first: bool, w: Workload) -> flo
     ZeRO-1/2 DeepSpeed orthogonalises on each DP rank the matrices of its partition, a 1/(dp x cp) share (the experts
     too at ep = 1); under ep > 1 training.expert_optimizer orthogonalises on each edp rank its block of whole
     experts (Layout.expert_share of them at most)."""
-    mp = model_params(cfg, lay.tp, lay.ep, w.peft)
+    mp = model_params(cfg, lay.tp, lay.ep, w.peft, w.per_head)
     a, b = layers
     dense = sum(lp.dense.ns_flops for lp in mp.layers[a:b])
     experts = sum(lp.experts.ns_flops for lp in mp.layers[a:b])

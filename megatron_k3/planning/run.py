@@ -62,7 +62,8 @@ def workload(run, optimizer: str | None = None, zero_stage: int | None = None, g
                     grad_dtype or run.precision.grad_accum_dtype, kernels, run.model.moe_overflow,
                     run.moe.redundant_experts if slots is None else slots, run.moe.replica_exchange, image_share,
                     run.parallel.overlap_grad_reduce, peft_spec(run.peft),
-                    reduce_bucket=int(run.parallel.deepspeed_entry("zero_optimization.reduce_bucket_size") or 0))
+                    reduce_bucket=int(run.parallel.deepspeed_entry("zero_optimization.reduce_bucket_size") or 0),
+                    per_head=run.optim.per_head)
 
 
 def layout(run, world: int, recompute: str | None = None, sequence_parallel: bool | None = None) -> Layout:
