@@ -155,9 +155,11 @@ def test_the_whole_parameters_of_a_partition_are_deepspeeds():
 
 
 def _zero2_partition(rank, world, overrides, run_dir):
-    """(elements of whole parameters in DeepSpeed's grads_in_partition, elements of its compact fp32 partitions) on
-    this rank, and the planner's (planning.memory.zero2_partition: the fullest rank's)."""
-    from megatron_k3.planning.memory import _Sharding, zero2_partition
+    """((elements of whole parameters in DeepSpeed's grads_in_partition, elements of its compact fp32 partitions) on
+    this rank, the elements of each bucket DeepSpeed reduces in a step), and the planner's (planning.memory's
+    zero2_partition: the fullest rank's; zero2_reductions: one backward's, repeated for each micro-batch)."""
+    from megatron_k3.layout import zero_bucket_elements
+    from megatron_k3.planning.memory import _Sharding, zero2_bucket_bytes, zero2_partition, zero2_reductions
     from megatron_k3.planning.params import model_params
     from megatron_k3.planning.run import layout, workload
     from megatron_k3.training.engine import shutdown, zero_optimizer
@@ -165,21 +167,35 @@ def _zero2_partition(rank, world, overrides, run_dir):
 
     run, _, _ = compose_run_config(FAST + overrides, world_size=world)
     try:
-        z = zero_optimizer(Trainer(run, f"{run_dir}/{rank}").engine)
+        trainer = Trainer(run, f"{run_dir}/{rank}")
+        z = zero_optimizer(trainer.engine)
         compact = [z._use_compact_grad_partition_buffer(i) for i in range(len(z.params_in_partition))]
         whole = sum(p.numel() for i, g in enumerate(z.params_in_partition) if not compact[i] for p in g)
         flat = sum(int(z.partition_size[i]) for i in range(len(compact)) if compact[i])
+        reduced, dtypes, allreduce_bucket = [], set(), z.allreduce_bucket
+
+        def measured(bucket, *args, **kwargs):
+            reduced.append(sum(t.numel() for t in bucket))
+            dtypes.update(t.element_size() for t in bucket)
+            return allreduce_bucket(bucket, *args, **kwargs)
+
+        z.allreduce_bucket = measured
+        trainer.train_step()
         lay, w, m = layout(run, world), workload(run), run.model
+        assert dtypes == {zero2_bucket_bytes(w)}, (dtypes, w)  # the bucket's dtype, which its flat copy has
         mp = model_params(m, lay.tp, lay.ep, w.peft, w.per_head)
         planned = zero2_partition(mp, 0, m.num_layers, True, True, m, lay, w, _Sharding.of(m, lay, w))
-        return (whole, flat), planned
+        micro = w.global_batch_size // (w.micro_batch_size * world)
+        buckets = zero2_reductions(mp, 0, m.num_layers, True, True, m, lay, w, zero_bucket_elements(
+            sum(p.numel() for p in trainer.model.parameters())))
+        return ((whole, flat), reduced), (planned, [n for n, _ in buckets] * micro)
     finally:
         shutdown()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("per_head", ["true", "false"])
-def test_the_zero2_partition_is_what_deepspeed_keeps(tmp_path, per_head):
+@pytest.mark.parametrize("optim", ["optim=muon optim.per_head=true", "optim=muon optim.per_head=false", "optim=adamw"])
+def test_the_zero2_partition_is_what_deepspeed_keeps(tmp_path, optim):
     """ZeRO-2 keeps, on each data-parallel rank, the reduced gradients of every parameter its partition touches, whole,
     except in the groups with DeepSpeed's compact fp32 partition (bf16 weights with fp32 accumulation: all but Muon's):
     the planner's figures are the fullest rank's exactly, from the same groups in the same order (optim.grouping) cut
@@ -187,11 +203,20 @@ def test_the_zero2_partition_is_what_deepspeed_keeps(tmp_path, per_head):
     hold 444,800 and 444,416 of the 815,488). optim.per_head=false puts the head projections in Muon's whole-matrix
     group instead of the per-head one, which the planner follows (Workload.per_head; until 2026-12-06 it grouped as
     per-head whatever the key said)."""
-    results = run_distributed(_zero2_partition, 2, ["optim=muon", "precision=bf16", "parallel.zero_stage=2",
-                                                    f"optim.per_head={per_head}"], str(tmp_path), timeout=300)
-    (whole, flat), planned = max(results)
-    assert whole > 0 and flat > 0 and (whole, flat) == planned, results
-    assert all(r[0][1] == flat for r in results)
+    results = run_distributed(_zero2_partition, 2, ["precision=bf16", "parallel.zero_stage=2", *optim.split()],
+                              str(tmp_path), timeout=300)
+    ((whole, flat), _), (planned, _) = max(results)
+    assert flat > 0 and (whole, flat) == planned and (whole > 0) == ("muon" in optim), results
+    assert all(r[0][0][1] == flat for r in results)
+    # the buckets DeepSpeed reduces (a flat copy of each, planning.memory.zero_gradient_buffers; until 2026-12-06 the
+    # plan had no copies). The planner takes the backward's order as the parameters' reversed, autograd's differs
+    # (here it interleaves norms and filters between a layer's Muon matrices: 17 reductions a backward, not 10), so
+    # its buckets are fewer and larger: the largest bounds DeepSpeed's, 5.4% over (574,434 and 544,960 elements).
+    # optim=adamw: the bucket is bf16 (Muon's attach makes it fp32), its flat copy too, cast to fp32 to reduce
+    for (_, reduced), (_, buckets) in results:
+        assert len(reduced) >= len(buckets) >= (3 if "muon" in optim else 2)  # AdamW: one bucket, at the end
+        assert sum(buckets) == pytest.approx(sum(reduced), rel=1e-3)
+        assert max(reduced) <= max(buckets) <= 1.1 * max(reduced), (reduced, buckets)
 
 
 def _expert_optimizer_bytes(rank, world, overrides, run_dir):

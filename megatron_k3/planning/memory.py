@@ -560,13 +560,8 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
     whole (grads_in_partition), except in the groups DeepSpeed gives a compact fp32 partition instead (bf16 weights
     with fp32 accumulation: all but the Muon groups), which keep exactly their partition. So a parameter the boundary
     cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches."""
-    entries = [e for lp in mp.layers[a:b] for e in lp.entries if lay.experts_in_zero or not e.expert]
-    if first:
-        entries += list(mp.embedding_entries) + ([] if cfg.freeze_vision else list(mp.vision_entries))
-    if last:
-        entries += list(mp.head_entries)
     groups = {}
-    for e in sorted(entries, key=lambda e: e.index):
+    for e in _zero_entries(mp, a, b, first, last, cfg, lay):
         key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
         groups.setdefault(key, []).append(e.numel)
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
@@ -578,6 +573,42 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
         else:
             whole = [x + y for x, y in zip(whole, whole_in_partitions(sizes, D))]
     return max(whole), compact
+
+
+def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout) -> list:
+    """ParamEntry of each parameter DeepSpeed's optimizer steps on the stage holding layers [a, b), in the model's
+    order (the routed experts at ep = 1 only; the vision tower unless frozen)."""
+    entries = [e for lp in mp.layers[a:b] for e in lp.entries if lay.experts_in_zero or not e.expert]
+    if first:
+        entries += list(mp.embedding_entries) + ([] if cfg.freeze_vision else list(mp.vision_entries))
+    if last:
+        entries += list(mp.head_entries)
+    return sorted(entries, key=lambda e: e.index)
+
+
+def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
+                     elements: int) -> tuple:
+    """((elements reduced, share of the stage's layers whose backward is done by then), ...) of each of ZeRO-2's
+    gradient bucket reductions in one backward of the stage holding layers [a, b), in order, as DeepSpeed 0.19.8
+    fills its buckets: in the backward's order (the model's, reversed: the head first, the embedding last), a bucket
+    of `elements` reduced when the next gradient would overflow it and, under optim=muon, when a Muon matrix's
+    gradient follows another group's (optim.zero's flush at that boundary); the last at the backward's end (share 1).
+    A layer's activations are taken as freed once the backward has moved on to an earlier layer's gradients."""
+    n = b - a
+    placed = [(e, pos) for pos, lp in enumerate(mp.layers[a:b]) for e in lp.entries
+              if lay.experts_in_zero or not e.expert]
+    if first:
+        placed += [(e, -1) for e in mp.embedding_entries + (() if cfg.freeze_vision else mp.vision_entries)]
+    if last:
+        placed += [(e, n) for e in mp.head_entries]
+    out, current, last_muon = [], 0, True
+    for e, pos in sorted(placed, key=lambda x: -x[0].index):
+        muon = w.optimizer == "muon" and e.rule.startswith("muon/")
+        if current and (current + e.numel > elements or (muon and not last_muon)):
+            out.append((min(current, elements), min(1.0, max(0.0, (n - 1 - pos) / max(n, 1)))))
+            current = 0
+        current, last_muon = current + e.numel, muon
+    return tuple(out) + ((min(current, elements), 1.0),)
 
 
 def partition_size(n: int, dp: int) -> int:
@@ -631,35 +662,55 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
 
 
 def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int,
-                          partition: tuple | None = None) -> tuple:
-    """(bytes held with the gradients, bytes made during a backward) of DeepSpeed's ZeRO-1/2 gradient reduction
-    beyond the gradients themselves, on a stage whose DeepSpeed optimizer steps `dense` (and `experts` at ep = 1),
-    as DeepSpeed 0.19.8 runs it (stage_1_and_2.py):
+                          partition: tuple | None = None, reductions: tuple = ()) -> tuple:
+    """(bytes held with the gradients, ((bytes made during a backward, share of its layers' activations freed by
+    then), ...)) of DeepSpeed's ZeRO-1/2 gradient reduction beyond the gradients themselves, on a stage whose
+    DeepSpeed optimizer steps `dense` (and `experts` at ep = 1), as DeepSpeed 0.19.8 runs it (stage_1_and_2.py):
 
     - its reduction bucket, made whole at a backward's first gradient (the engine's reduce_bucket_size elements in
       the gradients' dtype; two under overlap_comm). ZeRO-1 reduces at the step's last backward and frees it only
       then: held from the first micro-batch's backward on, beside the gradients (with one micro-batch, in that
-      backward only). ZeRO-2 reduces every backward and frees it at each one's end;
+      backward only). ZeRO-2 reduces every backward and frees it at each one's end. ZeRO-2's bucket is in the
+      weights' dtype (`zero2_bucket_bytes`: under bf16 weights with fp32 accumulation only optim.zero.attach, Muon's,
+      makes it fp32);
     - ZeRO-2 from a step's second backward on: the buffer the reduced gradients of the rank's partition are copied
-      into (grads_in_partition) is made anew while the parameters' gradients still point into the last one, so the
-      groups that use it are held twice: under bf16 weights with fp32 accumulation the Muon groups (the others keep
-      one fixed fp32 partition), every group otherwise; the whole parameters the rank's partition touches
-      (`partition`: zero2_partition's figures).
+      into (grads_in_partition) is made anew at the backward's first reduction while the parameters' gradients still
+      point into the last one, so the groups that use it are held twice: under bf16 weights with fp32 accumulation
+      the Muon groups (the others keep one fixed fp32 partition), every group otherwise; the whole parameters the
+      rank's partition touches (`partition`: zero2_partition's figures);
+    - each ZeRO-2 bucket reduction (allreduce_bucket; `reductions`: zero2_reductions' figures): a flat copy of its
+      gradients in the bucket's dtype and, where the communication dtype differs (fp32 under fp32 accumulation, and
+      at cp > 1), that copy cast to it, made where the backward has freed some of the activations already (at the
+      backward's end all of the last micro-batch's; training_memory keeps the other micro-batches' in flight). The
+      copies can outlive their reduction (seen in one of five dp=2 runs: freed by Python's cycle collector, after
+      the partition buffer is made), so each reduction counts them beside that buffer.
 
     The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
     vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
     reduces nothing (planning.dry_run's) and ZeRO-0 (no ZeRO optimizer) have none."""
     if w.zero_stage < 1 or not w.reduced:
-        return 0.0, 0.0
+        return 0.0, ()
     in_zero = experts if lay.experts_in_zero else type(experts)()
-    elements = w.reduce_bucket or zero_bucket_elements(int(dense.total + in_zero.total))
-    bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
+    stage = int(dense.total + in_zero.total)
+    elements = w.reduce_bucket or zero_bucket_elements(stage)
     if w.zero_stage == 1:
-        return (bucket, 0.0) if micro_batches > 1 else (0.0, bucket)
-    if micro_batches < 2:
-        return 0.0, bucket
-    part = partition[0] if partition is not None else (dense.total + in_zero.total) / sh.grad_dense
-    return 0.0, bucket + part * w.grad_bytes
+        bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
+        return (bucket, ()) if micro_batches > 1 else (0.0, ((bucket, 0.0),))
+    bucket_bytes = zero2_bucket_bytes(w)
+    bucket = elements * bucket_bytes * (2 if w.overlap_grad_reduce else 1)
+    comm = 4 if lay.cp > 1 else w.grad_bytes  # DeepSpeed reduces in fp32 at cp > 1 whatever the key
+    part = 0.0
+    if micro_batches > 1:
+        part = (partition[0] if partition is not None else stage / sh.grad_dense) * w.grad_bytes
+    per = bucket_bytes + (comm if comm != bucket_bytes else 0)
+    return 0.0, ((bucket, 0.0),) + tuple((bucket + part + n * per, freed)
+                                         for n, freed in reductions or ((min(elements, stage), 0.0),))
+
+
+def zero2_bucket_bytes(w: Workload) -> int:
+    """Bytes per element of ZeRO-2's reduction bucket: the weights' dtype (DeepSpeed's self.dtype), except that
+    optim.zero.attach (optim=muon) makes it fp32 under bf16 weights with fp32 accumulation."""
+    return w.grad_bytes if w.optimizer == "muon" else w.weight_bytes
 
 
 def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts) -> float:
@@ -881,12 +932,17 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        held, in_backward = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition)
+        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, w.reduce_bucket or zero_bucket_elements(
+            int(dense.total + (experts.total if lay.experts_in_zero else 0)))) if partition is not None else ())
+        held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions)
         grads += held
-        # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients;
+        # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
+        # and the activations the backward has not freed yet (at its end, only the other micro-batches' in flight);
         # with one micro-batch a step no gradient exists yet at the loss gradient (the step before freed them all)
         unmade = grads if m == 1 and w.reduced else 0.0
-        transient = max(transient + rest - unmade, layers_t + rest + in_backward)
+        own = acts / max(in_flight, 1)
+        transient = max([transient + rest - unmade] + [(layers_t + rest if freed < 1 else 0.0) + made - own * freed
+                                                        for made, freed in phases])
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
