@@ -39,6 +39,10 @@ Flags:
                            --host-copy-bandwidth GB/s: one device's copy to host memory (default 25), the stall of
                            an asynchronous save (docs/planning.md, "Checkpoint size and save time")
   --json                   one JSON object instead of text
+
+Exit status: 0 for a report; 1 when the one training layout given (no --search) does not fit, after the report and
+the least change that would fit it (scripts can run `tools/plan.py ... && torchrun ...`); 2 for bad input (a key,
+value or flag named in the error).
 """
 
 import json
@@ -223,7 +227,7 @@ def main(argv):
                                   "(the least recomputation that fits)")
             ck = checkpoint(run, plan, flags)
             if as_json:
-                return _dump({**plan.as_dict(), "checkpoint": ck.as_dict()})
+                return _dump({**plan.as_dict(), "checkpoint": ck.as_dict()}, 0 if plan.fits else 1)
             lines += report.render_train(plan) + report.render_checkpoint(ck)
             if not plan.fits:
                 fix = None if plan.host_over else recompute_fix(run, cluster.world_size, plan.layout.recompute, w,
@@ -231,6 +235,8 @@ def main(argv):
                 if fix:
                     lines.append(f"{fix[2]} fits this layout ({fix[3] / GB:.1f} GB per device)")
                 lines.append("try --search for layouts that fit")
+                print("\n".join(lines))
+                return 1
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -238,9 +244,9 @@ def main(argv):
     return 0
 
 
-def _dump(obj) -> int:
+def _dump(obj, status: int = 0) -> int:
     print(json.dumps(obj))
-    return 0
+    return status
 
 
 if __name__ == "__main__":
