@@ -173,6 +173,7 @@ def main(argv):
     recompute = t.recompute  # the knobs: train.recompute_modules / _num_layers, tile_tokens, offload_buffer_gb
     knobs = search_knobs(run)
     lines = report.header(cfg, cluster, counts)
+    fits = True  # the exit status: 1 for the one training layout given when it does not fit
     batch, context, top = int(flags["--batch"]), int(flags["--context"]), int(flags["--top"])
     try:
         if flags["--mode"] == "infer":
@@ -229,19 +230,18 @@ def main(argv):
             if as_json:
                 return _dump({**plan.as_dict(), "checkpoint": ck.as_dict()}, 0 if plan.fits else 1)
             lines += report.render_train(plan) + report.render_checkpoint(ck)
-            if not plan.fits:
+            fits = plan.fits
+            if not fits:
                 fix = None if plan.host_over else recompute_fix(run, cluster.world_size, plan.layout.recompute, w,
                                                                 cluster.device_memory_gb * GB, sp)
                 if fix:
                     lines.append(f"{fix[2]} fits this layout ({fix[3] / GB:.1f} GB per device)")
                 lines.append("try --search for layouts that fit")
-                print("\n".join(lines))
-                return 1
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    return 0
+    return 0 if fits else 1
 
 
 def _dump(obj, status: int = 0) -> int:

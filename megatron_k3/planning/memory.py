@@ -561,7 +561,7 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
     with fp32 accumulation: all but the Muon groups), which keep exactly their partition. So a parameter the boundary
     cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches."""
     groups = {}
-    for e in _zero_entries(mp, a, b, first, last, cfg, lay):
+    for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay):
         key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
         groups.setdefault(key, []).append(e.numel)
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
@@ -576,14 +576,17 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
 
 
 def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout) -> list:
-    """ParamEntry of each parameter DeepSpeed's optimizer steps on the stage holding layers [a, b), in the model's
-    order (the routed experts at ep = 1 only; the vision tower unless frozen)."""
-    entries = [e for lp in mp.layers[a:b] for e in lp.entries if lay.experts_in_zero or not e.expert]
+    """(ParamEntry, place) of each parameter DeepSpeed's optimizer steps on the stage holding layers [a, b), in the
+    model's order (the routed experts at ep = 1 only; the vision tower unless frozen); place: the layer's position in
+    the stage, -1 for the embedding and the vision tower, b - a for the head."""
+    n = b - a
+    placed = [(e, pos) for pos, lp in enumerate(mp.layers[a:b]) for e in lp.entries
+              if lay.experts_in_zero or not e.expert]
     if first:
-        entries += list(mp.embedding_entries) + ([] if cfg.freeze_vision else list(mp.vision_entries))
+        placed += [(e, -1) for e in mp.embedding_entries + (() if cfg.freeze_vision else mp.vision_entries)]
     if last:
-        entries += list(mp.head_entries)
-    return sorted(entries, key=lambda e: e.index)
+        placed += [(e, n) for e in mp.head_entries]
+    return sorted(placed, key=lambda x: x[0].index)
 
 
 def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
@@ -595,20 +598,21 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
     gradient follows another group's (optim.zero's flush at that boundary); the last at the backward's end (share 1).
     A layer's activations are taken as freed once the backward has moved on to an earlier layer's gradients."""
     n = b - a
-    placed = [(e, pos) for pos, lp in enumerate(mp.layers[a:b]) for e in lp.entries
-              if lay.experts_in_zero or not e.expert]
-    if first:
-        placed += [(e, -1) for e in mp.embedding_entries + (() if cfg.freeze_vision else mp.vision_entries)]
-    if last:
-        placed += [(e, n) for e in mp.head_entries]
     out, current, last_muon = [], 0, True
-    for e, pos in sorted(placed, key=lambda x: -x[0].index):
+    for e, pos in reversed(_zero_entries(mp, a, b, first, last, cfg, lay)):
         muon = w.optimizer == "muon" and e.rule.startswith("muon/")
         if current and (current + e.numel > elements or (muon and not last_muon)):
             out.append((min(current, elements), min(1.0, max(0.0, (n - 1 - pos) / max(n, 1)))))
             current = 0
         current, last_muon = current + e.numel, muon
     return tuple(out) + ((min(current, elements), 1.0),)
+
+
+def zero_bucket(lay: Layout, w: Workload, dense, experts) -> tuple:
+    """(elements DeepSpeed's ZeRO optimizer steps on a stage, elements of its reduction bucket): `dense`, and
+    `experts` at ep = 1; the bucket is parallel.deepspeed's reduce_bucket_size or the engine's own."""
+    stage = int(dense.total + (experts.total if lay.experts_in_zero else 0))
+    return stage, w.reduce_bucket or zero_bucket_elements(stage)
 
 
 def partition_size(n: int, dp: int) -> int:
@@ -690,9 +694,7 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     reduces nothing (planning.dry_run's) and ZeRO-0 (no ZeRO optimizer) have none."""
     if w.zero_stage < 1 or not w.reduced:
         return 0.0, ()
-    in_zero = experts if lay.experts_in_zero else type(experts)()
-    stage = int(dense.total + in_zero.total)
-    elements = w.reduce_bucket or zero_bucket_elements(stage)
+    stage, elements = zero_bucket(lay, w, dense, experts)
     if w.zero_stage == 1:
         bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
         return (bucket, ()) if micro_batches > 1 else (0.0, ((bucket, 0.0),))
@@ -932,8 +934,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, w.reduce_bucket or zero_bucket_elements(
-            int(dense.total + (experts.total if lay.experts_in_zero else 0)))) if partition is not None else ())
+        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1])
+                      if partition is not None else ())
         held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions)
         grads += held
         # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
