@@ -154,6 +154,43 @@ def test_the_whole_parameters_of_a_partition_are_deepspeeds():
         assert whole_in_partitions(sizes, dp) == theirs, (sizes, dp)
 
 
+def test_zero0s_flat_copies_are_deepspeeds():
+    """planning.memory.zero0_allreduce_copy against DeepSpeed's engine (allreduce_no_retain, which ZeRO-0's boundary
+    all-reduce runs): the largest flat copy, on fresh random gradients and limits, and for k3_small's 2.56B parameters
+    in the module's order as the planner takes them (526,688,140 elements: the 500M-element bucket closes at the
+    gradient that takes it past; until 2026-12-06 the planner counted 500M, 107 MB low in fp32)."""
+    import random
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
+
+    from megatron_k3.parallel.mappings import Group
+    from megatron_k3.parallel.plan import ParallelGroups, build_model
+    from megatron_k3.parallel.tensor import TensorParallel
+    from megatron_k3.planning.candidates import Layout
+    from megatron_k3.planning.memory import _zero_entries, zero0_allreduce_copy
+    from megatron_k3.planning.params import model_params
+
+    def theirs(tensors, limit):
+        copies = []
+        fake = SimpleNamespace(allreduce_and_copy=lambda bucket, *_: copies.append(sum(t.numel() for t in bucket)))
+        DeepSpeedEngine.allreduce_no_retain(fake, tensors, None, numel_per_bucket=limit)
+        return max(copies)
+
+    rng = random.Random()
+    for _ in range(200):
+        sizes = [rng.choice([1, 2, 3, 5, 8, 64, 100, 1000, 4097]) for _ in range(rng.randint(1, 20))]
+        limit = rng.choice([1, 7, 64, 500, 3000, 10 ** 6])
+        assert zero0_allreduce_copy(sizes, limit) == theirs([torch.empty(n, device="meta") for n in sizes], limit)
+    cfg = load_model_config("k3_small")
+    model = build_model(cfg, ParallelGroups(tp=TensorParallel(size=1), ep=Group(size=1)), device="meta")
+    mp = model_params(cfg)
+    planned = zero0_allreduce_copy(e.numel for e, _ in _zero_entries(mp, 0, cfg.num_layers, True, True, cfg,
+                                                                      Layout(world=1)))
+    assert planned == theirs([p for p in model.parameters() if p.requires_grad], MEMORY_OPT_ALLREDUCE_SIZE)
+    assert planned > MEMORY_OPT_ALLREDUCE_SIZE
+
+
 def _zero2_partition(rank, world, overrides, run_dir):
     """((elements of whole parameters in DeepSpeed's grads_in_partition, elements of its compact fp32 partitions) on
     this rank, the elements of each bucket DeepSpeed reduces in a step), and the planner's (planning.memory's

@@ -608,6 +608,18 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
     return tuple(out) + ((min(current, elements), 1.0),)
 
 
+def zero0_allreduce_copy(sizes, limit: int = ZERO0_ALLREDUCE_BUCKET) -> int:
+    """Elements of the largest flat copy ZeRO-0's all-reduce at the step's boundary makes of gradients of `sizes`
+    elements in the module's parameter order, as DeepSpeed's engine does (allreduce_no_retain): a copy takes
+    gradients until one takes it past `limit` (the engine's MEMORY_OPT_ALLREDUCE_SIZE), then the next begins."""
+    largest = current = 0
+    for n in sizes:
+        current += n
+        if current > limit:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
 def zero_bucket(lay: Layout, w: Workload, dense, experts) -> tuple:
     """(elements DeepSpeed's ZeRO optimizer steps on a stage, elements of its reduction bucket): `dense`, and
     `experts` at ep = 1; the bucket is parallel.deepspeed's reduce_bucket_size or the engine's own."""
@@ -715,7 +727,8 @@ def zero2_bucket_bytes(w: Workload) -> int:
     return w.grad_bytes if w.optimizer == "muon" else w.weight_bytes
 
 
-def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts) -> float:
+def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts,
+                         zero0_copy: int | None = None) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
     training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
@@ -725,15 +738,17 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
     the accumulated gradients they replace (bf16 accumulation at edp < 2: the whole fp32 gradient). Under ZeRO-0,
     before the update, DeepSpeed's all-reduce of the gradients at the step's boundary (with one data-parallel rank
     too): flat copies of consecutive gradients made one at a time, each closed at the first gradient that takes it
-    past ZERO0_ALLREDUCE_BUCKET elements (counted at that many at most: beyond it low by up to one gradient). A step
-    that reduces nothing (`Workload.reduced`: planning.dry_run's) has none of it. (The gradient norms' float64 squares
-    go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not counted.)"""
+    past ZERO0_ALLREDUCE_BUCKET elements, the largest `zero0_copy` elements (`zero0_allreduce_copy`; without it,
+    every gradient up to the bucket's size). A step that reduces nothing (`Workload.reduced`: planning.dry_run's)
+    has none of it. (The gradient norms' float64 squares go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not
+    counted.)"""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
     if w.optimizer == "muon":
         ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
     if w.zero_stage == 0 and w.reduced:  # ZeRO-0 runs one stage without EP (layout rule 9): every gradient
-        ns = max(ns, min(dense.total + experts.total, ZERO0_ALLREDUCE_BUCKET) * w.grad_bytes)
+        largest = min(dense.total + experts.total, ZERO0_ALLREDUCE_BUCKET) if zero0_copy is None else zero0_copy
+        ns = max(ns, largest * w.grad_bytes)
     if lay.experts_in_zero or not experts.total or not w.reduced:
         return ns
     local = cfg.num_experts // lay.ep
@@ -946,7 +961,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         transient = max([transient + rest - unmade] + [(layers_t + rest if freed < 1 else 0.0) + made - own * freed
                                                         for made, freed in phases])
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
-        transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts) - acts)
+        copy = (zero0_allreduce_copy(e.numel for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay))
+                if w.zero_stage == 0 else None)
+        transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))
