@@ -698,9 +698,9 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
       gradients in the bucket's dtype and, where the communication dtype differs (fp32 under fp32 accumulation, and
       at cp > 1), that copy cast to it, made where the backward has freed some of the activations already (at the
       backward's end all of the last micro-batch's; training_memory keeps the other micro-batches' in flight). The
-      copies can outlive their reduction: no Python object refers to them then, the collective's record of its
-      tensors does until it is released on the process group's own thread (seen in one of five dp=2 gloo runs at
-      the peak, after the partition buffer is made), so each reduction counts them beside that buffer.
+      copies can outlive their reduction, held by no Python object (most likely by the collective's record of its
+      tensors, released on the process group's own thread; seen in one of five dp=2 gloo runs at the peak, after
+      the partition buffer is made), so each reduction counts them beside that buffer.
 
     The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
     vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
