@@ -177,11 +177,13 @@ def test_zero0s_flat_copies_are_deepspeeds():
         DeepSpeedEngine.allreduce_no_retain(fake, tensors, None, numel_per_bucket=limit)
         return max(copies)
 
-    rng = random.Random()
+    seed = random.randrange(1 << 30)  # fresh draws each run; the seed reproduces a failure
+    rng = random.Random(seed)
     for _ in range(200):
         sizes = [rng.choice([1, 2, 3, 5, 8, 64, 100, 1000, 4097]) for _ in range(rng.randint(1, 20))]
         limit = rng.choice([1, 7, 64, 500, 3000, 10 ** 6])
-        assert zero0_allreduce_copy(sizes, limit) == theirs([torch.empty(n, device="meta") for n in sizes], limit)
+        assert zero0_allreduce_copy(sizes, limit) == theirs([torch.empty(n, device="meta") for n in sizes], limit), \
+            (seed, sizes, limit)
     cfg = load_model_config("k3_small")
     model = build_model(cfg, ParallelGroups(tp=TensorParallel(size=1), ep=Group(size=1)), device="meta")
     mp = model_params(cfg)
@@ -189,6 +191,29 @@ def test_zero0s_flat_copies_are_deepspeeds():
                                                                       Layout(world=1)))
     assert planned == theirs([p for p in model.parameters() if p.requires_grad], MEMORY_OPT_ALLREDUCE_SIZE)
     assert planned > MEMORY_OPT_ALLREDUCE_SIZE
+
+
+def test_zero2_buckets_follow_the_backward():
+    """planning.memory.zero2_reductions in the backward's order on a multimodal model, whose vision tower and projector
+    are registered after the LM head but get their gradients last: the head's bucket first, with no activations freed,
+    the tower's at the end (until 2026-12-06, later, the tower came first); a gradient larger than the bucket (the
+    1,056,768-element LM head against 100,000) is reduced whole, as DeepSpeed's extra_large_param_to_reduce."""
+    from megatron_k3.planning.memory import zero2_reductions
+    from megatron_k3.planning.params import model_params
+    from megatron_k3.planning.run import layout, workload
+
+    run = compose_run_config(["model=k3_vl_tiny", "parallel.zero_stage=2", "optim=muon",
+                              "logging.wandb.mode=disabled"], world_size=2)[0]
+    lay, w, cfg = layout(run, 2), workload(run), run.model
+    mp = model_params(cfg, 1, 1, w.peft, w.per_head)
+    head = sum(e.numel for e in mp.head_entries if e.rule.startswith("adamw/"))
+    vision = sum(e.numel for e in mp.vision_entries)
+    whole = zero2_reductions(mp, 0, cfg.num_layers, True, True, cfg, lay, w, 10 ** 9)
+    assert whole[0][0] >= head and whole[0][1] == 0.0 and whole[-1][1] == 1.0 and whole[-1][0] >= vision
+    assert sum(n for n, _ in whole) == sum(e.numel for lp in mp.layers for e in lp.entries) + vision + sum(
+        e.numel for e in mp.embedding_entries + mp.head_entries)
+    small = zero2_reductions(mp, 0, cfg.num_layers, True, True, cfg, lay, w, 100_000)
+    assert max(n for n, _ in small) == max(e.numel for e in mp.head_entries) > 100_000
 
 
 def _zero2_partition(rank, world, overrides, run_dir):

@@ -596,16 +596,21 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
     fills its buckets: in the backward's order (the model's, reversed: the head first, the embedding last), a bucket
     of `elements` reduced when the next gradient would overflow it and, under optim=muon, when a Muon matrix's
     gradient follows another group's (optim.zero's flush at that boundary); the last at the backward's end (share 1).
-    A layer's activations are taken as freed once the backward has moved on to an earlier layer's gradients."""
+    A gradient larger than the bucket is reduced on its own, whole (DeepSpeed's extra_large_param_to_reduce: the
+    embedding and the LM head at K3's sizes). A layer's activations are taken as freed once the backward has moved on
+    to an earlier layer's gradients."""
     n = b - a
     out, current, last_muon = [], 0, True
-    for e, pos in reversed(_zero_entries(mp, a, b, first, last, cfg, lay)):
+    # the backward's order: the layers last to first, the head before them, the embedding and the vision tower (which
+    # a multimodal model registers after the head) after them
+    for e, pos in sorted(_zero_entries(mp, a, b, first, last, cfg, lay), key=lambda x: (x[1], x[0].index),
+                         reverse=True):
         muon = w.optimizer == "muon" and e.rule.startswith("muon/")
         if current and (current + e.numel > elements or (muon and not last_muon)):
-            out.append((min(current, elements), min(1.0, max(0.0, (n - 1 - pos) / max(n, 1)))))
+            out.append((current, min(1.0, max(0.0, (n - 1 - pos) / max(n, 1)))))
             current = 0
         current, last_muon = current + e.numel, muon
-    return tuple(out) + ((min(current, elements), 1.0),)
+    return tuple(out) + ((current, 1.0),)
 
 
 def zero0_allreduce_copy(sizes, limit: int = ZERO0_ALLREDUCE_BUCKET) -> int:
@@ -718,7 +723,10 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     if micro_batches > 1:
         part = (partition[0] if partition is not None else stage / sh.grad_dense) * w.grad_bytes
     per = bucket_bytes + (comm if comm != bucket_bytes else 0)
-    return 0.0, ((bucket, 0.0),) + tuple((bucket + part + n * per, freed)
+    # a gradient larger than the bucket is reduced where it lies; under Muon's fp32 buckets (optim.zero.attach) a
+    # narrower one is first made fp32 whole, then flattened by slices like a bucket
+    cast = 4 if w.optimizer == "muon" and bucket_bytes == 4 and w.weight_bytes < 4 else 0
+    return 0.0, ((bucket, 0.0),) + tuple((bucket + part + n * (per + (cast if n > elements else 0)), freed)
                                          for n, freed in reductions or ((min(elements, stage), 0.0),))
 
 
