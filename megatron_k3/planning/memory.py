@@ -552,16 +552,17 @@ class _Sharding:
 
 
 def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
-                    sh: _Sharding) -> tuple:
+                    sh: _Sharding, entries: list | None = None) -> tuple:
     """(elements of whole parameters, elements of flat partitions) of the ZeRO-2 gradients the fullest data-parallel
     rank of the stage holding layers [a, b) keeps, as DeepSpeed 0.19.8 does (stage_1_and_2.py): each param group
     (optim.grouping's, in the model's parameter order) is flattened, padded to a multiple of 2 x the data-parallel
     size and cut into equal partitions; a rank keeps the reduced gradients of every parameter its partition touches,
     whole (grads_in_partition), except in the groups DeepSpeed gives a compact fp32 partition instead (bf16 weights
     with fp32 accumulation: all but the Muon groups), which keep exactly their partition. So a parameter the boundary
-    cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches."""
+    cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches. `entries`:
+    the stage's `_zero_entries`, where the caller has them."""
     groups = {}
-    for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay):
+    for e, _ in entries if entries is not None else _zero_entries(mp, a, b, first, last, cfg, lay):
         key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
         groups.setdefault(key, []).append(e.numel)
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
@@ -590,7 +591,7 @@ def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout)
 
 
 def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
-                     elements: int) -> tuple:
+                     elements: int, entries: list | None = None) -> tuple:
     """((elements reduced, share of the stage's layers whose backward is done by then), ...) of each of ZeRO-2's
     gradient bucket reductions in one backward of the stage holding layers [a, b), in order, as DeepSpeed 0.19.8
     fills its buckets: in the backward's order (the model's, reversed: the head first, the embedding last), a bucket
@@ -598,13 +599,13 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
     gradient follows another group's (optim.zero's flush at that boundary); the last at the backward's end (share 1).
     A gradient larger than the bucket is reduced on its own, whole (DeepSpeed's extra_large_param_to_reduce: the
     embedding and the LM head at K3's sizes). A layer's activations are taken as freed once the backward has moved on
-    to an earlier layer's gradients."""
+    to an earlier layer's gradients. `entries`: the stage's `_zero_entries`, where the caller has them."""
+    entries = entries if entries is not None else _zero_entries(mp, a, b, first, last, cfg, lay)
     n = b - a
     out, current, last_muon = [], 0, True
     # the backward's order: the layers last to first, the head before them, the embedding and the vision tower (which
     # a multimodal model registers after the head) after them
-    for e, pos in sorted(_zero_entries(mp, a, b, first, last, cfg, lay), key=lambda x: (x[1], x[0].index),
-                         reverse=True):
+    for e, pos in sorted(entries, key=lambda x: (x[1], x[0].index), reverse=True):
         muon = w.optimizer == "muon" and e.rule.startswith("muon/")
         if current and (current + e.numel > elements or (muon and not last_muon)):
             out.append((current, min(1.0, max(0.0, (n - 1 - pos) / max(n, 1)))))
@@ -939,8 +940,10 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh) if w.zero_stage >= 2 and w.reduced
-                     else None)
+        # the parameters DeepSpeed steps, once per stage: ZeRO-2's partition and buckets, ZeRO-0's flat copies
+        entries = _zero_entries(mp, a, b, first, last, cfg, lay) if w.zero_stage != 1 and w.reduced else []
+        partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh, entries)
+                     if w.zero_stage >= 2 and w.reduced else None)
         dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh,
                                                                                    partition, lay.experts_in_zero)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
@@ -958,8 +961,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1])
-                      if partition is not None else ())
+        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1],
+                                       entries) if partition is not None else ())
         held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions)
         grads += held
         # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
@@ -970,8 +973,7 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         transient = max([transient + rest - unmade] + [(layers_t + rest if freed < 1 else 0.0) + made - own * freed
                                                         for made, freed in phases])
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
-        copy = (zero0_allreduce_copy(e.numel for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay))
-                if w.zero_stage == 0 else None)
+        copy = zero0_allreduce_copy(e.numel for e, _ in entries) if w.zero_stage == 0 and w.reduced else None
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy) - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,

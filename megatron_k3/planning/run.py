@@ -84,8 +84,9 @@ def sp_of(p, sequence_parallel: bool | None) -> bool:
     return p.sequence_parallel if sequence_parallel is None else sequence_parallel
 
 
-def _largest_stage(run, world: int, recompute: str, w: Workload) -> float:
-    return max(m.total for m in training_memory(run.model, run.cluster, layout(run, world, recompute), w))
+def _largest_stage(run, lay: Layout, w: Workload) -> float:
+    """Bytes per device of the largest pipeline stage of layout `lay` (training_memory's)."""
+    return max(m.total for m in training_memory(run.model, run.cluster, lay, w))
 
 
 def resolve_recompute(run, world: int, w: Workload | None = None, recompute: str | None = None) -> str:
@@ -97,7 +98,8 @@ def resolve_recompute(run, world: int, w: Workload | None = None, recompute: str
         return recompute
     w = w or workload(run)
     capacity = run.cluster.device_memory_gb * GB
-    return next((rc for rc in ("none", "selective") if _largest_stage(run, world, rc, w) <= capacity), "full")
+    return next((rc for rc in ("none", "selective") if _largest_stage(run, layout(run, world, rc), w) <= capacity),
+                "full")
 
 
 def search_knobs(run) -> tuple:
@@ -120,8 +122,7 @@ def _largest_fitting_slots(run, lay: Layout, w: Workload, S: int, capacity: floa
     El = run.model.num_experts // lay.ep
 
     def fits(s):
-        mem = training_memory(run.model, run.cluster, lay, replace(w, redundant_experts=s))
-        return max(m.total for m in mem) <= capacity
+        return _largest_stage(run, lay, replace(w, redundant_experts=s)) <= capacity
 
     for lo, hi in ((El, min(S - 1, run.model.num_experts - El)), (1, min(S - 1, El - 1))):
         if lo > hi or not fits(lo):
@@ -155,7 +156,7 @@ def check_fits(run, world: int, recompute: str | None = None, w: Workload | None
     if worst.total > capacity:
         S = balanced_slots(run.model, lay.ep, w)
         if S is not None:
-            base = max(m.total for m in training_memory(run.model, run.cluster, lay, replace(w, moe_overflow="drop")))
+            base = _largest_stage(run, lay, replace(w, moe_overflow="drop"))
             if base <= capacity:
                 El = run.model.num_experts // lay.ep
                 best = _largest_fitting_slots(run, lay, w, S, capacity)
@@ -229,7 +230,7 @@ def recompute_fix(run, world: int, recompute: str, w: Workload, capacity: float,
             knob = "train.recompute_modules=[]" if rc == "selective" else "train.recompute_num_layers=0"
             tried.append(("train.recompute", recompute, f"train.recompute={rc} {knob}", default))
     for key, value, setting, lay in tried:
-        gb = max(m.total for m in training_memory(run.model, run.cluster, lay, w))
+        gb = _largest_stage(run, lay, w)
         if gb <= capacity:
             return key, value, setting, gb
     return None
