@@ -59,7 +59,10 @@ def report_error(e: BaseException, status: int, every_rank: bool = True) -> int:
     line = f"error: {one_line(e)}"
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if every_rank or not path or os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+        # one write: print() makes two (the text, then its newline), and under PYTHONUNBUFFERED each goes to the
+        # shared stderr at once, so torchrun's own warning could land between them, on the error's line
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     if path:
         try:
             with open(path, "w") as f:

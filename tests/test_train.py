@@ -43,6 +43,29 @@ def test_bad_override_exits_with_one_line(override, key, tmp_path):
     assert not run_dir.exists()  # nothing written
 
 
+def test_the_error_line_reaches_stderr_in_one_write(monkeypatch):
+    """Under torchrun every worker and torchrun itself share one stderr; print() writes a line's text and its newline
+    apart, so with PYTHONUNBUFFERED (CI sets it) torchrun's warning once landed on the error's line."""
+    from megatron_k3.errors import ConfigError, report_error
+
+    class Writes:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    err = Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert report_error(ConfigError("parallel.tp", 2, "must divide model.kda_num_heads=3"), 2) == 2
+    assert err.calls == ["error: invalid config: parallel.tp=2: must divide model.kda_num_heads=3\n"]
+
+
 @pytest.mark.parametrize("override,near", [
     ("train.step=5", "did you mean train.steps?"),
     ("trian.steps=5", "did you mean train.steps?"),
