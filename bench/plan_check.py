@@ -44,6 +44,9 @@ CONFIGS = [
      "parallel.zero_stage=2"],
     # ZeRO-0 at 16 tokens: the step phase leads, with DeepSpeed's flat copy of every gradient for its all-reduce
     ["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"],
+    # ZeRO-1 at 16 tokens: its reduction after the last backward leads (the partition buffer beside the bucket)
+    ["precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
+    ["train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
 ]
 
 

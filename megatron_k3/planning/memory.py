@@ -554,7 +554,8 @@ class _Sharding:
 def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
                     sh: _Sharding, entries: list | None = None) -> tuple:
     """(elements of whole parameters, elements of flat partitions) of the ZeRO-2 gradients the fullest data-parallel
-    rank of the stage holding layers [a, b) keeps, as DeepSpeed 0.19.8 does (stage_1_and_2.py): each param group
+    rank of the stage holding layers [a, b) keeps (ZeRO-1: what its reduction copies the reduced gradients into for
+    the step), as DeepSpeed 0.19.8 does (stage_1_and_2.py): each param group
     (optim.grouping's, in the model's parameter order) is flattened, padded to a multiple of 2 x the data-parallel
     size and cut into equal partitions; a rank keeps the reduced gradients of every parameter its partition touches,
     whole (grads_in_partition), except in the groups DeepSpeed gives a compact fp32 partition instead (bf16 weights
@@ -566,7 +567,7 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
         key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
         groups.setdefault(key, []).append(e.numel)
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
-    D = sh.grad_dense
+    D = sh.dense
     whole, compact = [0] * D, 0
     for key, sizes in groups.items():
         if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
@@ -683,11 +684,26 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
     return dense, frozen, experts, weights, grads, opt_dense / sh.dense + opt_exp, opt_exp
 
 
+def _zero1_reduction_bytes(lay: Layout, w: Workload, stage: int, elements: int, partition: tuple | None,
+                           largest: int) -> float:
+    """Bytes ZeRO-1's reduction after the step's last backward makes beyond the accumulated gradients and its bucket
+    (zero_gradient_buffers): the partition buffer (whole parameters in the weights' dtype, compact partitions in
+    fp32) and the larger of a bucket's flat copy (in the bucket's dtype, fp32 at cp > 1, less the accumulators of
+    the gradients it took) and the largest gradient (`largest` elements) copied whole where it overflows the bucket."""
+    whole, compact = partition if partition is not None else (0, 0)
+    comm = 4 if lay.cp > 1 else w.grad_bytes
+    per = w.grad_bytes + (comm if comm != w.grad_bytes else 0)
+    n = min(elements, stage)
+    copy = max(n * (per - w.grad_bytes), largest * per if largest > elements else 0)
+    return whole * w.weight_bytes + compact * 4 + copy
+
+
 def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int,
-                          partition: tuple | None = None, reductions: tuple = ()) -> tuple:
+                          partition: tuple | None = None, reductions: tuple = (), largest: int = 0) -> tuple:
     """(bytes held with the gradients, ((bytes made during a backward, share of its layers' activations freed by
-    then), ...)) of DeepSpeed's ZeRO-1/2 gradient reduction beyond the gradients themselves, on a stage whose
-    DeepSpeed optimizer steps `dense` (and `experts` at ep = 1), as DeepSpeed 0.19.8 runs it (stage_1_and_2.py):
+    then, None after the step's last backward), ...)) of DeepSpeed's ZeRO-1/2 gradient reduction beyond the
+    gradients themselves, on a stage whose DeepSpeed optimizer steps `dense` (and `experts` at ep = 1), as DeepSpeed
+    0.19.8 runs it (stage_1_and_2.py); `largest`: elements of the stage's largest gradient DeepSpeed reduces:
 
     - its reduction bucket, made whole at a backward's first gradient (the engine's reduce_bucket_size elements in
       the gradients' dtype; two under overlap_comm). ZeRO-1 reduces at the step's last backward and frees it only
@@ -708,6 +724,13 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
       tensors, released on the process group's own thread; seen in one of five dp=2 gloo runs at the peak, after
       the partition buffer is made), so each reduction counts them beside that buffer.
 
+    - ZeRO-1's reduction, after the step's last backward (every activation freed: share None), through the same
+      allreduce_bucket: the bucket's gradients move into it (their accumulators freed), its flat copy (and the cast
+      to the communication dtype at cp > 1) or a gradient larger than the bucket copied whole, and the buffer the
+      rank's partition of the reduced gradients is copied into, made whole at the first (`partition`:
+      zero2_partition's figures, the same rule). With parallel.overlap_grad_reduce the reductions run inside the
+      last backward instead; counted at its end all the same.
+
     The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
     vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
     reduces nothing (planning.dry_run's) and ZeRO-0 (no ZeRO optimizer) have none."""
@@ -716,7 +739,10 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     stage, elements = zero_bucket(lay, w, dense, experts)
     if w.zero_stage == 1:
         bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
-        return (bucket, ()) if micro_batches > 1 else (0.0, ((bucket, 0.0),))
+        return (bucket, ((_zero1_reduction_bytes(lay, w, stage, elements, partition, largest), None),)) \
+            if micro_batches > 1 else (0.0, ((bucket, 0.0),
+                                             (bucket + _zero1_reduction_bytes(lay, w, stage, elements, partition,
+                                                                              largest), None)))
     bucket_bytes = zero2_bucket_bytes(w)
     bucket = elements * bucket_bytes * (2 if w.overlap_grad_reduce else 1)
     comm = 4 if lay.cp > 1 else w.grad_bytes  # DeepSpeed reduces in fp32 at cp > 1 whatever the key
@@ -729,6 +755,37 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     cast = 4 if w.optimizer == "muon" and bucket_bytes == 4 and w.weight_bytes < 4 else 0
     return 0.0, ((bucket, 0.0),) + tuple((bucket + part + n * (per + (cast if n > elements else 0)), freed)
                                          for n, freed in reductions or ((min(elements, stage), 0.0),))
+
+
+def gradient_landing_bytes(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
+                           micro_batches: int) -> tuple:
+    """(LM head, layers and vision tower, embedding): bytes the largest parameter gradient of each part of the stage
+    makes as it lands in a backward, beyond the accumulated gradients counted in `gradients`: autograd's fresh
+    gradient in the weights' dtype, added into the step's accumulator, and, where DeepSpeed's ZeRO-1 accumulates a
+    narrower gradient in fp32 (its grad_accum attribute, stage_1_and_2._fill_param_grad_accum_attribute), the fp32
+    cast of it that it adds, live beside it. The fresh gradient is extra from a step's second micro-batch on (the
+    first becomes the gradient itself), always where it is narrower than its accumulator or ZeRO-2 copies it into
+    its bucket, and in a step that reduces nothing (planning.dry_run's holds every gradient already). The head's
+    lands after its backward (its kept activations freed), the layers' and the tower's inside theirs (every
+    activation counted: a bound), the embedding's at the backward's end (this micro-batch's activations freed). At
+    K3's sizes the embedding and the head lead: 146.8M elements per tp8 rank, 0.88 GB under bf16 weights, fp32
+    accumulation and ZeRO-1."""
+    narrow = w.weight_bytes < w.grad_bytes
+
+    def landing(entries) -> float:
+        out = 0.0
+        for e in entries:
+            ds = not e.expert or lay.experts_in_zero  # DeepSpeed accumulates it (the expert optimizer does not cast)
+            fresh = micro_batches > 1 or narrow or not w.reduced or (ds and w.zero_stage == 2)
+            cast = ds and w.reduced and w.zero_stage == 1 and narrow and micro_batches > 1
+            out = max(out, e.numel * (w.weight_bytes * fresh + 4 * cast))
+        return out
+
+    inside = [e for lp in mp.layers[a:b] for e in lp.entries]
+    if first and not cfg.freeze_vision:
+        inside += list(mp.vision_entries)
+    return (landing(mp.head_entries if last else ()), landing(inside),
+            landing(mp.embedding_entries if first else ()))
 
 
 def zero2_bucket_bytes(w: Workload) -> int:
@@ -791,13 +848,19 @@ def frozen_expert_decode_bytes(cfg, w: Workload) -> float:
 
 def _head_transient(cfg, lay: Layout, w: Workload, out_src, head_weights: float) -> float:
     """The last stage's transient at the start of the backward: the loss gradient over the vocabulary shard (of one
-    tile under train.tile_tokens, with the tiled head's working set and the sum of its tiles' weight gradients)."""
+    tile under train.tile_tokens, with the tiled head's working set) and the head's weight gradient (`head_weights`
+    bytes), made while that loss gradient is live (untiled: both products of one matmul's backward; tiled: the sum
+    of the tiles' weight gradients)."""
     fh = tile_shares(lay, w)[1]
     n = w.micro_batch_size * w.seq_length / lay.cp
     _, trans = head_terms(cfg, lay.tp, w.kernels, out_src)
-    head_t = fh * (sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
-                   + (_head_tiled_bytes(cfg, lay, w, out_src) if fh < 1 else 0.0))
-    return head_t + (head_weights if fh < 1 else 0.0)
+    loss = fh * sum(term_bytes(t, n, lay.tp, lay.sp, w.act_bytes, n) for t in trans)
+    if fh < 1:
+        return loss + fh * _head_tiled_bytes(cfg, lay, w, out_src) + head_weights
+    # untiled: the matmul's backward makes the weight gradient beside the logits' gradient, one of the loss
+    # gradient's two V-wide fp32 terms (activations.head_terms), once the other and the log-probabilities (kept, as
+    # large) are freed
+    return max(loss, head_weights)
 
 
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int,
@@ -815,8 +878,9 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       lay.offload_bytes of the kept inputs live in host memory, the backward's loaded back ones transient;
     - tiling (lay.tile_tokens): the MoE blocks and the head keep their inputs only, KDA's chunk kernel its tiles'
       inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
-      selective region) rebuilds, its MoE block and KDA chunk terms are a tile's; the tiled head's backward also
-      holds the sum of its tiles' weight gradients (`head_weights` bytes, as expert_workspace_bytes explains)."""
+      selective region) rebuilds, its MoE block and KDA chunk terms are a tile's;
+    - the head's backward makes its weight gradient beside the loss gradient (`head_weights` bytes; tiled: the sum
+      of its tiles' weight gradients, as expert_workspace_bytes explains)."""
     sources, out_src = _sources(cfg)
     rec, full = lay.recomputed, lay.full_layers(a, b)
     fm, fh = tile_shares(lay, w)
@@ -940,12 +1004,12 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     out = []
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        # the parameters DeepSpeed steps, once per stage: ZeRO-2's partition and buckets, ZeRO-0's flat copies
-        entries = _zero_entries(mp, a, b, first, last, cfg, lay) if w.zero_stage != 1 and w.reduced else []
+        # the parameters DeepSpeed steps, once per stage: ZeRO-1/2's partition, ZeRO-2's buckets, ZeRO-0's flat copies
+        entries = _zero_entries(mp, a, b, first, last, cfg, lay) if w.reduced else []
         partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh, entries)
-                     if w.zero_stage >= 2 and w.reduced else None)
-        dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(mp, a, b, first, last, cfg, w, sh,
-                                                                                   partition, lay.experts_in_zero)
+                     if w.zero_stage >= 1 and w.reduced else None)
+        dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(
+            mp, a, b, first, last, cfg, w, sh, partition if w.zero_stage >= 2 else None, lay.experts_in_zero)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
         head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
         acts, detail, (transient, layers_t), host = _stage_activations(cfg, lay, w, a, b, last, in_flight,
@@ -962,16 +1026,20 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         if v_acts:
             detail["vision"] = v_acts
         reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1],
-                                       entries) if partition is not None else ())
-        held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions)
+                                       entries) if w.zero_stage >= 2 and w.reduced else ())
+        held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions,
+                                             max((e.numel for e, _ in entries), default=0))
         grads += held
         # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
         # and the activations the backward has not freed yet (at its end, only the other micro-batches' in flight);
         # with one micro-batch a step no gradient exists yet at the loss gradient (the step before freed them all)
         unmade = grads if m == 1 and w.reduced else 0.0
         own = acts / max(in_flight, 1)
-        transient = max([transient + rest - unmade] + [(layers_t + rest if freed < 1 else 0.0) + made - own * freed
+        transient = max([transient + rest - unmade] + [made - acts if freed is None else
+                                                        (layers_t + rest if freed < 1 else 0.0) + made - own * freed
                                                         for made, freed in phases])
+        head, inside, embedding = gradient_landing_bytes(mp, a, b, first, last, cfg, lay, w, m)
+        transient = max(transient, head - detail.get("head", 0.0) / max(in_flight, 1), inside, embedding - own)
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
         copy = zero0_allreduce_copy(e.numel for e, _ in entries) if w.zero_stage == 0 and w.reduced else None
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy) - acts)
