@@ -125,7 +125,10 @@ def _explain_layers(overrides, packed, world, split):
         shutdown()
 
 
-SPLIT_CASES = ("one-process", "cp2")  # the split layers traced whole (a break restarts dynamo's analysis: slow)
+# the split layers traced whole (a break restarts dynamo's analysis: slow). One process only: a layout's own code (its
+# collectives) is in the whole layer, traced without a break in every case, and in the regions, each traced alone in
+# every case; cp2 here cost 19 of the two-process case's 49 s per rank (2026-12-06)
+SPLIT_CASES = ("one-process",)
 
 
 def _explain_cases(rank, world, cases):

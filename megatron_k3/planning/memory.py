@@ -552,7 +552,7 @@ class _Sharding:
 
 
 def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
-                    sh: _Sharding, entries: list | None = None) -> tuple:
+                    sh: _Sharding) -> tuple:
     """(elements of whole parameters, elements of flat partitions) of the ZeRO-2 gradients the fullest data-parallel
     rank of the stage holding layers [a, b) keeps (ZeRO-1: what its reduction copies the reduced gradients into for
     the step), as DeepSpeed 0.19.8 does (stage_1_and_2.py): each param group
@@ -560,35 +560,55 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
     size and cut into equal partitions; a rank keeps the reduced gradients of every parameter its partition touches,
     whole (grads_in_partition), except in the groups DeepSpeed gives a compact fp32 partition instead (bf16 weights
     with fp32 accumulation: all but the Muon groups), which keep exactly their partition. So a parameter the boundary
-    cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches. `entries`:
-    the stage's `_zero_entries`, where the caller has them."""
-    groups = {}
-    for e, _ in entries if entries is not None else _zero_entries(mp, a, b, first, last, cfg, lay):
-        key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
-        groups.setdefault(key, []).append(e.numel)
+    cuts, or a group of one parameter (the embedding, the LM head), is held whole by each rank it touches. Memoised."""
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
-    D = sh.dense
-    whole, compact = [0] * D, 0
-    for key, sizes in groups.items():
-        if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
-            compact += partition_size(sum(sizes), D)
-        else:
-            whole = [x + y for x, y in zip(whole, whole_in_partitions(sizes, D))]
-    return max(whole), compact
+
+    def make():
+        groups = {}
+        for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay):
+            key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
+            groups.setdefault(key, []).append(e.numel)
+        D = sh.dense
+        whole, compact = [0] * D, 0
+        for key, sizes in groups.items():
+            if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
+                compact += partition_size(sum(sizes), D)
+            else:
+                whole = [x + y for x, y in zip(whole, whole_in_partitions(sizes, D))]
+        return max(whole), compact
+    return _memo(mp, ("partition", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero, sh.dense, w.optimizer,
+                      fp32_accum), make)
 
 
-def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout) -> list:
+_STAGE_MEMO: dict = {}  # figures of a stage of a ModelParams, by its id and the values they depend on (_memo)
+
+
+def _memo(mp, key: tuple, make):
+    """make(), memoised per ModelParams object and `key` (a search evaluates the stages of many layouts, most of them
+    alike); the memo holds mp, so no other object takes its id while the entry lives. Read-only results."""
+    k = (id(mp),) + key
+    hit = _STAGE_MEMO.get(k)
+    if hit is None:
+        if len(_STAGE_MEMO) >= 1 << 15:
+            _STAGE_MEMO.clear()
+        hit = _STAGE_MEMO[k] = (mp, make())
+    return hit[1]
+
+
+def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout) -> tuple:
     """(ParamEntry, place) of each parameter DeepSpeed's optimizer steps on the stage holding layers [a, b), in the
     model's order (the routed experts at ep = 1 only; the vision tower unless frozen); place: the layer's position in
-    the stage, -1 for the embedding and the vision tower, b - a for the head."""
-    n = b - a
-    placed = [(e, pos) for pos, lp in enumerate(mp.layers[a:b]) for e in lp.entries
-              if lay.experts_in_zero or not e.expert]
-    if first:
-        placed += [(e, -1) for e in mp.embedding_entries + (() if cfg.freeze_vision else mp.vision_entries)]
-    if last:
-        placed += [(e, n) for e in mp.head_entries]
-    return sorted(placed, key=lambda x: x[0].index)
+    the stage, -1 for the embedding and the vision tower, b - a for the head. Memoised."""
+    def make():
+        n = b - a
+        placed = [(e, pos) for pos, lp in enumerate(mp.layers[a:b]) for e in lp.entries
+                  if lay.experts_in_zero or not e.expert]
+        if first:
+            placed += [(e, -1) for e in mp.embedding_entries + (() if cfg.freeze_vision else mp.vision_entries)]
+        if last:
+            placed += [(e, n) for e in mp.head_entries]
+        return tuple(sorted(placed, key=lambda x: x[0].index))
+    return _memo(mp, ("entries", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero), make)
 
 
 def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
@@ -772,20 +792,27 @@ def gradient_landing_bytes(mp, a: int, b: int, first: bool, last: bool, cfg, lay
     accumulation and ZeRO-1."""
     narrow = w.weight_bytes < w.grad_bytes
 
-    def landing(entries) -> float:
+    def largest(entries) -> tuple:  # (elements of the largest gradient DeepSpeed accumulates, of the others')
+        ds = [e.numel for e in entries if not e.expert or lay.experts_in_zero]
+        return max(ds, default=0), max((e.numel for e in entries if e.expert and not lay.experts_in_zero), default=0)
+
+    def make():
+        inside = [e for lp in mp.layers[a:b] for e in lp.entries]
+        if first and not cfg.freeze_vision:
+            inside += list(mp.vision_entries)
+        return (largest(mp.head_entries if last else ()), largest(inside),
+                largest(mp.embedding_entries if first else ()))
+
+    def landing(sizes) -> float:
         out = 0.0
-        for e in entries:
-            ds = not e.expert or lay.experts_in_zero  # DeepSpeed accumulates it (the expert optimizer does not cast)
+        for n, ds in zip(sizes, (True, False)):  # the expert optimizer does not cast
             fresh = micro_batches > 1 or narrow or not w.reduced or (ds and w.zero_stage == 2)
             cast = ds and w.reduced and w.zero_stage == 1 and narrow and micro_batches > 1
-            out = max(out, e.numel * (w.weight_bytes * fresh + 4 * cast))
+            out = max(out, n * (w.weight_bytes * fresh + 4 * cast))
         return out
 
-    inside = [e for lp in mp.layers[a:b] for e in lp.entries]
-    if first and not cfg.freeze_vision:
-        inside += list(mp.vision_entries)
-    return (landing(mp.head_entries if last else ()), landing(inside),
-            landing(mp.embedding_entries if first else ()))
+    parts = _memo(mp, ("landing", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero), make)
+    return tuple(landing(p) for p in parts)
 
 
 def zero2_bucket_bytes(w: Workload) -> int:
@@ -1005,8 +1032,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     for s, (a, b) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
         # the parameters DeepSpeed steps, once per stage: ZeRO-1/2's partition, ZeRO-2's buckets, ZeRO-0's flat copies
-        entries = _zero_entries(mp, a, b, first, last, cfg, lay) if w.reduced else []
-        partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh, entries)
+        entries = _zero_entries(mp, a, b, first, last, cfg, lay) if w.reduced else ()
+        partition = (zero2_partition(mp, a, b, first, last, cfg, lay, w, sh)
                      if w.zero_stage >= 1 and w.reduced else None)
         dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(
             mp, a, b, first, last, cfg, w, sh, partition if w.zero_stage >= 2 else None, lay.experts_in_zero)
@@ -1027,8 +1054,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
             detail["vision"] = v_acts
         reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1],
                                        entries) if w.zero_stage >= 2 and w.reduced else ())
-        held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions,
-                                             max((e.numel for e, _ in entries), default=0))
+        largest = _memo(mp, ("largest", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero),
+                        lambda got=entries: max((e.numel for e, _ in got), default=0)) if entries else 0
+        held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions, largest)
         grads += held
         # DeepSpeed's backward buffers come after the head's loss gradient is gone, beside the layers' transients
         # and the activations the backward has not freed yet (at its end, only the other micro-batches' in flight);
