@@ -707,15 +707,17 @@ def _stage_states(mp, a: int, b: int, first: bool, last: bool, cfg, w: Workload,
 def _zero1_reduction_bytes(lay: Layout, w: Workload, stage: int, elements: int, partition: tuple | None,
                            largest: int) -> float:
     """Bytes ZeRO-1's reduction after the step's last backward makes beyond the accumulated gradients and its bucket
-    (zero_gradient_buffers): the partition buffer (whole parameters in the weights' dtype, compact partitions in
-    fp32) and the larger of a bucket's flat copy (in the bucket's dtype, fp32 at cp > 1, less the accumulators of
-    the gradients it took) and the largest gradient (`largest` elements) copied whole where it overflows the bucket."""
+    (zero_gradient_buffers): the partition buffer (whole parameters in the gradients' dtype, as ZeRO-2's: fp32 under
+    Muon's optim.zero.attach with bf16 weights and fp32 accumulation, the weights' dtype otherwise; compact
+    partitions in fp32) and the larger of a bucket's flat copy (in the bucket's dtype, fp32 at cp > 1, less the
+    accumulators of the gradients it took) and the largest gradient (`largest` elements) copied whole where it
+    overflows the bucket."""
     whole, compact = partition if partition is not None else (0, 0)
     comm = 4 if lay.cp > 1 else w.grad_bytes
     per = w.grad_bytes + (comm if comm != w.grad_bytes else 0)
     n = min(elements, stage)
     copy = max(n * (per - w.grad_bytes), largest * per if largest > elements else 0)
-    return whole * w.weight_bytes + compact * 4 + copy
+    return whole * w.grad_bytes + compact * 4 + copy
 
 
 def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, experts, micro_batches: int,
@@ -749,7 +751,7 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
       to the communication dtype at cp > 1) or a gradient larger than the bucket copied whole, and the buffer the
       rank's partition of the reduced gradients is copied into, made whole at the first (`partition`:
       zero2_partition's figures, the same rule). With parallel.overlap_grad_reduce the reductions run inside the
-      last backward instead; counted at its end all the same.
+      last backward instead, from its first full bucket on: counted beside all of its activations.
 
     The bytes made during a backward come after its first parameter gradient, when the loss gradient over the
     vocabulary is gone (training_memory sets them beside the layers' transients, not the head's). A step that
@@ -759,10 +761,9 @@ def zero_gradient_buffers(lay: Layout, w: Workload, sh: _Sharding, dense, expert
     stage, elements = zero_bucket(lay, w, dense, experts)
     if w.zero_stage == 1:
         bucket = elements * w.grad_bytes * (2 if w.overlap_grad_reduce else 1)
-        return (bucket, ((_zero1_reduction_bytes(lay, w, stage, elements, partition, largest), None),)) \
-            if micro_batches > 1 else (0.0, ((bucket, 0.0),
-                                             (bucket + _zero1_reduction_bytes(lay, w, stage, elements, partition,
-                                                                              largest), None)))
+        reduce = _zero1_reduction_bytes(lay, w, stage, elements, partition, largest)
+        when = 0.0 if w.overlap_grad_reduce else None  # overlap_comm: from the last backward's first full bucket
+        return (bucket, ((reduce, when),)) if micro_batches > 1 else (0.0, ((bucket, 0.0), (bucket + reduce, when)))
     bucket_bytes = zero2_bucket_bytes(w)
     bucket = elements * bucket_bytes * (2 if w.overlap_grad_reduce else 1)
     comm = 4 if lay.cp > 1 else w.grad_bytes  # DeepSpeed reduces in fp32 at cp > 1 whatever the key
@@ -1063,11 +1064,18 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         # with one micro-batch a step no gradient exists yet at the loss gradient (the step before freed them all)
         unmade = grads if m == 1 and w.reduced else 0.0
         own = acts / max(in_flight, 1)
-        transient = max([transient + rest - unmade] + [made - acts if freed is None else
+        # after the step's backwards (share None) every activation is freed but balanced dispatch's relay stores
+        # (moe.replica_exchange=step), which its flush at the step's boundary frees
+        freeable = acts - detail.get("moe_relay_stores", 0.0)
+        transient = max([transient + rest - unmade] + [made - freeable if freed is None else
                                                         (layers_t + rest if freed < 1 else 0.0) + made - own * freed
                                                         for made, freed in phases])
+        # a gradient lands beside the bucket where the gradients do not hold it (the first phase: ZeRO-2, or one
+        # micro-batch a step)
+        live = phases[0][0] if phases and not held else 0.0
         head, inside, embedding = gradient_landing_bytes(mp, a, b, first, last, cfg, lay, w, m)
-        transient = max(transient, head - detail.get("head", 0.0) / max(in_flight, 1), inside, embedding - own)
+        transient = max(transient, live + max(head - detail.get("head", 0.0) / max(in_flight, 1), inside,
+                                              embedding - freeable / max(in_flight, 1)))
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
         copy = zero0_allreduce_copy(e.numel for e, _ in entries) if w.zero_stage == 0 and w.reduced else None
         transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy) - acts)
