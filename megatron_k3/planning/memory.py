@@ -612,7 +612,7 @@ def _zero_entries(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout)
 
 
 def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload,
-                     elements: int, entries: list | None = None) -> tuple:
+                     elements: int) -> tuple:
     """((elements reduced, share of the stage's layers whose backward is done by then), ...) of each of ZeRO-2's
     gradient bucket reductions in one backward of the stage holding layers [a, b), in order, as DeepSpeed 0.19.8
     fills its buckets: in the backward's order (the model's, reversed: the head first, the embedding last), a bucket
@@ -620,8 +620,8 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
     gradient follows another group's (optim.zero's flush at that boundary); the last at the backward's end (share 1).
     A gradient larger than the bucket is reduced on its own, whole (DeepSpeed's extra_large_param_to_reduce: the
     embedding and the LM head at K3's sizes). A layer's activations are taken as freed once the backward has moved on
-    to an earlier layer's gradients. `entries`: the stage's `_zero_entries`, where the caller has them."""
-    entries = entries if entries is not None else _zero_entries(mp, a, b, first, last, cfg, lay)
+    to an earlier layer's gradients."""
+    entries = _zero_entries(mp, a, b, first, last, cfg, lay)  # memoised
     n = b - a
     out, current, last_muon = [], 0, True
     # the backward's order: the layers last to first, the head before them, the embedding and the vision tower (which
@@ -1053,8 +1053,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         acts, rest = acts + v_acts, rest + v_trans
         if v_acts:
             detail["vision"] = v_acts
-        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1],
-                                       entries) if w.zero_stage >= 2 and w.reduced else ())
+        reductions = (zero2_reductions(mp, a, b, first, last, cfg, lay, w, zero_bucket(lay, w, dense, experts)[1])
+                      if w.zero_stage >= 2 and w.reduced else ())
         largest = _memo(mp, ("largest", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero),
                         lambda got=entries: max((e.numel for e, _ in got), default=0)) if entries else 0
         held, phases = zero_gradient_buffers(lay, w, sh, dense, experts, m, partition, reductions, largest)
