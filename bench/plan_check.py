@@ -46,7 +46,14 @@ CONFIGS = [
     ["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"],
     # ZeRO-1 at 16 tokens: its reduction after the last backward leads (the partition buffer beside the bucket)
     ["precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
+    # fp32 ZeRO-1 at 16 tokens: AdamW's step leads (a param group's flat fp32 gradient and AdamW's temporaries)
     ["train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
+    # ZeRO-0 with a 32k vocabulary: the gradient norm's float64 squares of the embedding's gradient lead
+    ["parallel.zero_stage=0", "model.vocab_size=32768", "train.micro_batch_size=1", "train.global_batch_size=2",
+     "train.seq_length=16"],
+    # the embedding tied to the LM head: the head's gradient of it held through the backward, summed at its end
+    ["model.tie_word_embeddings=true", "model.vocab_size=32768", "train.micro_batch_size=1",
+     "train.global_batch_size=4", "train.seq_length=16"],
 ]
 
 

@@ -85,7 +85,15 @@ def _plan_tool():
      "train.seq_length=64"],
     # ZeRO-0 at 16 tokens: the step phase leads (DeepSpeed's flat copy of every gradient for the all-reduce)
     ["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"],
-], ids=["default", "one_micro_batch", "bf16_zero1", "bf16_zero2", "zero0"])
+    # AdamW under ZeRO-1 at 16 tokens: its step leads (a param group's flat fp32 gradient and AdamW's temporaries)
+    ["optim=adamw", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
+    # ZeRO-0 with a 32k vocabulary: the gradient norm's float64 squares of the embedding's gradient lead
+    ["optim=adamw", "parallel.zero_stage=0", "model.vocab_size=32768", "train.micro_batch_size=1",
+     "train.global_batch_size=2", "train.seq_length=16"],
+    # the embedding tied to the LM head: the head's gradient of it held through the backward, summed at its end
+    ["optim=adamw", "model.tie_word_embeddings=true", "model.vocab_size=32768", "train.micro_batch_size=1",
+     "train.global_batch_size=4", "train.seq_length=16"],
+], ids=["default", "one_micro_batch", "bf16_zero1", "bf16_zero2", "zero0", "adamw_step", "zero0_norm", "tied"])
 @pytest.mark.slow
 def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, capsys):
     """Peak of live tensor bytes over two real training steps (the second one has optimizer states) against
@@ -99,7 +107,10 @@ def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, c
     bf16_zero1 at 16 tokens (2026-12-06, third): -0.03%; -11% before the plan counted ZeRO-1's reduction after the
     last backward (the partition buffer it copies the reduced gradients into: planning.memory._zero1_reduction_bytes)
     and a gradient's landing (planning.memory.gradient_landing_bytes); at 64 tokens, as the row ran before, +0.4%
-    either way."""
+    either way. adamw_step, zero0_norm and tied (2026-12-06, fourth): each within 0.01%, and held to 2%; before
+    their terms were counted -4.0% (DeepSpeed's flat gradient partition and AdamW's temporaries in the step:
+    planning.memory.zero_step_bytes), -10.1% (the norm: planning.memory.step_workspace_bytes) and -11.6% (the tied
+    weight's gradients: planning.memory.tied_weight_elements)."""
     from megatron_k3.training.engine import shutdown
     from megatron_k3.training.loop import Trainer
 
@@ -122,7 +133,8 @@ def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, c
     assert _plan_tool().main(["model=k3_tiny", "cluster=cpu", *overrides, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     estimate = plan["memory_per_device_gb"] * 1e9
-    assert estimate == pytest.approx(tracker.peak, rel=0.10), (estimate, tracker.peak)
+    tight = "optim=adamw" in overrides  # the rows whose leading phase a term of its own counts: 2%
+    assert estimate == pytest.approx(tracker.peak, rel=0.02 if tight else 0.10), (estimate, tracker.peak)
     # the model states: parameters exactly; the optimizer's states (optim=muon: DeepSpeed's flat momentum of the
     # Muon matrices, AdamW's two moments for the rest) and ZeRO's fp32 partition to 1e-3
     n = sum(p.numel() for p in trainer.model.parameters())

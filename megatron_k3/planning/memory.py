@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from ..config.schema import kda_tile, recomputed_kinds
 from ..layout import ZERO0_ALLREDUCE_BUCKET, replica_slots, zero_bucket_elements
 from ..ops.mx import ROUND_TRIP_BYTES_PER_ELEMENT, ROUND_TRIP_CHUNK
+from ..ops.numerics import SQ_NORM_CHUNK
 from ..parallel.balanced import compute_capacity, relay_block
 from .activations import attn_res_sources, cp_key_span, head_terms, kept, layer_terms, term_bytes, vision_terms
 from .candidates import Layout, stage_layers
@@ -564,20 +565,36 @@ def zero2_partition(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layou
     fp32_accum = w.precision in MIXED and w.grad_dtype == "fp32"
 
     def make():
-        groups = {}
-        for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay):
-            key = e.rule if w.optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
-            groups.setdefault(key, []).append(e.numel)
         D = sh.dense
         whole, compact = [0] * D, 0
-        for key, sizes in groups.items():
-            if fp32_accum and not (w.optimizer == "muon" and key.startswith("muon/")):
+        for key, sizes in _zero_groups(mp, a, b, first, last, cfg, lay, w.optimizer):
+            if _compact_group(w, key):
                 compact += partition_size(sum(sizes), D)
             else:
                 whole = [x + y for x, y in zip(whole, whole_in_partitions(sizes, D))]
         return max(whole), compact
     return _memo(mp, ("partition", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero, sh.dense, w.optimizer,
                       fp32_accum), make)
+
+
+def _zero_groups(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, optimizer: str) -> tuple:
+    """((group key, (elements of each parameter, in the model's order)), ...) of the param groups DeepSpeed's ZeRO
+    optimizer steps on the stage holding layers [a, b), in the order it steps them (the optimizer's,
+    optim.grouping's): optim=muon's rules, the Muon ones first, then AdamW's, each sorted by name; optim=adamw's
+    decay, then no_decay. Memoised."""
+    def make():
+        groups = {}
+        for e, _ in _zero_entries(mp, a, b, first, last, cfg, lay):
+            key = e.rule if optimizer == "muon" else ("adamw/decay" if e.decay else "adamw/no_decay")
+            groups.setdefault(key, []).append(e.numel)
+        return tuple((k, tuple(groups[k])) for k in sorted(groups, key=lambda r: (not r.startswith("muon"), r)))
+    return _memo(mp, ("groups", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero, optimizer), make)
+
+
+def _compact_group(w: Workload, key: str) -> bool:
+    """Whether DeepSpeed gives the param group `key` a compact fp32 gradient partition (bf16 weights with fp32
+    accumulation: all but the Muon groups) rather than the whole parameters its partition touches."""
+    return w.precision in MIXED and w.grad_dtype == "fp32" and not (w.optimizer == "muon" and key.startswith("muon/"))
 
 
 _STAGE_MEMO: dict = {}  # figures of a stage of a ModelParams, by its id and the values they depend on (_memo)
@@ -633,6 +650,37 @@ def zero2_reductions(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layo
             current = 0
         current, last_muon = current + e.numel, muon
     return tuple(out) + ((current, 1.0),)
+
+
+def zero_step_bytes(mp, a: int, b: int, first: bool, last: bool, cfg, lay: Layout, w: Workload, sh: _Sharding,
+                    partition: tuple, ns: float) -> float:
+    """Bytes of the rank's gradient partition (`partition`: zero2_partition's figures) and what DeepSpeed's ZeRO-1/2
+    step (stage_1_and_2.step) makes beside it, at their most. Before the update the whole partition is live, with the
+    global norm's float64 squares of the largest slice of a gradient in it (optim.zero.raw_grad_sq_norm) or, under
+    optim=muon, the Newton-Schulz workspace `ns` (optim.zero's ZeroMuon orthogonalises every update before
+    DeepSpeed's step). Then DeepSpeed steps the param groups one after another, in _zero_groups' order: a group's flat
+    fp32 gradient partition (a copy where the group keeps whole parameters, flattened in the gradients' dtype and
+    cast to fp32 beside its source, while their buffer is live; a compact fp32 partition is used as it is) and the
+    optimizer's temporaries over it, torch's single-tensor AdamW's `exp_avg_sq.sqrt() / c`: two fp32 tensors of the
+    partition (a Muon group's update makes none), beside the partitions of the groups not stepped yet. A compact
+    partition is freed after its group, the buffer of whole parameters (one for all such groups) once the last of
+    them is flattened."""
+    whole_bytes = partition[0] * w.grad_bytes
+    groups = [(key, partition_size(sum(sizes), sh.dense), _compact_group(w, key), max(sizes))
+              for key, sizes in _zero_groups(mp, a, b, first, last, cfg, lay, w.optimizer)]
+    compact_left = sum(4 * n for _, n, compact, _ in groups if compact)
+    whole_left = sum(not compact for _, _, compact, _ in groups)
+    norm = _sq_norm_bytes(max((min(n, big) for _, n, _, big in groups), default=0))
+    out = whole_bytes + compact_left + max(norm, ns)
+    for key, n, compact, _ in groups:
+        if compact:
+            compact_left -= 4 * n  # its partition becomes the flat one
+        else:  # flattened (and cast) beside the buffer of whole parameters, which the last such group frees
+            out = max(out, compact_left + whole_bytes + n * (w.grad_bytes + 4 if w.grad_bytes < 4 else 4))
+            whole_left -= 1
+        temps = 0 if key.startswith("muon/") else 8 * n
+        out = max(out, compact_left + (whole_bytes if whole_left else 0) + 4 * n + temps)
+    return out
 
 
 def zero0_allreduce_copy(sizes, limit: int = ZERO0_ALLREDUCE_BUCKET) -> int:
@@ -790,7 +838,8 @@ def gradient_landing_bytes(mp, a: int, b: int, first: bool, last: bool, cfg, lay
     lands after its backward (its kept activations freed), the layers' and the tower's inside theirs (every
     activation counted: a bound), the embedding's at the backward's end (this micro-batch's activations freed). At
     K3's sizes the embedding and the head lead: 146.8M elements per tp8 rank, 0.88 GB under bf16 weights, fp32
-    accumulation and ZeRO-1."""
+    accumulation and ZeRO-1. A weight the head and the embedding share adds its gradient to the layers' landing and
+    two to the embedding's, before DeepSpeed's cast (tied_weight_elements)."""
     narrow = w.weight_bytes < w.grad_bytes
 
     def largest(entries) -> tuple:  # (elements of the largest gradient DeepSpeed accumulates, of the others')
@@ -804,16 +853,31 @@ def gradient_landing_bytes(mp, a: int, b: int, first: bool, last: bool, cfg, lay
         return (largest(mp.head_entries if last else ()), largest(inside),
                 largest(mp.embedding_entries if first else ()))
 
-    def landing(sizes) -> float:
+    def landing(sizes, tied: float = 0.0) -> float:
         out = 0.0
         for n, ds in zip(sizes, (True, False)):  # the expert optimizer does not cast
             fresh = micro_batches > 1 or narrow or not w.reduced or (ds and w.zero_stage == 2)
             cast = ds and w.reduced and w.zero_stage == 1 and narrow and micro_batches > 1
-            out = max(out, n * (w.weight_bytes * fresh + 4 * cast))
+            # a tied weight's two gradients autograd sums live before the sum lands, DeepSpeed's cast after it
+            out = max(out, n * (w.weight_bytes * fresh + max(4 * cast, tied if ds else 0.0)))
         return out
 
     parts = _memo(mp, ("landing", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero), make)
-    return tuple(landing(p) for p in parts)
+    held = tied_weight_elements(cfg, mp, first, last) * w.weight_bytes
+    # the sum of a tiled head's tiles is a tensor of autograd's own, which it adds the embedding's gradient into
+    ends = (1 if tile_shares(lay, w)[1] < 1 else 2) * w.weight_bytes if held else 0.0
+    return landing(parts[0]), landing(parts[1]) + held, landing(parts[2], ends)
+
+
+def tied_weight_elements(cfg, mp, first: bool, last: bool) -> int:
+    """Elements of the weight the LM head shares with the embedding on a stage holding both
+    (model.tie_word_embeddings), trained, else 0. Autograd keeps the head's gradient of it (a view of the matmul's
+    output) from the head's backward until the embedding's backward adds its own, out of place, so a tied stage's
+    layers' backward holds one more gradient of it, and its end two more (the embedding's and the sum; one more
+    under a tiled head, whose tiles' sum autograd adds the embedding's into in place) beside the accumulated one."""
+    if not (cfg.tie_word_embeddings and first and last):
+        return 0
+    return max((e.numel for e in mp.embedding_entries), default=0)
 
 
 def zero2_bucket_bytes(w: Workload) -> int:
@@ -823,7 +887,7 @@ def zero2_bucket_bytes(w: Workload) -> int:
 
 
 def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, experts,
-                         zero0_copy: int | None = None) -> float:
+                         zero0_copy: int | None = None, adamw_largest: int = 0, norm_largest: int = 0) -> float:
     """Bytes the optimizer step of a stage needs at once (`dense`, `experts`: its ParamGroups): Muon's Newton-Schulz
     on the largest update orthogonalised at once (momentum, X, X X^T in fp32; under ep > 1 a block of experts,
     training.expert_optimizer's) or, under ep > 1, the experts' gradient reduction, one tensor at a time, of their
@@ -834,16 +898,21 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
     before the update, DeepSpeed's all-reduce of the gradients at the step's boundary (with one data-parallel rank
     too): flat copies of consecutive gradients made one at a time, each closed at the first gradient that takes it
     past ZERO0_ALLREDUCE_BUCKET elements, the largest `zero0_copy` elements (`zero0_allreduce_copy`; without it,
-    every gradient up to the bucket's size). A step that reduces nothing (`Workload.reduced`: planning.dry_run's)
-    has none of it. (The gradient norms' float64 squares go by chunks of ops.numerics.SQ_NORM_CHUNK: 64 MB, not
-    counted.)"""
+    every gradient up to the bucket's size); then single-tensor AdamW's temporaries (torch.optim.AdamW with
+    foreach=False, optim.muon's AdamW groups): `exp_avg_sq.sqrt() / c`, two fp32 tensors the size of the parameter
+    stepped, of the largest AdamW parameter (`adamw_largest` elements) under ZeRO-0 and, under ep > 1 with
+    optim=adamw, of the largest block of experts training.expert_optimizer steps (ZeRO-1/2's step: zero_step_bytes).
+    Before the update, the global gradient norm's float64 squares (ops.numerics.sq_norm64: two temporaries of the
+    gradient, at most of SQ_NORM_CHUNK elements each) of the largest gradient under ZeRO-0 (`norm_largest`
+    elements), of an expert block under ep > 1 (ZeRO-1/2's own: zero_step_bytes). A step that reduces nothing
+    (`Workload.reduced`: planning.dry_run's) has none of it."""
     ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
     if w.optimizer == "muon":
         ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
     if w.zero_stage == 0 and w.reduced:  # ZeRO-0 runs one stage without EP (layout rule 9): every gradient
         largest = min(dense.total + experts.total, ZERO0_ALLREDUCE_BUCKET) if zero0_copy is None else zero0_copy
-        ns = max(ns, largest * w.grad_bytes)
+        ns = max(ns, largest * w.grad_bytes, 8 * adamw_largest, _sq_norm_bytes(norm_largest))
     if lay.experts_in_zero or not experts.total or not w.reduced:
         return ns
     local = cfg.num_experts // lay.ep
@@ -851,10 +920,17 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
     largest = local * inner * max(cfg.moe_intermediate_size, cfg.expert_width)
     copy = 4 if w.grad_bytes < 4 else 0
     blocks = max(0.0, sh.expert_block_bytes - w.grad_bytes) * experts.total
+    # AdamW's temporaries on its master block; the norm's float64 squares of its gradient
+    ns = max(ns, 0 if w.optimizer == "muon" else 8 * largest * share, _sq_norm_bytes(largest * share))
     if lay.edp == 1:
         return blocks + max(ns, largest * copy)
     padded = share * lay.edp if local % lay.edp else 0.0
     return blocks + max(ns, largest * (copy + 4 * padded + 4 * share))
+
+
+def _sq_norm_bytes(elements: float) -> float:
+    """Bytes of ops.numerics.sq_norm64's float64 temporaries over a gradient of `elements` (a chunk and its square)."""
+    return 2 * 8 * min(elements, SQ_NORM_CHUNK)
 
 
 def token_rows_copy_bytes(cfg, lay: Layout, w: Workload) -> float:
@@ -892,7 +968,7 @@ def _head_transient(cfg, lay: Layout, w: Workload, out_src, head_weights: float)
 
 
 def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool, in_flight: int,
-                       head_weights: float = 0.0) -> tuple:
+                       head_weights: float = 0.0, held: float = 0.0) -> tuple:
     """(activation bytes kept on the device for the backward, by category, (transient bytes, the same without the
     head's, which the backward's later part has), bytes offloaded to host) of the stage's micro-batches in flight
     under the layout's recomputation, tiling and offload, the LM head's transients included on the last stage:
@@ -908,7 +984,8 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
       inputs; one tile's working set is transient (parallel.tiling), and inside a layer full recomputation (or a
       selective region) rebuilds, its MoE block and KDA chunk terms are a tile's;
     - the head's backward makes its weight gradient beside the loss gradient (`head_weights` bytes; tiled: the sum
-      of its tiles' weight gradients, as expert_workspace_bytes explains)."""
+      of its tiles' weight gradients, as expert_workspace_bytes explains); `held` bytes of it stay through the
+      layers' backward (a weight tied to the embedding's: tied_weight_elements)."""
     sources, out_src = _sources(cfg)
     rec, full = lay.recomputed, lay.full_layers(a, b)
     fm, fh = tile_shares(lay, w)
@@ -947,7 +1024,7 @@ def _stage_activations(cfg, lay: Layout, w: Workload, a: int, b: int, last: bool
             worst = max(worst, rebuilt - freed)
             freed += _micro_activation(cfg, lay, w, i, i + 1, False, rec, **tiled)[0]
         transient, layers_t = max(transient, worst), max(layers_t, worst)
-    return in_flight * per_micro - host, detail, (transient, layers_t), host
+    return in_flight * per_micro - host, detail, (max(transient, layers_t + held), layers_t + held), host
 
 
 def expert_workspace_bytes(cfg, lay: Layout, w: Workload, mp, moe_layers, bal: BalancedMoE | None) -> float:
@@ -1023,6 +1100,35 @@ def _stage_vision(cfg, lay: Layout, w: Workload, vis, frozen: int, in_flight: in
         "activations": in_flight * kept_bytes, "transient": v_trans}
 
 
+def _step_phase_bytes(mp, stage: tuple, cfg, lay: Layout, w: Workload, sh: _Sharding, groups: tuple, entries,
+                      partition: tuple | None, grads: float, largest: int) -> float:
+    """Gradient bytes and step workspace of the optimizer-step phase of the stage `stage` (a, b, first, last) whose
+    ParamGroups are `groups` (dense, experts): the backward's gradients (`grads`, DeepSpeed's held buffers included)
+    with step_workspace_bytes; under ZeRO-1/2, whose reduction has left the rank's gradient partition in place of
+    the dense gradients, the larger of that partition with step_workspace_bytes (the experts' reduction and step
+    under ep > 1, beside their gradients) and of DeepSpeed's step (zero_step_bytes) beside the experts' fp32 blocks.
+    Under ZeRO-1 with bf16 weights and fp32 accumulation at dp > 1 DeepSpeed's fp32 bucket stays live throughout:
+    the accumulators of the parameters outside the rank's partition point into it until their group is stepped."""
+    a, b, first, last = stage
+    dense, experts = groups
+    zero0 = w.zero_stage == 0 and w.reduced
+    copy = zero0_allreduce_copy(e.numel for e, _ in entries) if zero0 else None
+    adamw = _memo(mp, ("adamw", a, b, first, last, cfg.freeze_vision, lay.experts_in_zero, w.optimizer),
+                  lambda: max((e.numel for e, _ in entries if w.optimizer != "muon"
+                               or not e.rule.startswith("muon/")), default=0)) if zero0 else 0
+    workspace = step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy, adamw, largest)
+    if partition is None:
+        return grads + workspace
+    stale = zero_bucket(lay, w, dense, experts)[1] * 4 if (w.zero_stage == 1 and w.weight_bytes < w.grad_bytes
+                                                           and sh.dense > 1) else 0.0
+    own = 0.0 if lay.experts_in_zero else experts.total
+    out = stale + partition[0] * w.grad_bytes + partition[1] * 4 + own * w.grad_bytes + workspace
+    matrices = max(dense.largest_matrix, experts.largest_matrix if lay.experts_in_zero else 0)
+    ns = 3 * matrices * 4 if w.optimizer == "muon" else 0.0  # ZeroMuon's (the experts' run in their own step)
+    return max(out, stale + own * sh.expert_block_bytes + zero_step_bytes(mp, a, b, first, last, cfg, lay, w, sh,
+                                                                          partition, ns))
+
+
 def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
     """StageMemory for every pipeline stage of `lay` (the planner reports the largest)."""
     mp = model_params(cfg, lay.tp, lay.ep, w.peft, w.per_head)
@@ -1039,9 +1145,9 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         dense, frozen, experts, weights, grads, optimizer, opt_exp = _stage_states(
             mp, a, b, first, last, cfg, w, sh, partition if w.zero_stage >= 2 else None, lay.experts_in_zero)
         in_flight = min(lay.pp - s, m) if lay.pp > 1 else 1
-        head_weights = 0.0 if w.peft else mp.head.total * w.weight_bytes
-        acts, detail, (transient, layers_t), host = _stage_activations(cfg, lay, w, a, b, last, in_flight,
-                                                                      head_weights)
+        tied = tied_weight_elements(cfg, mp, first, last) * w.weight_bytes
+        acts, detail, (transient, layers_t), host = _stage_activations(
+            cfg, lay, w, a, b, last, in_flight, 0.0 if w.peft else mp.head.total * w.weight_bytes + tied, tied)
         moe_acts, moe_detail, moe_trans, replicas, exchange = _stage_moe(cfg, lay, w, a, b, in_flight, sh, mp)
         acts = acts + moe_acts
         detail.update(moe_detail)
@@ -1077,8 +1183,8 @@ def training_memory(cfg, cluster, lay: Layout, w: Workload) -> list:
         transient = max(transient, live + max(head - detail.get("head", 0.0) / max(in_flight, 1), inside,
                                               embedding - freeable / max(in_flight, 1)))
         # the optimizer step runs after the backward has freed the activations: the larger phase counts
-        copy = zero0_allreduce_copy(e.numel for e, _ in entries) if w.zero_stage == 0 and w.reduced else None
-        transient = max(transient, step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy) - acts)
+        transient = max(transient, _step_phase_bytes(mp, (a, b, first, last), cfg, lay, w, sh, (dense, experts),
+                                                     entries, partition, grads, largest) - grads - acts)
         out.append(StageMemory(s, (a, b), dense.total + frozen, int(experts.total), in_flight, weights, grads,
                                optimizer, acts, transient, cluster.reserved_memory_gb * GB, detail, replicas,
                                exchange, vision, host, dense.frozen + experts.frozen + experts.frozen_mx, opt_exp))
