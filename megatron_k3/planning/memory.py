@@ -1107,8 +1107,9 @@ def _step_phase_bytes(mp, stage: tuple, cfg, lay: Layout, w: Workload, sh: _Shar
     with step_workspace_bytes; under ZeRO-1/2, whose reduction has left the rank's gradient partition in place of
     the dense gradients, the larger of that partition with step_workspace_bytes (the experts' reduction and step
     under ep > 1, beside their gradients) and of DeepSpeed's step (zero_step_bytes) beside the experts' fp32 blocks.
-    Under ZeRO-1 with bf16 weights and fp32 accumulation at dp > 1 DeepSpeed's fp32 bucket stays live throughout:
-    the accumulators of the parameters outside the rank's partition point into it until their group is stepped."""
+    Under ZeRO-1 with bf16 weights and fp32 accumulation at dp > 1 DeepSpeed's fp32 bucket (both, under
+    parallel.overlap_grad_reduce, where the gradients fill more than one) stays live throughout: the accumulators of
+    the parameters outside the rank's partition point into it until their group is stepped."""
     a, b, first, last = stage
     dense, experts = groups
     zero0 = w.zero_stage == 0 and w.reduced
@@ -1119,8 +1120,10 @@ def _step_phase_bytes(mp, stage: tuple, cfg, lay: Layout, w: Workload, sh: _Shar
     workspace = step_workspace_bytes(cfg, lay, w, sh, dense, experts, copy, adamw, largest)
     if partition is None:
         return grads + workspace
-    stale = zero_bucket(lay, w, dense, experts)[1] * 4 if (w.zero_stage == 1 and w.weight_bytes < w.grad_bytes
-                                                           and sh.dense > 1) else 0.0
+    stale = 0.0
+    if w.zero_stage == 1 and w.weight_bytes < w.grad_bytes and sh.dense > 1:
+        stage, elements = zero_bucket(lay, w, dense, experts)  # overlap_comm's two buckets, where both are filled
+        stale = elements * 4 * (2 if w.overlap_grad_reduce and stage > elements else 1)
     own = 0.0 if lay.experts_in_zero else experts.total
     out = stale + partition[0] * w.grad_bytes + partition[1] * 4 + own * w.grad_bytes + workspace
     matrices = max(dense.largest_matrix, experts.largest_matrix if lay.experts_in_zero else 0)
