@@ -75,27 +75,28 @@ def _plan_tool():
     return load_file(ROOT / "tools" / "plan.py")
 
 
-@pytest.mark.parametrize("overrides", [
-    [],  # the default CPU run: micro-batch 4 x 256 tokens, 2 micro-batches per step, fp32, Muon
-    ["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512", "model.hidden_size=96"],
+@pytest.mark.parametrize("overrides, rel", [
+    ([], 0.10),  # the default CPU run: micro-batch 4 x 256 tokens, 2 micro-batches per step, fp32, Muon
+    (["train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=512", "model.hidden_size=96"], 0.10),
     # bf16 weights, fp32 accumulation, 4 micro-batches of 16 tokens: the model states and DeepSpeed's buffers lead,
     # at ZeRO-1's reduction after the last backward
-    ["precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
-    ["precision=bf16", "parallel.zero_stage=2", "train.micro_batch_size=1", "train.global_batch_size=4",
-     "train.seq_length=64"],
+    (["precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"], 0.10),
+    (["precision=bf16", "parallel.zero_stage=2", "train.micro_batch_size=1", "train.global_batch_size=4",
+      "train.seq_length=64"], 0.10),
     # ZeRO-0 at 16 tokens: the step phase leads (DeepSpeed's flat copy of every gradient for the all-reduce)
-    ["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"],
+    (["parallel.zero_stage=0", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_length=16"], 0.10),
+    # the rows whose leading phase one term counts, held to 2%:
     # AdamW under ZeRO-1 at 16 tokens: its step leads (a param group's flat fp32 gradient and AdamW's temporaries)
-    ["optim=adamw", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"],
+    (["optim=adamw", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=16"], 0.02),
     # ZeRO-0 with a 32k vocabulary: the gradient norm's float64 squares of the embedding's gradient lead
-    ["optim=adamw", "parallel.zero_stage=0", "model.vocab_size=32768", "train.micro_batch_size=1",
-     "train.global_batch_size=2", "train.seq_length=16"],
+    (["optim=adamw", "parallel.zero_stage=0", "model.vocab_size=32768", "train.micro_batch_size=1",
+      "train.global_batch_size=2", "train.seq_length=16"], 0.02),
     # the embedding tied to the LM head: the head's gradient of it held through the backward, summed at its end
-    ["optim=adamw", "model.tie_word_embeddings=true", "model.vocab_size=32768", "train.micro_batch_size=1",
-     "train.global_batch_size=4", "train.seq_length=16"],
+    (["optim=adamw", "model.tie_word_embeddings=true", "model.vocab_size=32768", "train.micro_batch_size=1",
+      "train.global_batch_size=4", "train.seq_length=16"], 0.02),
 ], ids=["default", "one_micro_batch", "bf16_zero1", "bf16_zero2", "zero0", "adamw_step", "zero0_norm", "tied"])
 @pytest.mark.slow
-def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, capsys):
+def test_memory_estimate_within_10_percent_of_a_real_step(overrides, rel, tmp_path, capsys):
     """Peak of live tensor bytes over two real training steps (the second one has optimizer states) against
     tools/plan.py's estimate for the same config. Plan against peak, 2026-12-06: -2.1%, +1.1%, +0.4%, +2.3%; 10% is
     the bound (the acceptance bound is 30%; the model ignores small constant tensors and allocator-level details).
@@ -133,8 +134,7 @@ def test_memory_estimate_within_10_percent_of_a_real_step(overrides, tmp_path, c
     assert _plan_tool().main(["model=k3_tiny", "cluster=cpu", *overrides, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     estimate = plan["memory_per_device_gb"] * 1e9
-    tight = "optim=adamw" in overrides  # the rows whose leading phase a term of its own counts: 2%
-    assert estimate == pytest.approx(tracker.peak, rel=0.02 if tight else 0.10), (estimate, tracker.peak)
+    assert estimate == pytest.approx(tracker.peak, rel=rel), (estimate, tracker.peak)
     # the model states: parameters exactly; the optimizer's states (optim=muon: DeepSpeed's flat momentum of the
     # Muon matrices, AdamW's two moments for the rest) and ZeRO's fp32 partition to 1e-3
     n = sum(p.numel() for p in trainer.model.parameters())
