@@ -906,10 +906,8 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
     gradient, at most of SQ_NORM_CHUNK elements each) of the largest gradient under ZeRO-0 (`norm_largest`
     elements), of an expert block under ep > 1 (ZeRO-1/2's own: zero_step_bytes). A step that reduces nothing
     (`Workload.reduced`: planning.dry_run's) has none of it."""
-    ns = 0.0
     share = 1.0 if lay.experts_in_zero else lay.expert_share(cfg.num_experts)
-    if w.optimizer == "muon":
-        ns = 3 * max(dense.largest_matrix, experts.largest_matrix * share) * 4
+    ns = newton_schulz_bytes(w, max(dense.largest_matrix, experts.largest_matrix * share))
     if w.zero_stage == 0 and w.reduced:  # ZeRO-0 runs one stage without EP (layout rule 9): every gradient
         largest = min(dense.total + experts.total, ZERO0_ALLREDUCE_BUCKET) if zero0_copy is None else zero0_copy
         ns = max(ns, largest * w.grad_bytes, 8 * adamw_largest, _sq_norm_bytes(norm_largest))
@@ -926,6 +924,12 @@ def step_workspace_bytes(cfg, lay: Layout, w: Workload, sh: _Sharding, dense, ex
         return blocks + max(ns, largest * copy)
     padded = share * lay.edp if local % lay.edp else 0.0
     return blocks + max(ns, largest * (copy + 4 * padded + 4 * share))
+
+
+def newton_schulz_bytes(w: Workload, elements: float) -> float:
+    """optim=muon: Newton-Schulz's fp32 workspace orthogonalising a matrix of `elements` (momentum, X, X X^T); 0
+    under AdamW."""
+    return 3 * elements * 4 if w.optimizer == "muon" else 0.0
 
 
 def _sq_norm_bytes(elements: float) -> float:
@@ -1126,8 +1130,8 @@ def _step_phase_bytes(mp, stage: tuple, cfg, lay: Layout, w: Workload, sh: _Shar
         stale = elements * 4 * (2 if w.overlap_grad_reduce and stage > elements else 1)
     own = 0.0 if lay.experts_in_zero else experts.total
     out = stale + partition[0] * w.grad_bytes + partition[1] * 4 + own * w.grad_bytes + workspace
-    matrices = max(dense.largest_matrix, experts.largest_matrix if lay.experts_in_zero else 0)
-    ns = 3 * matrices * 4 if w.optimizer == "muon" else 0.0  # ZeroMuon's (the experts' run in their own step)
+    # ZeroMuon's Newton-Schulz, of what DeepSpeed steps (the experts' under ep > 1 run in their own step)
+    ns = newton_schulz_bytes(w, max(dense.largest_matrix, experts.largest_matrix if lay.experts_in_zero else 0))
     return max(out, stale + own * sh.expert_block_bytes + zero_step_bytes(mp, a, b, first, last, cfg, lay, w, sh,
                                                                           partition, ns))
 
