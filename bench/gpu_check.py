@@ -139,12 +139,44 @@ def model_check(args, rows, device=None, model_name="k3_small", backend="inducto
 
 
 # ---------------------------------------------------------------------------------------------- recomputation
-# (policy, Policy kwargs, train.tile_tokens as a fraction of the tokens a micro-batch holds): offload with room for
-# every layer input, then with room for about half of them (the rest stays on the device); tiled: to fp32 rounding.
-# Compiled: the first COMPILED_VARIANTS (each variant compiles every layer again: minutes under inductor)
-RECOMPUTE_VARIANTS = (("none", {}, 0), ("selective", {}, 0), ("full", {}, 0), ("full", {"offload_bytes": 8 << 30}, 0),
-                      ("full", {"offload_bytes": "half"}, 0), ("none", {}, 4), ("full", {"offload_bytes": 8 << 30}, 4))
+# (policy, Policy kwargs, train.tile_tokens as a fraction of the tokens a micro-batch holds, stress): offload with
+# room for every layer input, then with room for about half of them (the rest stays on the device); tiled: to fp32
+# rounding; stressed (eager only, after the rest): the offload's copies held back on their side streams ("copies":
+# a copy that reads freed memory, or a read that does not wait for its load, comes out wrong) or the compute stream
+# held back at each layer ("compute": a copy to the host that does not wait for the layer input's producer reads
+# it unwritten). Compiled: the first COMPILED_VARIANTS (each variant compiles every layer again: minutes under
+# inductor), after every eager one.
+OFFLOAD_ALL = {"offload_bytes": 8 << 30}
+RECOMPUTE_VARIANTS = (("none", {}, 0, None), ("selective", {}, 0, None), ("full", {}, 0, None),
+                      ("full", OFFLOAD_ALL, 0, None), ("full", {"offload_bytes": "half"}, 0, None),
+                      ("none", {}, 4, None), ("full", OFFLOAD_ALL, 4, None), ("full", OFFLOAD_ALL, 0, "copies"),
+                      ("full", OFFLOAD_ALL, 0, "compute"), ("full", {"offload_bytes": "half"}, 0, "copies"))
 COMPILED_VARIANTS = 4
+STALL_CYCLES = 20_000_000  # torch.cuda._sleep's spin: about 10 ms at an H100's clock, many times a k3_tiny layer's
+
+
+def _stall(device, stream=None) -> None:
+    """Hold back `stream` (the current one: None) on a CUDA device by spinning a kernel on it; nothing elsewhere."""
+    if device.type != "cuda":
+        return
+    with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
+        torch.cuda._sleep(STALL_CYCLES)
+
+
+def _slow_copies():
+    """parallel.offload's CUDA copies, each held back on its side stream before it runs: still running when the
+    compute stream has gone on, frees the source, reads the copy, drops the buffer."""
+    from megatron_k3.parallel.offload import CudaCopies
+
+    class SlowCopies(CudaCopies):
+        def down(self, t, host, after):
+            _stall(t.device, self._side_streams(t.device)[0])
+            return super().down(t, host, after)
+
+        def up(self, host, device, after):
+            _stall(device, self._side_streams(device)[1])
+            return super().up(host, device, after)
+    return SlowCopies()
 
 
 def _layer_input_bytes(cfg, ids) -> int:
@@ -153,12 +185,13 @@ def _layer_input_bytes(cfg, ids) -> int:
     return ids.numel() * cfg.hidden_size * 4 * (cfg.num_layers + 1)
 
 
-def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0, reps=3):
+def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0, reps=3, stress=None):
     """One k3_tiny forward+backward under recomputation `name` (Policy kwargs `kw`), eager or with its layers
     compiled (split at the regions, train.compile's default), over `tiles` sequence tiles (train.tile_tokens; 0:
-    untiled): (gradients, seconds per step, peak GiB, the offload's host buffers in GiB, whether they are pinned:
-    None without offload or off CUDA, the bytes it kept on the device)."""
+    untiled), `stress` as RECOMPUTE_VARIANTS says: (gradients, seconds per step, peak GiB, the offload's host buffers
+    in GiB, whether they are pinned: None without offload or off CUDA, the bytes it kept on the device)."""
     from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.model.decoder import DecoderLayer
     from megatron_k3.parallel import tiling
     from megatron_k3.parallel.recompute import Policy
     from megatron_k3.parallel.recompute import apply as apply_recompute
@@ -174,6 +207,11 @@ def _recompute_step(cfg, ids, name, kw, compiled, backend, tiles=0, reps=3):
     if tiles:
         tiling.apply(model, ids.numel() // tiles, cfg.moe_overflow)
     off = getattr(model, "host_offload", None)
+    if stress == "copies":
+        off.copies = _slow_copies()
+    if stress == "compute":
+        for layer in (m for m in model.modules() if isinstance(m, DecoderLayer)):
+            layer.register_forward_pre_hook(lambda *_: _stall(ids.device))
 
     def step():
         if off is not None:
@@ -219,31 +257,71 @@ def recompute_check(args, rows, device=None, backend="inductor"):
     set_deterministic(True, device)
     eager = None
     try:
+        _rng_check(rows, device)
         for compiled in (False, True):
             ref = None
-            for name, kw, tiles in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
-                grads, t, peak, host, pinned, kept = _recompute_step(cfg, ids, name, kw, compiled, backend, tiles,
-                                                                     args.recompute_reps)
+            for name, kw, tiles, stress in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
+                label = _variant_label(name, kw, tiles, stress, compiled, args.recompute_seq)
+                try:  # one variant's failure (a compile, the pinning) is its row's: the others still run
+                    grads, t, peak, host, pinned, kept = _recompute_step(
+                        cfg, ids, name, kw, compiled, backend, tiles, args.recompute_reps, stress)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    rows.append((label, "-", "-", f"FAILED: {type(e).__name__}: {e}"))
+                    continue
                 ref = ref or (grads, t, peak)
                 if not compiled and eager is None:  # eager none: what compiled none is compared with
                     eager = grads
-                size = kw.get("offload_bytes")
-                offload = "" if size is None else " + offload " + (
-                    "for half the layer inputs" if size == "half" else f"{size / 2**30:g} GiB")
-                tiled = f", {tiles} tiles" if tiles else ""
-                label = f"{name}{offload}{tiled}, {'compiled' if compiled else 'eager'}"
-                rows.append((f"k3_tiny recompute={label}, 2 x {args.recompute_seq} fp32", f"{t * 1e3:.1f} ms",
-                             "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} GiB "
-                             f"({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}, kept on "
+                rows.append((label, f"{t * 1e3:.1f} ms", "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} "
+                             f"GiB ({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}, kept on "
                              f"device {kept / 2**20:.1f} MiB); gradients vs none: "
                              + _against(grads, ref[0], exact=not tiles)
                              # compiled none against eager none: to fp32 rounding (a compiler's lost or wrong
                              # derivative is O(1): torch 2.11's Dynamo zeroed every FFN weight's gradient here)
                              + (f"; vs eager: {_against(grads, eager, exact=False)}" if grads is ref[0] and compiled
-                                else "")))
+                                else "") + _offload_faults(kw, device, host, pinned, kept)))
     finally:
         set_deterministic(False, device)
     return rows
+
+
+def _variant_label(name, kw, tiles, stress, compiled, seq) -> str:
+    size = kw.get("offload_bytes")
+    offload = "" if size is None else " + offload " + (
+        "for half the layer inputs" if size == "half" else f"{size / 2**30:g} GiB")
+    tiled = f", {tiles} tiles" if tiles else ""
+    stressed = f", {stress} held back" if stress else ""
+    return f"k3_tiny recompute={name}{offload}{tiled}{stressed}, {'compiled' if compiled else 'eager'}, 2 x {seq} fp32"
+
+
+def _offload_faults(kw, device, host, pinned, kept) -> str:
+    """What an offload variant's row must show besides its gradients: host buffers in use, pinned on CUDA, nothing
+    kept on the device where the budget has room for every input, something where it has room for half."""
+    size = kw.get("offload_bytes")
+    if size is None:
+        return ""
+    bad = [what for what, wrong in (("no host buffers", host <= 0),
+                                    ("not pinned", device.type == "cuda" and not pinned),
+                                    ("inputs kept on the device", size != "half" and kept > 0),
+                                    ("nothing kept on the device", size == "half" and kept == 0)) if wrong]
+    return f"; FAILED: {', '.join(bad)}" if bad else ""
+
+
+def _rng_check(rows, device) -> None:
+    """A checkpointed region that draws random numbers on the device and takes no tensor argument (the offloaded
+    layer's checkpoint): its recomputation must draw the same (parallel.recompute's device anchor), so the input's
+    gradient is the forward's mask."""
+    from megatron_k3.parallel.recompute import checkpointed_call
+
+    x = torch.randn(1 << 16, device=device, requires_grad=True)
+    masks = []
+
+    def region():
+        masks.append(torch.rand(x.shape, device=device))
+        return (x * masks[-1]).sum()
+    checkpointed_call(region).backward()
+    same = len(masks) == 2 and torch.equal(masks[0], masks[1]) and torch.equal(x.grad, masks[0])
+    rows.append((f"checkpoint's recomputation draws the forward's random numbers on {device.type}", "-", "-",
+                 "the same draws" if same else "FAILED: other draws (the device's RNG state not restored)"))
 
 
 def offload_check(args, rows, device=None):
@@ -255,21 +333,23 @@ def offload_check(args, rows, device=None):
 
     device = device or torch.device("cuda")
     scale = getattr(args, "offload_mb", 1 << 20)  # elements per "MB" of the sizes above / 4 (fp32)
-    off = HostOffload(100 * scale * 4)
+    off = HostOffload(100 * scale * 4, copies=_slow_copies() if device.type == "cuda" else None)
     g = torch.Generator().manual_seed(0)
-    sent, back = [], []
-    for n in (50, 60, 60, 30):
-        t = torch.randn(n * scale, generator=g).to(device)
-        (packed,) = off.pack_layer([t])
-        sent.append(t.clone())
+    made = [torch.randn(n * scale, generator=g).to(device) for n in (50, 60, 60, 30)]  # before: nothing between
+    sent = [t.clone() for t in made]
+    sync(device)
+    back = []
+    for _ in range(len(sent)):  # each copy held back on its side stream: the drop for room must wait for it
+        (packed,) = off.pack_layer([made.pop(0)])
         back.append(off.unpack(packed))
-        del t
+    sync(device)
     exact = all(torch.equal(a, b) for a, b in zip(sent, back))
     pinned = all(b.data.is_pinned() for bufs in off._free.values() for b in bufs) if device.type == "cuda" else None
+    ok = exact and off.allocated <= off.budget and pinned is not False
     rows.append(("offload host buffers: 200/240/240/120 MB through 400 MB", "-", "-",
                  f"values exact: {exact}; pinned: {pinned}; buffers {off.allocated / 2**20:.0f} MiB "
                  f"(sizes {sorted(k // 2**20 for k, v in off._free.items() if v)} MiB), on device "
-                 f"{off.kept_on_device} B" + ("" if exact and off.allocated <= off.budget else "; FAILED")))
+                 f"{off.kept_on_device} B" + ("" if ok else "; FAILED")))
     return rows
 
 

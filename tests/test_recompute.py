@@ -160,6 +160,34 @@ def test_a_checkpoint_in_the_forwards_contexts_runs_inside_a_compiled_graph():
     assert torch.equal(compiled, x.grad)
 
 
+@pytest.mark.parametrize("anchored", [False, True], ids=["cpu", "device_anchor"])
+def test_a_recomputed_region_draws_the_same_random_numbers(monkeypatch, anchored):
+    """A region that draws random numbers (as dropout would) and takes no tensor argument (as the offloaded layer's
+    checkpoint does) draws the same again in its recomputation: the input's gradient is the forward's mask; the RNG
+    after the backward is where the forward left it. `device_anchor`: with checkpointed_call's CUDA device anchor in
+    the call (stood in for by a CPU tensor: no GPU here; bench/gpu_check.py's recompute check draws on CUDA), the
+    region gets its own arguments."""
+    from megatron_k3.parallel import recompute
+
+    if anchored:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(recompute, "_ANCHORS", {0: torch.empty(0)})
+    x = torch.randn(64, requires_grad=True)
+    masks, seen = [], []
+
+    def region(scale, *, shift):
+        seen.append((scale, shift))
+        masks.append(torch.rand(64))
+        return (x * masks[-1] * scale + shift).sum()
+
+    out = recompute.checkpointed_call(region, 2.0, shift=1.0)
+    after_forward = torch.get_rng_state()
+    out.backward()
+    assert len(masks) == 2 and torch.equal(masks[0], masks[1]) and seen == [(2.0, 1.0)] * 2
+    assert torch.equal(x.grad, 2 * masks[0]) and torch.equal(after_forward, torch.get_rng_state())
+
+
 def test_policies_wrap_the_regions_the_planner_names():
     _, _, wrapped, *_ = _model_step(Policy("selective"), [])
     # 4 layers: 2 norms each, 3 MoE latent norms and the final norm; 9 depth mixes (2 per layer, and the output's);

@@ -20,7 +20,10 @@
   the planner's figures exactly. The asynchronous path (CUDA's streams and events) run here with copies that run as
   late as their events allow: bit for bit, over micro-batches in flight, a forward without backward and a budget
   that keeps some inputs on the device, and a reused host buffer written only after a discarded load has read it;
-  leaving out any of the three waits it relies on breaks it.
+  leaving out any of the three waits it relies on breaks it. CudaCopies' own code (CUDA's path) under a model of
+  CUDA's streams, events and caching allocator: bit for bit, no copy reads freed memory; without its record_stream,
+  its read's wait or its load's wait, the model sees it. A layer whose inputs stayed on the device (the budget spent)
+  still prefetches the layer before it.
 - The Trainer (tests/test_recompute.py, in its layout runs): tiled under tp2 + sequence parallelism, ep2 balanced
   and cp2 follows untiled as the layout tests follow one process; offloaded under pp2 bit for bit equal to none.
 - Memory: a tiled block's weight gradients are summed over its tiles by autograd and accumulated once (the sum, one
@@ -33,6 +36,10 @@
 """
 
 from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -314,6 +321,152 @@ def test_asynchronous_offload_waits_for_each_copy(budget):
         assert not all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), skip
 
 
+class _ModelStream:
+    """A CUDA stream in a model of CUDA's semantics, for CudaCopies' own code on the CPU (_CudaModel): a side stream
+    queues its work and runs it only when something waits for an event after it (as late as CUDA allows); the
+    compute stream (eager) runs at once. `keep`: tensors record_stream holds until the stream has run past them."""
+
+    def __init__(self, device=None, eager=False):
+        self.eager, self.ops, self.done, self.keep = eager, [], 0, []
+
+    def enqueue(self, op):
+        op() if self.eager else self.ops.append(op)
+
+    def run_until(self, pos):
+        while self.done < pos:
+            self.done += 1
+            self.ops[self.done - 1]()
+        self.keep = [(p, t) for p, t in self.keep if p > self.done]
+
+    def wait_event(self, event):
+        if event.stream is not None:  # an event never recorded: nothing to wait for, as on CUDA
+            stream, pos = event.stream, event.pos
+            self.enqueue(lambda: stream.run_until(pos))
+
+    def wait_stream(self, other):
+        event = _ModelEvent()
+        event.record(other)
+        self.wait_event(event)
+
+
+class _ModelEvent:
+    def __init__(self, *args, **kwargs):
+        self.stream, self.pos = None, 0
+
+    def record(self, stream):
+        self.stream, self.pos = stream, len(stream.ops)
+
+    def synchronize(self):
+        if self.stream is not None:
+            self.stream.run_until(self.pos)
+
+
+class _CudaModel(torch.overrides.TorchFunctionMode):
+    """torch.cuda's streams, events, driver and Tensor.record_stream as _ModelStream models them (installed with
+    monkeypatch). Under a side stream, a copy is queued: a device copy holds NaN until it has run (a read that did not
+    wait finds NaN), and a queued copy holds its source weakly, as the caching allocator does without record_stream
+    (a source freed first is a read after free, noted in `faults`). What it cannot see: a missing wait of a side
+    stream for the compute stream (the compute stream has always run)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        from megatron_k3.parallel.offload import CudaCopies
+
+        self.compute, self.current, self.faults, self.streams = _ModelStream(eager=True), [], [], []
+        driver = type("cudart", (), {"cudaHostRegister": lambda *a: 0, "cudaHostUnregister": lambda *a: 0})()
+
+        def stream(*args, **kwargs):
+            self.streams.append(_ModelStream())
+            return self.streams[-1]
+        for name, value in (("Stream", stream), ("Event", _ModelEvent), ("cudart", lambda: driver),
+                            ("current_stream", lambda device=None: self.current[-1] if self.current else self.compute),
+                            ("stream", self.side)):
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: s.keep.append((len(s.ops), t)))
+        monkeypatch.setattr(CudaCopies, "serves", staticmethod(lambda device: True))
+
+    @contextlib.contextmanager
+    def side(self, stream):
+        self.current.append(stream)
+        try:
+            with self:
+                yield
+        finally:
+            self.current.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], weakref.ref(args[1])  # the host buffers' lifetimes are HostOffload's (_drop waits)
+            self.current[-1].enqueue(lambda: self._copy(dst, src()))
+            return args[0]
+        if func is torch.Tensor.to:
+            out = torch.full(args[0].shape, float("nan"), dtype=args[0].dtype)
+            self.current[-1].enqueue(lambda src=args[0]: self._copy(out, src))
+            return out
+        return func(*args, **(kwargs or {}))
+
+    def _copy(self, dst, src):
+        if src is None:
+            self.faults.append("a queued copy ran after its source was freed")
+        else:
+            with torch.no_grad():
+                dst.copy_(src)
+
+    def flush(self):
+        for s in self.streams:
+            s.run_until(len(s.ops))
+
+
+@pytest.mark.parametrize("budget,fault", [(10**9, None), (3.5 * 2 * 64 * 64 * 4, None), (10**9, "record_stream"),
+                                          (10**9, "use"), (10**9, "up")],
+                         ids=["room_for_all", "room_for_3.5", "no_record_stream", "no_use_wait", "no_up_wait"])
+def test_cuda_copies_under_a_model_of_cuda_streams(monkeypatch, budget, fault):
+    """CudaCopies' own code (the CUDA path: side streams, events, record_stream, registered buffers), run on the CPU
+    under _CudaModel: bit for bit full recomputation's over _offload_steps, no copy reads freed memory. With one of its
+    protections taken out (`fault`: the source's record_stream, the read's wait for its load, the load's wait for the
+    copy down) the same steps read freed memory or come out wrong: the model sees each missing."""
+    from megatron_k3.parallel.offload import CudaCopies
+
+    ref, _, _ = _offload_steps(0)
+    cuda = _CudaModel(monkeypatch)
+    if fault == "record_stream":
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
+    if fault == "use":
+        monkeypatch.setattr(CudaCopies, "use", staticmethod(lambda t, event: None))
+    if fault == "up":
+        up = CudaCopies.up
+        monkeypatch.setattr(CudaCopies, "up", lambda self, host, device, after: up(self, host, device, _ModelEvent()))
+    grads, _, off = _offload_steps(int(budget), CudaCopies())
+    cuda.flush()
+    right = all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b)
+    assert (right and not cuda.faults) == (fault is None), (fault, right, cuda.faults[:1])
+    assert fault is not None or (off.used == 0 and len(cuda.streams) == 2), (off.used, len(cuda.streams))
+    off._free.clear()
+    del off, grads
+    gc.collect()  # the registered buffers unregistered while the model's driver is in place
+
+
+def test_offload_prefetches_past_layers_whose_inputs_stayed_on_the_device():
+    """With room for half the layer inputs (without AttnRes: each layer's residual stream), the last three layers'
+    stay on the device; reading the first of them starts loading the inputs of the layer before (offloaded): every
+    offloaded input is loaded before the read that needs it. Bit for bit full recomputation's."""
+    shape = ["model.num_layers=6", "model.hidden_size=64", "model.dense_intermediate_size=128", "model.attn_res=false"]
+    ids = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(4))
+    grads, misses = [], []
+    for budget in (0, 3 * 2 * 64 * 64 * 4):
+        model, _, _ = wrapped_model(shape, Policy("full", offload_bytes=budget))
+        off = getattr(model, "host_offload", None)
+        if off is not None:
+            def unpack(packed, _unpack=off.unpack):
+                misses.append(not packed[1].on_device and packed[1].back is None)
+                return _unpack(packed)
+            off.unpack = unpack
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert all(torch.equal(grads[1][n], g) for n, g in grads[0].items())
+    assert off.kept_on_device == 3 * 2 * 64 * 64 * 4 and len(misses) == 6 and not any(misses), misses
+
+
 def test_offload_drops_idle_buffers_of_another_size_for_room():
     """A tensor of a new size takes a new buffer; if the budget has no room, idle buffers of other sizes go first;
     the values come back exact; a reused buffer holds the new tensor's values."""
@@ -346,12 +499,14 @@ def test_a_reused_host_buffer_is_written_after_its_pending_copy_back_has_read_it
     a, b, c = (torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(3))
     (pa,), (pb,) = off.pack_layer([a]), off.pack_layer([b])
     assert torch.equal(off.unpack(pb), b) and pa[1].back is not None and copies.queues["up"]  # a's load queued
-    a_host = pa[1].host.data_ptr()
+    a_host, a_back = pa[1].host.data_ptr(), pa[1].back
     off.reset()
+    with pytest.raises(RuntimeError, match="after HostOffload.reset"):  # a handle kept past the reset reads nothing
+        off.unpack(pa)
     (pc,) = off.pack_layer([c])
     assert pc[1].buffer is not None and pc[1].host.data_ptr() == a_host  # a's buffer, reused
     copies.flush()
-    assert torch.equal(pa[1].back, a) != bool(skip), skip
+    assert torch.equal(a_back, a) != bool(skip), skip
     assert torch.equal(off.unpack(pc), c)
 
 def test_pinned_offload_buffers_are_whole_registered_pages(monkeypatch):

@@ -22,7 +22,8 @@ layer's input, goes to host memory in the forward and comes back for the layer's
   planning.memory). The streams and events are CudaCopies' (the only CUDA calls besides pinning); HostOffload hands
   each copy the events it must follow. On the CPU the same code runs with synchronous copies (made under
   `host_context`, so a memory measurement can count them as host memory); tests/test_tiling.py runs the asynchronous
-  path on the CPU with copies deferred as long as the events allow.
+  path on the CPU with copies deferred as long as the events allow, and CudaCopies' own code under a model of CUDA's
+  streams, events and caching allocator (each of its waits and its record_stream taken out in turn is seen).
 
 Exact: the host round trip copies the values and the graph is full recomputation's: bit-identical gradients
 (tests/test_tiling.py).
@@ -74,18 +75,18 @@ class CudaCopies:
     def serves(device: torch.device) -> bool:
         return device.type == "cuda"
 
-    def _side_streams(self):
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    def _side_streams(self, device: torch.device):
+        if self._streams is None:  # one device per process (launch.py sets it before the first forward)
+            self._streams = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
         return self._streams
 
     def down(self, t: torch.Tensor, host: torch.Tensor, after):
         """Copy `t` into `host` after the current stream's work so far (which made `t`) and after the event `after`
         (the last copy that read `host`'s buffer; None: none); `t`'s device memory stays allocated until the copy
         has read it. Returns the copy's event."""
-        down, _ = self._side_streams()
+        down, _ = self._side_streams(t.device)
         down.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(down):
+        with torch.cuda.stream(down), torch.no_grad():  # a copy of values: autograd records none of it
             if after is not None:
                 down.wait_event(after)
             host.copy_(t, non_blocking=True)
@@ -96,8 +97,8 @@ class CudaCopies:
 
     def up(self, host: torch.Tensor, device: torch.device, after):
         """A device copy of `host`, made after the event `after` (the copy into `host`): (the tensor, its event)."""
-        _, up = self._side_streams()
-        with torch.cuda.stream(up):
+        _, up = self._side_streams(device)
+        with torch.cuda.stream(up), torch.no_grad():
             up.wait_event(after)
             back = host.to(device, non_blocking=True)
             event = torch.cuda.Event()
@@ -126,9 +127,9 @@ class _Buffer:
         self.ready = None
         self.size = _buffer_size(nbytes, pinned)
         if not pinned:
-            self.data = torch.empty(nbytes, dtype=torch.uint8)
+            self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
             return
-        raw = torch.empty(self.size + _PAGE, dtype=torch.uint8)
+        raw = torch.empty(self.size + _PAGE, dtype=torch.uint8, device="cpu")  # host memory, whatever the default
         start = -raw.data_ptr() % _PAGE
         region = raw[start:start + self.size]
         err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), self.size, 0)
@@ -183,6 +184,7 @@ class HostOffload:
         for layer in self._layers:
             for _, held in layer:
                 self._give_back(held, held.event if held.back_event is None else held.back_event)
+                held.host = held.back = None  # a handle kept past the reset reads nothing its buffer holds next
         self._by_storage.clear()
         self._layers.clear()
         self._started.clear()
@@ -202,11 +204,12 @@ class HostOffload:
         if free:
             return free.pop()
         need = _buffer_size(nbytes, pinned)
+        idle = sum(b.size for bufs in self._free.values() for b in bufs)
+        if self.allocated - idle + need > self.budget:  # no room even without the idle buffers: keep them
+            return None
         for bufs in self._free.values():
             while bufs and self.allocated + need > self.budget:
                 self._drop(bufs.pop())
-        if self.allocated + need > self.budget:
-            return None
         with self.host_context():
             buf = _Buffer(nbytes, pinned)
         self.allocated += buf.size
@@ -253,14 +256,17 @@ class HostOffload:
 
     def unpack(self, packed) -> torch.Tensor:
         key, held, layer = packed
+        if held.host is None and held.back is None:
+            raise RuntimeError("parallel.offload: a layer input read after its last reader or after "
+                               "HostOffload.reset() (a backward run twice, or a step's backward after the next began)")
+        if layer not in self._started:  # the first read of a layer's inputs starts loading all of them, then those
+            self._started.add(layer)  # of the layer packed before (whose backward comes next): a prefetch, also
+            for group in self._layers[max(layer - 1, 0):layer + 1][::-1]:  # where this layer's stayed on the device
+                for _, h in group:
+                    self._load(h)
         if held.on_device:
             out = held.host
         else:
-            if layer not in self._started:  # the first read of a layer's inputs starts loading all of them, then
-                self._started.add(layer)  # those of the layer packed before (whose backward comes next): a prefetch
-                for group in self._layers[max(layer - 1, 0):layer + 1][::-1]:
-                    for _, h in group:
-                        self._load(h)
             self._load(held)
             out = held.back
             if held.back_event is not None:

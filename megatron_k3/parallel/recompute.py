@@ -21,11 +21,13 @@ Policies, with the planner's meanings (megatron_k3.planning.activations):
   recomputed layers' inputs go to host memory until their backward (parallel.offload; `model.host_offload`).
 
 Recomputation changes no number: the regions run the same operations on the same inputs (bit-identical losses and
-gradients; tests/test_recompute.py). What a forward records besides its output (Quantile Balancing's
-observation, expert-load counts, the balanced dispatch's statistics, AttnRes depth weights, QK-Clip's max logit)
-is recorded by the first pass only (model.layers.recomputing), and checkpoint restores the RNG it used, so those
-happen once per micro-batch whatever the policy. Collectives inside a region (sequence-parallel gathers, the MoE
-all-to-alls, context parallelism's exchanges) run again in the backward on every rank of their group alike.
+gradients; tests/test_recompute.py). What a forward records besides its output (Quantile Balancing's observation,
+expert-load counts, the balanced dispatch's statistics, AttnRes depth weights, QK-Clip's max logit) is recorded by
+the first pass only (model.layers.recomputing), and checkpoint restores the RNG it used (the CPU's and, on CUDA, the
+current device's: checkpointed_call names the device to torch's checkpoint, which finds devices among tensor
+arguments only), so those happen once per micro-batch whatever the policy. Collectives inside a region
+(sequence-parallel gathers, the MoE all-to-alls, context parallelism's exchanges) run again in the backward on every
+rank of their group alike.
 
 Under `train.compile` the whole-layer wrapper goes around the compiled layer (the recomputation calls the same
 compiled code). With train.compile_split=regions (the default) each selective region is compiled as its own graph
@@ -78,9 +80,33 @@ def _contexts(makers):
     return contextlib.nullcontext(), _entered(makers)
 
 
+_ANCHORS: dict = {}  # CUDA device index -> an empty tensor on it (_device_anchor)
+
+
+def _device_anchor():
+    """An empty tensor on the current CUDA device, where CUDA is in use (None elsewhere, and inside a compiled graph,
+    whose checkpoint keeps the RNG its own way). torch's checkpoint stashes and restores the RNG state of the devices
+    it finds among the tensor arguments only: a region called with none (the offloaded layer) or with a
+    ResidualState (a whole layer; pytree does not open it) would recompute with the CUDA generator where the forward
+    left it. Handed to the checkpoint beside the arguments, the anchor names the device."""
+    if torch.compiler.is_compiling() or not torch.cuda.is_initialized():
+        return None
+    index = torch.cuda.current_device()
+    if index not in _ANCHORS:
+        _ANCHORS[index] = torch.empty(0, device=torch.device("cuda", index))
+    return _ANCHORS[index]
+
+
+def _without_anchor(fn, _anchor, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
 def checkpointed_call(fn, *args, **kwargs):
-    """fn(*args, **kwargs) under torch's non-reentrant checkpoint, the RNG state kept, the recomputation in the
-    FORWARD_CONTEXTS this forward runs in."""
+    """fn(*args, **kwargs) under torch's non-reentrant checkpoint, the RNG state kept (the CPU's and the current
+    CUDA device's), the recomputation in the FORWARD_CONTEXTS this forward runs in."""
+    anchor = _device_anchor()
+    if anchor is not None:
+        fn, args = functools.partial(_without_anchor, fn), (anchor, *args)
     if FORWARD_CONTEXTS:
         return _checkpoint_in_contexts(fn, *args, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

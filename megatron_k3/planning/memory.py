@@ -487,7 +487,9 @@ def _layer_reads(cfg, k: int, partial_only: bool = False) -> int:
 def offload_first_load_bytes(cfg, lay: Layout, w: Workload, a: int, b: int, host: float) -> float:
     """Per micro-batch, what a stage of layers a..b-1 waits for at the start of its backward under activation
     offload: the inputs of its last offloaded layer, which the backward reads first and nothing has prefetched (each
-    later layer's are loaded while the one after it recomputes); at most the micro-batch's share on the host."""
+    later layer's are loaded while the one after it recomputes); at most the micro-batch's share on the host. A bound
+    where the budget keeps the last layers' inputs on the device (reading those prefetches the layer before: only the
+    offloaded AttnRes blocks they read wait)."""
     full = lay.full_layers(a, b)
     if not host or not len(full):
         return 0.0
