@@ -7,8 +7,8 @@ against the emulation. Prints one table; run on a CUDA machine:
 
     .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096] [--only kda,recompute,...]
 
-Each check prints its rows (and its time) when it is done, so a run cut short by a time limit keeps what finished;
---only reruns some of them.
+Each row is printed as it is made, and each check's table (and its time) when it is done, so a run cut short by a time
+limit keeps what finished; --only reruns some of them.
 
 Equality is max|ours - fla| / max|fla| in fp32 (outputs, final state, gradients of every input);
 speed is the ratio fla_time / ours_time of forward+backward, same inputs, same process.
@@ -539,6 +539,14 @@ CHECKS = {"kda": kda_check, "model": model_check, "recompute": recompute_check, 
           "precision": precision_check}
 
 
+class _LiveRows(list):
+    """A check's rows, each also printed as it is added: a run cut short by a time limit keeps every row done."""
+
+    def append(self, row):
+        super().append(row)
+        print("  + " + " | ".join(str(c) for c in row), flush=True)
+
+
 def _print_rows(rows):
     widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
     for r in rows:
@@ -566,7 +574,7 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     for name in args.only.split(","):  # each check's rows as soon as it is done: a time limit keeps the rest
-        rows, t0 = [("check", "ours", "fla", "result")], time.perf_counter()
+        rows, t0 = _LiveRows([("check", "ours", "fla", "result")]), time.perf_counter()
         try:
             CHECKS[name](args, rows)
         except Exception as e:  # noqa: BLE001 - report every check, keep going

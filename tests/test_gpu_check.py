@@ -65,6 +65,25 @@ def test_without_cuda_it_says_so(gpu_check, monkeypatch, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_each_row_is_printed_as_it_is_made(gpu_check, monkeypatch, capsys):
+    """A check's rows reach the log one by one, before the check ends (a device run cut short by its time limit keeps
+    them); a check that raises gets a FAILED row and the next check still runs."""
+    def check(args, rows):
+        rows.append(("first variant", "-", "-", "done"))
+        print("the check goes on", flush=True)
+        raise RuntimeError("a compile that never ends")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(gpu_check, "CHECKS", {"one": check, "two": lambda args, rows: rows})
+    monkeypatch.setattr("sys.argv", ["gpu_check.py"])
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # main sets it when unset: not past this test
+    assert gpu_check.main() == 0
+    out = capsys.readouterr().out
+    assert out.index("+ first variant | - | - | done") < out.index("the check goes on") < out.index("== one"), out
+    assert "FAILED: RuntimeError: a compile that never ends" in out and "== two" in out, out
+
+
 def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--only", "kda,recompte"])
     with pytest.raises(SystemExit):
