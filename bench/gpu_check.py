@@ -242,11 +242,11 @@ def _against(grads, ref, exact: bool) -> str:
     return "equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})"
 
 
-def recompute_check(args, rows, device=None, backend="inductor"):
+def recompute_check(args, rows, device=None, backend="inductor", modes=(False,)):
     """train.recompute on the device, fp32, under train.deterministic's settings: selective, full and full with
     activation offload (pinned host buffers, side streams, prefetch: parallel/offload.py's CUDA path) against none,
-    eager and compiled; every gradient must be equal to the bit, and compiled none's within 1e-4 of eager none's.
-    Rows: time and peak memory as ratios to none."""
+    eager (`recompute`) and compiled (`recompute_compiled`, which runs eager none too); every gradient must be equal
+    to the bit, and compiled none's within 1e-4 of eager none's. Rows: time and peak memory as ratios to none."""
     from megatron_k3.config import load_model_config
     from megatron_k3.training.compile import set_deterministic
 
@@ -257,8 +257,11 @@ def recompute_check(args, rows, device=None, backend="inductor"):
     set_deterministic(True, device)
     eager = None
     try:
-        _rng_check(rows, device)
-        for compiled in (False, True):
+        if False in modes:  # eager
+            _rng_check(rows, device)
+        else:  # the eager none compiled none is compared with, no row of its own
+            eager = _recompute_step(cfg, ids, "none", {}, False, backend, reps=1)[0]
+        for compiled in modes:
             ref = None
             for name, kw, tiles, stress in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
                 label = _variant_label(name, kw, tiles, stress, compiled, args.recompute_seq)
@@ -535,8 +538,14 @@ def precision_check(args=None, rows=None) -> list:
     return rows
 
 
+def recompute_compiled_check(args, rows, device=None, backend="inductor"):
+    """recompute_check's first COMPILED_VARIANTS with every layer compiled: minutes of compiling under inductor, so a
+    check of its own, run after the others."""
+    return recompute_check(args, rows, device, backend, modes=(True,))
+
+
 CHECKS = {"kda": kda_check, "model": model_check, "recompute": recompute_check, "offload": offload_check,
-          "precision": precision_check}
+          "precision": precision_check, "recompute_compiled": recompute_compiled_check}
 
 
 class _LiveRows(list):

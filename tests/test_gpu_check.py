@@ -37,11 +37,13 @@ def test_the_device_checks_pass_on_the_cpu(gpu_check):
 @pytest.mark.slow
 def test_the_recompute_check_passes_on_the_cpu(gpu_check):
     """The recomputation's random numbers, then every recomputation, offload and tiling variant eager (the stressed
-    ones as plain here: the stall is a CUDA kernel), the first four compiled too (aot_eager here; inductor on the
-    GPU): gradients bit for bit none's, tiled ones within the check's 1e-4, compiled none within 1e-4 of eager none;
-    each offload row's host buffers in use."""
+    ones as plain here: the stall is a CUDA kernel), then the first four compiled (recompute_compiled; aot_eager here,
+    inductor on the GPU): gradients bit for bit none's, tiled ones within the check's 1e-4, compiled none within 1e-4
+    of eager none; each offload row's host buffers in use."""
     args = types.SimpleNamespace(recompute_seq=64, recompute_reps=1)
     rows = gpu_check.recompute_check(args, [], torch.device("cpu"), backend="aot_eager")
+    assert len(rows) == 1 + len(gpu_check.RECOMPUTE_VARIANTS), rows
+    rows = gpu_check.recompute_compiled_check(args, rows, torch.device("cpu"), backend="aot_eager")
     assert len(rows) == 1 + len(gpu_check.RECOMPUTE_VARIANTS) + gpu_check.COMPILED_VARIANTS == 15, rows
     assert not _failed(rows), _failed(rows)
     assert rows[0][3] == "the same draws", rows[0]
@@ -88,8 +90,8 @@ def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--only", "kda,recompte"])
     with pytest.raises(SystemExit):
         gpu_check.main()
-    assert "--only: unknown check(s) ['recompte']; valid: kda, model, recompute, offload, precision" in (
-        capsys.readouterr().err)
+    valid = "kda, model, recompute, offload, precision, recompute_compiled"
+    assert f"--only: unknown check(s) ['recompte']; valid: {valid}" in capsys.readouterr().err
 
 
 # A lent GPU machine's image (the device tool's KINDS.md, its package list of 2026-11-17), as import names: the
@@ -170,5 +172,6 @@ def test_device_run_installs_the_carried_wheels_and_runs_the_checks(tmp_path):
     run = subprocess.run(["bash", "bench/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run
-    assert "gpu_check ['--only', 'offload,recompute,precision,kda,model'] 42" in run.stdout, run.stdout
+    order = "offload,recompute,precision,kda,model,recompute_compiled"
+    assert f"gpu_check ['--only', '{order}'] 42" in run.stdout, run.stdout
     assert "torch " in run.stdout and "gpu_check ['--only'" in (tmp_path / "gpu_check.log").read_text()
