@@ -162,3 +162,56 @@ def test_sq_norm64_is_the_float64_sum_of_squares_chunk_by_chunk(dtype):
     got, want = sq_norm64(t), t.double().pow(2).sum()
     assert got.dtype == torch.float64 and got.dim() == 0
     assert abs(got.item() - want.item()) <= 1e-15 * want.item()
+
+
+def _autocast_bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_fp32_math_stays_fp32_under_a_bf16_autocast():
+    """What runs in fp32 on purpose runs in fp32 under the bf16 autocast the Trainer puts around the forward (which
+    would run its GEMMs, matmuls and einsums in bf16): the router's scores and combine weights, and KDA's torch path
+    (chunked and step by step), bit for bit the same calls without autocast, gradients included."""
+    from megatron_k3.model.router import TopKRouter
+    from megatron_k3.ops.kda import chunk_kda, recurrent_kda
+
+    g = torch.Generator().manual_seed(5)
+    router = TopKRouter(32, 16, 4)
+    router.weight.data.normal_(0, 0.2, generator=g)
+    x = torch.randn(24, 32, generator=g)
+    plain = router(x)
+    with _autocast_bf16():
+        cast = router(x)
+    assert cast.scores_NE.dtype == cast.topk_weight_Nk.dtype == torch.float32
+    assert torch.equal(cast.scores_NE, plain.scores_NE) and torch.equal(cast.topk_idx_Nk, plain.topk_idx_Nk)
+    assert torch.equal(cast.topk_weight_Nk, plain.topk_weight_Nk)
+
+    q, k = (F.normalize(torch.randn(1, 40, 2, 8, generator=g), dim=-1) for _ in range(2))
+    ins = dict(q=q, k=k, v=torch.randn(1, 40, 2, 8, generator=g), g=-torch.rand(1, 40, 2, 8, generator=g),
+               beta=torch.rand(1, 40, 2, generator=g))
+    for fn, kw in ((chunk_kda, dict(chunk_size=16, backend="torch")), (recurrent_kda, {})):
+        outs = []
+        for autocast in (False, True):
+            leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
+            with _autocast_bf16() if autocast else torch.autocast("cpu", enabled=False):
+                o, _ = fn(**leaves, **kw)
+            o.square().sum().backward()
+            outs.append([o] + [t.grad for t in leaves.values()])
+        assert outs[1][0].dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(*outs)), fn.__name__
+
+
+def test_routed_experts_take_the_autocast_dtype_of_an_fp32_input():
+    """A model without the latent projection (Kimi Linear) hands its routed experts the fp32 residual stream; under a
+    bf16 autocast their grouped GEMMs run in bf16, as its linears do (autocast does not list torch._grouped_mm, which
+    would otherwise run them in fp32): the same output as the input cast to bf16 first."""
+    from megatron_k3.model.experts import GroupedExperts
+
+    g = torch.Generator().manual_seed(6)
+    experts = GroupedExperts(4, 16, 32, "situ")
+    for w in experts.parameters():
+        w.data.normal_(0, 0.2, generator=g)
+    x, offs = torch.randn(24, 16, generator=g), torch.tensor([5, 11, 11, 24])
+    with _autocast_bf16():
+        got = experts(x, offs)
+        ref = experts(x.bfloat16(), offs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)

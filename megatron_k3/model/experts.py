@@ -13,6 +13,7 @@ from torch import nn
 
 from ..annotations import annotate
 from ..ops.grouped_gemm import DownCombine, GateUpGLU, GroupedDown, experts_reference, grouped_mm
+from ..ops.numerics import autocast_input
 
 
 class GroupedExperts(nn.Module):
@@ -46,6 +47,7 @@ class GroupedExperts(nn.Module):
         # in the forward and again in the backward: no quantised copy of the weights is kept per micro-batch
         w1, w3, w2, q = self.w1, self.w3, self.w2, self.qat
         wq = None if q is None else q.weight_fn
+        x = autocast_input(x)  # under a bf16 autocast the grouped GEMMs run in bf16, as a linear would
         if q is not None:
             x = q.act(x)
         if replicas is not None:  # row groups of the own experts, then of the replicas (balanced dispatch)

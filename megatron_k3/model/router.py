@@ -1,9 +1,9 @@
 """Sigmoid top-k router with a selection-only correction bias (DeepSeek-V3 `noaux_tc` lineage, as in K3).
 
 Legend: N tokens, D hidden, E experts, k experts per token, G router groups.
-scores = sigmoid(x W^T) in fp32 on the full-width token; experts are chosen by top-k of (scores + bias),
-weighted by the chosen raw scores, renormalised, times routed_scaling_factor. The bias only selects;
-it is updated outside autograd (Quantile Balancing) and stays fp32.
+scores = sigmoid(x W^T) in fp32 on the full-width token (a bf16 autocast around the forward included); experts are
+chosen by top-k of (scores + bias), weighted by the chosen raw scores, renormalised, times routed_scaling_factor.
+The bias only selects; it is updated outside autograd (Quantile Balancing) and stays fp32.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.numerics import compute_dtype
+from ..ops.numerics import compute_dtype, without_autocast
 
 
 @dataclass
@@ -54,7 +54,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         wide = compute_dtype(x_ND)
-        scores = torch.sigmoid(F.linear(x_ND.to(wide), self.weight.to(wide)))
+        with without_autocast(x_ND.device.type):  # fp32 under a bf16 autocast too (it would run the GEMM in bf16)
+            scores = torch.sigmoid(F.linear(x_ND.to(wide), self.weight.to(wide)))
         if self.force_balanced:  # debug knob: round-robin, every expert gets the same number of tokens
             N = scores.shape[0]
             base = torch.arange(N, device=scores.device)[:, None] * self.top_k

@@ -28,7 +28,6 @@ tensors is the identity (interop.k3_layout).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..annotations import annotate
+from ..ops.numerics import without_autocast
 from .layers import Linear
 from .norm import RMSNorm
 
@@ -131,8 +131,7 @@ def interpolate_table(table: torch.Tensor, h: int, w: int, mode: str) -> torch.T
     dt = torch.promote_types(table.dtype, torch.float32)
     rows = interpolation_matrix(table.shape[0], h, mode, table.device, dt)
     cols = interpolation_matrix(table.shape[1], w, mode, table.device, dt)
-    kind = table.device.type  # (meta, where the planner builds, has no autocast)
-    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
+    with without_autocast(table.device.type):
         out = torch.einsum("ia,abd->ibd", rows, table.to(dt))
         out = torch.einsum("jb,ibd->ijd", cols, out)
     return out.to(table.dtype)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, without_autocast
 
 __all__ = ["chunk_kda", "recurrent_kda", "runs_fused"]
 
@@ -137,31 +137,32 @@ def recurrent_kda(
     States are [B, HV, K, V] fp32 ([N, HV, K, V] with `cu_seqlens`, B = 1). Returns (o [B, T, HV, V], final state or
     None). Math in fp32 (fp64 for fp64 inputs); o has v's dtype.
     """
-    B, T, H, K, HV, V, N, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
-    scale = K**-0.5 if scale is None else scale
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    q_BTHK, k_BTHK = (x.to(dt).repeat_interleave(HV // H, dim=2) for x in (q, k))
-    v_BTHV, g_BTHK, beta_BTH = v.to(dt), g.to(dt), beta.to(dt)
-    segments = [(0, T, slice(None))] if cu_list is None else [(a, b, slice(n, n + 1)) for n, (a, b) in
-                                                                  enumerate(zip(cu_list[:-1], cu_list[1:]))]
-    outs, finals = [], []
-    for start, end, rows in segments:
-        if initial_state is None:
-            S_BHKV = q_BTHK.new_zeros(B if cu_list is None else 1, HV, K, V)
-        else:
-            S_BHKV = initial_state[rows].to(dt)
-        for t in range(start, end):
-            k_t = k_BTHK[:, t]
-            S_BHKV = S_BHKV * g_BTHK[:, t].exp()[..., None]
-            err_BHV = v_BTHV[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S_BHKV)
-            S_BHKV = S_BHKV + (beta_BTH[:, t, :, None] * k_t)[..., None] * err_BHV[..., None, :]
-            outs.append(torch.einsum("bhk,bhkv->bhv", q_BTHK[:, t] * scale, S_BHKV))
-        finals.append(S_BHKV)
-    o_BTHV = torch.stack(outs, dim=1) if outs else v_BTHV.new_zeros(B, 0, HV, V)
-    final = None
-    if output_final_state:
-        final = torch.cat(finals, dim=0)
-    return o_BTHV.to(v.dtype), final
+    with without_autocast(q.device.type):  # fp32 math under a bf16 autocast too
+        B, T, H, K, HV, V, N, cu_list = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+        scale = K**-0.5 if scale is None else scale
+        dt = compute_dtype(q, k, v, g, beta, initial_state)
+        q_BTHK, k_BTHK = (x.to(dt).repeat_interleave(HV // H, dim=2) for x in (q, k))
+        v_BTHV, g_BTHK, beta_BTH = v.to(dt), g.to(dt), beta.to(dt)
+        segments = [(0, T, slice(None))] if cu_list is None else [(a, b, slice(n, n + 1)) for n, (a, b) in
+                                                                      enumerate(zip(cu_list[:-1], cu_list[1:]))]
+        outs, finals = [], []
+        for start, end, rows in segments:
+            if initial_state is None:
+                S_BHKV = q_BTHK.new_zeros(B if cu_list is None else 1, HV, K, V)
+            else:
+                S_BHKV = initial_state[rows].to(dt)
+            for t in range(start, end):
+                k_t = k_BTHK[:, t]
+                S_BHKV = S_BHKV * g_BTHK[:, t].exp()[..., None]
+                err_BHV = v_BTHV[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S_BHKV)
+                S_BHKV = S_BHKV + (beta_BTH[:, t, :, None] * k_t)[..., None] * err_BHV[..., None, :]
+                outs.append(torch.einsum("bhk,bhkv->bhv", q_BTHK[:, t] * scale, S_BHKV))
+            finals.append(S_BHKV)
+        o_BTHV = torch.stack(outs, dim=1) if outs else v_BTHV.new_zeros(B, 0, HV, V)
+        final = None
+        if output_final_state:
+            final = torch.cat(finals, dim=0)
+        return o_BTHV.to(v.dtype), final
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -220,8 +221,9 @@ def chunk_kda(
             raise RuntimeError(
                 "backend='fla' needs CUDA tensors, chunk_size 32 or 64 and an importable flash-linear-attention"
             )
-    return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list,
-                            seq_idx, state_doc)
+    with without_autocast(q.device.type):  # fp32 math under a bf16 autocast too
+        return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_list,
+                                seq_idx, state_doc)
 
 
 def _fla_chunk(fla_fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, seq_idx, chunk_size,

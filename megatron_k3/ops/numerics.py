@@ -3,9 +3,33 @@ tests) stay fp64."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["atleast_fp32", "compute_dtype", "in_dtype", "sq_norm64", "start_cpu_threads"]
+__all__ = ["atleast_fp32", "autocast_input", "compute_dtype", "in_dtype", "sq_norm64", "start_cpu_threads",
+           "without_autocast"]
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype where an autocast of its device is on and x is fp32, as torch.autocast casts a
+    linear's input: for the GEMMs autocast does not list (torch._grouped_mm, our grouped GEMM Functions), which would
+    otherwise run in fp32 on an fp32 input (a model without the latent projection feeds the experts the fp32
+    residual stream). x itself otherwise."""
+    kind = x.device.type
+    if x.dtype == torch.float32 and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+def without_autocast(device_type: str):
+    """A context in which torch.autocast leaves `device_type`'s ops in the dtypes they are given: for math done in
+    fp32 on purpose (the router's scores, KDA's torch path, the vision tower's table interpolation), whose GEMMs,
+    matmuls and einsums a bf16 autocast around the forward would otherwise run in bf16. Nothing for a device type
+    without autocast (meta, where the planner builds)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def atleast_fp32(x: torch.Tensor) -> torch.Tensor:
