@@ -4,7 +4,8 @@
 # what it runs with, and runs the checks, each one's rows printed as it finishes, the log also in $OUT. Arguments go
 # to gpu_check.py (--only recompute,offload reruns some); without any, the checks that have never run anywhere come
 # first (the offload's CUDA path, then recomputation on the device; issue 33 waits on them) and inductor's minutes of
-# compiling the recomputation variants last, so a time limit cuts the ones with CPU stand-ins. One call, for example:
+# compiling (model_compiled, recompute_compiled) last, so a time limit cuts the ones with CPU stand-ins; a second
+# call with `--only model_compiled,recompute_compiled` runs those if the first did not reach them. One call, for example:
 #   run(command="bash bench/device_run.sh", carry=[".whl"], timeout_s=540)
 # `--install-only` installs the wheels into SITE and stops (make test-device-torch uses it here).
 set -uo pipefail
@@ -31,5 +32,5 @@ for name in ("triton", "fla", "torchao", "omegaconf", "transformer_engine"):
     except Exception as e:  # noqa: BLE001 - report and go on: each check says what it misses
         print(f"  {name} unavailable: {type(e).__name__}: {e}")
 PYEOF
-[ $# -gt 0 ] || set -- --only offload,recompute,precision,kda,model,recompute_compiled
+[ $# -gt 0 ] || set -- --only offload,recompute,precision,kda,model,model_compiled,recompute_compiled
 $PY bench/gpu_check.py "$@" 2>&1 | tee -a "$LOG"

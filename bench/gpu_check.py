@@ -57,18 +57,46 @@ def kda_inputs(B, T, H, K, dtype, seed=0):
     gate = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device=dev, generator=g) - 2.0)
     beta = torch.sigmoid(torch.randn(B, T, H, device=dev, generator=g))
     h0 = torch.randn(B, H, K, K, device=dev, generator=g) * 0.1
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)] + [gate.requires_grad_(), beta.to(dtype).requires_grad_(),
+    # q, k, v in the run's dtype; the gate, beta and the state fp32, as the model hands them to the kernel
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)] + [gate.requires_grad_(), beta.requires_grad_(),
                                                                 h0.requires_grad_()]
+
+
+FLA_TUNING = ["fla's full autotuning"]  # what the speed ratios are over (main trims it: --fla-tuning)
+KDA_TOLERANCE = {"fp32": 1e-2, "bf16": 5e-2}  # fla: TF32 dots in fp32, bf16 chunk terms and states in bf16; a
+# convention error (the gate's base, beta's place, the state's layout) is O(1)
+
+
+def trim_fla_autotuning(min_warps: int = 4) -> tuple:
+    """Drop fla's Triton autotuning configs of fewer than `min_warps` warps (where any of at least that many remain):
+    Triton compiles every config of a kernel, one after another, for each new key (dtypes and head shapes), minutes
+    per KDA shape; the 2-warp configs take most of it and are not the fastest on Hopper. (configs before, after)."""
+    import triton
+
+    before = after = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("fla.ops"):
+            continue
+        for obj in list(vars(mod).values()):
+            while obj is not None and not isinstance(obj, (triton.runtime.Autotuner, triton.runtime.JITFunction)):
+                obj = getattr(obj, "fn", None)
+            if isinstance(obj, triton.runtime.Autotuner) and not getattr(obj, "_k3_trimmed", False):
+                obj._k3_trimmed = True
+                kept = [c for c in obj.configs if c.num_warps >= min_warps]
+                before, after = before + len(obj.configs), after + len(kept or obj.configs)
+                obj.configs = kept or obj.configs
+    return before, after
 
 
 def kda_check(args, rows):
     from megatron_k3.ops.kda import chunk_kda
 
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        import fla.ops.kda  # noqa: F401 - the peer: our chunk_kda calls its fused kernel under backend="fla"
     except Exception as e:  # noqa: BLE001
         rows.append(("kda fla import", "-", "-", f"unavailable: {e}"))
         return
+    tuning = FLA_TUNING[0]
     def run(fn, ins, go, gs):
         for t in ins:
             t.grad = None
@@ -79,10 +107,10 @@ def kda_check(args, rows):
     def ours_fn(*a, **kw):
         return chunk_kda(*a, **kw, backend="torch")
 
-    def fla_fn(*a, **kw):
-        return fla_chunk_kda(*a, **kw, safe_gate=True, lower_bound=-5.0)
+    def fla_fn(*a, **kw):  # fla's kernel through our wrapper, as the model calls it on CUDA (K3's gate bound)
+        return chunk_kda(*a, **kw, backend="fla", lower_bound=-5.0)
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[d]) for d in args.kda_dtypes.split(",")):
         io = (kda_inputs(1, args.T, args.H, 128, dtype),
               torch.randn(1, args.T, args.H, 128, device="cuda", dtype=dtype),
               torch.randn(1, args.H, 128, 128, device="cuda"))
@@ -90,14 +118,17 @@ def kda_check(args, rows):
         errs = [rel(ours[0], ref[0]), rel(ours[1], ref[1])] + [rel(a, b) for a, b in zip(ours[2], ref[2])]
         t_ours = timed(lambda io=io: run(ours_fn, *io), args.reps)
         t_fla = timed(lambda io=io: run(fla_fn, *io), args.reps)
-        name = f"kda fwd+bwd T={args.T} H={args.H} {str(dtype).split('.')[-1]}"
+        short = "fp32" if dtype == torch.float32 else "bf16"
+        name = f"kda fwd+bwd T={args.T} H={args.H} {short}"
+        bad = "" if max(errs) < KDA_TOLERANCE[short] else f"; FAILED: above {KDA_TOLERANCE[short]:g}"
         rows.append((name, f"{t_ours * 1e3:.2f} ms", f"{t_fla * 1e3:.2f} ms",
-                     f"max rel err {max(errs):.2e}; fla/ours time {t_fla / t_ours:.3f}"))
+                     f"max rel err {max(errs):.2e}{bad}; fla/ours time {t_fla / t_ours:.3f} ({tuning})"))
 
 
-def model_check(args, rows, device=None, model_name="k3_small", backend="inductor"):
-    """k3_small forward+backward in bf16 autocast, eager and with every decoder layer compiled (train.compile's
-    compile_layers): first step (the compile), steady step, tokens/s and MFU against --peak-tflops, side by side."""
+def model_check(args, rows, device=None, model_name="k3_small", backend="inductor", modes=(False,)):
+    """k3_small forward+backward in bf16 autocast, eager (`model`) or with every decoder layer compiled
+    (`model_compiled`: train.compile's compile_layers): first step (the compile), steady step, tokens/s and MFU
+    against --peak-tflops."""
     from megatron_k3.config import load_model_config
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.training.compile import compile_layers
@@ -108,7 +139,7 @@ def model_check(args, rows, device=None, model_name="k3_small", backend="inducto
     cfg = load_model_config(model_name)
     flops = train_flops_per_token(cfg, args.seq) * args.seq  # one sequence's forward + backward model FLOPs
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    for compiled in (False, True):
+    for compiled in modes:
         torch.manual_seed(0)
         model = K3ForCausalLM(cfg).to(device)
         if compiled:
@@ -395,16 +426,29 @@ def _emulation_checks(rows, device):
 
 
 def _qat_check(rows, device):
-    """k3_tiny with mx_qat on CUDA: forward+backward, and export -> import -> forward bit-exact."""
+    """k3_tiny with mx_qat on CUDA: forward+backward, and export -> import -> forward bit-exact (under
+    train.deterministic's settings)."""
     from megatron_k3.config import load_model_config
-    from megatron_k3.interop.k3_experts import export_model_experts, import_model_experts
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.precision.qat import ExpertQAT, enable_expert_qat
+    from megatron_k3.training.compile import set_deterministic
 
     cfg = load_model_config("k3_tiny")
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device)
     enable_expert_qat(model, ExpertQAT())
+    set_deterministic(True, device)  # the combine's index_add_ runs with atomics on CUDA otherwise: not bit-exact
+    try:
+        _qat_round_trip(rows, cfg, model, device)
+    finally:
+        set_deterministic(False, device)
+
+
+def _qat_round_trip(rows, cfg, model, device):
+    from megatron_k3.interop.k3_experts import export_model_experts, import_model_experts
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.precision.qat import ExpertQAT, enable_expert_qat
+
     ids = torch.randint(0, cfg.vocab_size, (2, 128), device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(ids, labels=ids.roll(-1, 1), return_logits=True)
@@ -462,7 +506,9 @@ def _qat_gemm_check(rows, device):
     err_cpu = max(rel(a.cpu(), b) for a, b in zip(got, ours(torch.device("cpu"))[1]))
     rows.append(("mx_qat experts in the grouped GEMMs, fp32 (output, input and weight grads)", "-", "-",
                  f"vs per-expert up-front QAT max rel err {err:.1e}; vs the CPU run {err_cpu:.1e}"
-                 + ("" if max(err, err_cpu) < 1e-3 else " FAILED: above 1e-3 (QAT's own error is ~1e-1)")))
+                 # the hidden rows are E4M3-quantised after fp32 GEMMs summed in another order on each device and
+                 # in the reference: one value on a rounding boundary flips a step, ~1e-3 of the output
+                 + ("" if max(err, err_cpu) < 2e-2 else " FAILED: above 2e-2 (QAT's own error is ~1e-1)")))
 
 
 def _te_checks(rows, device):
@@ -538,6 +584,11 @@ def precision_check(args=None, rows=None) -> list:
     return rows
 
 
+def model_compiled_check(args, rows, device=None, model_name="k3_small", backend="inductor"):
+    """model_check with every decoder layer compiled (inductor: minutes), a check of its own, run after the others."""
+    return model_check(args, rows, device, model_name, backend, modes=(True,))
+
+
 def recompute_compiled_check(args, rows, device=None, backend="inductor"):
     """recompute_check's first COMPILED_VARIANTS with every layer compiled: minutes of compiling under inductor, so a
     check of its own, run after the others."""
@@ -545,7 +596,8 @@ def recompute_compiled_check(args, rows, device=None, backend="inductor"):
 
 
 CHECKS = {"kda": kda_check, "model": model_check, "recompute": recompute_check, "offload": offload_check,
-          "precision": precision_check, "recompute_compiled": recompute_compiled_check}
+          "precision": precision_check, "model_compiled": model_compiled_check,
+          "recompute_compiled": recompute_compiled_check}
 
 
 class _LiveRows(list):
@@ -565,7 +617,12 @@ def _print_rows(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--H", type=int, default=12, help="KDA heads (k3_small's: the model check reuses the tuning)")
+    ap.add_argument("--kda-dtypes", default="bf16", help="the KDA check's dtypes: bf16, fp32 or fp32,bf16 (fp32 is a "
+                    "cold autotune of every fla kernel again: minutes)")
+    ap.add_argument("--fla-tuning", choices=("trimmed", "full"), default="trimmed",
+                    help="fla's Triton autotuning: trimmed to configs of >= 4 warps (trim_fla_autotuning; minutes "
+                         "less per kernel shape), or full")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100/H200: 989)")
@@ -576,12 +633,22 @@ def main():
     unknown = sorted(set(args.only.split(",")) - set(CHECKS))
     if unknown:
         ap.error(f"--only: unknown check(s) {unknown}; valid: {', '.join(CHECKS)}")
+    bad = sorted(set(args.kda_dtypes.split(",")) - set(KDA_TOLERANCE))
+    if bad:
+        ap.error(f"--kda-dtypes: unknown {bad}; valid: {', '.join(KDA_TOLERANCE)}")
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
         return 2
     # recompute_check sets it too, but cuBLAS reads it when the first handle is made: before kda_check
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.fla_tuning == "trimmed":  # before any check's first fla kernel
+        try:
+            import fla.ops.kda  # noqa: F401 - loads the modules whose autotuners are trimmed
+            FLA_TUNING[0] = "fla's autotuning trimmed to >= 4 warps: %d -> %d configs" % trim_fla_autotuning()
+            print(FLA_TUNING[0], flush=True)
+        except Exception as e:  # noqa: BLE001 - fla missing: its checks say so
+            print(f"fla autotuning not trimmed: {type(e).__name__}: {e}", flush=True)
     for name in args.only.split(","):  # each check's rows as soon as it is done: a time limit keeps the rest
         rows, t0 = _LiveRows([("check", "ours", "fla", "result")]), time.perf_counter()
         try:

@@ -3,6 +3,7 @@ here on the CPU: a check that raises, or reports a failure, on the CPU would do 
 run a GPU session gets. (Its `_mx_inputs` broke every MX row this way: a [M, K/32, 32] scale times an [M, K]
 tensor.) What is CUDA's own (pinned buffers, side streams, fla's fused kernel, TransformerEngine) runs only there."""
 
+import sys
 import types
 from pathlib import Path
 
@@ -57,8 +58,28 @@ def test_the_model_check_runs_on_the_cpu(gpu_check):
     """The MFU rows, eager and compiled (k3_tiny and aot_eager here; k3_small and inductor on the GPU)."""
     args = types.SimpleNamespace(seq=64, reps=2, peak_tflops=989.0)
     rows = gpu_check.model_check(args, [], torch.device("cpu"), "k3_tiny", "aot_eager")
+    rows = gpu_check.model_compiled_check(args, rows, torch.device("cpu"), "k3_tiny", "aot_eager")
     assert [r[0].split(", ")[-1] for r in rows] == ["eager", "compiled"] and not _failed(rows), rows
     assert rows[0][3].split("; loss ")[1][:5] == rows[1][3].split("; loss ")[1][:5], rows  # the same model
+
+
+def test_fla_autotuning_is_trimmed_once_to_configs_of_four_warps_or_more(gpu_check):
+    """The device run's --fla-tuning=trimmed: every Triton autotuner of fla.ops (reached through its decorators) keeps
+    its configs of >= 4 warps (all of them where none has that many), once."""
+    import fla.ops.kda  # noqa: F401 - loads fla.ops' kernels (their autotuners exist on the CPU too)
+    import triton
+
+    before, after = gpu_check.trim_fla_autotuning()
+    assert before > after > 0 and gpu_check.trim_fla_autotuning() == (0, 0), (before, after)
+    tuners = []
+    for name, mod in list(sys.modules.items()):
+        for obj in list(vars(mod).values()) if mod is not None and name.startswith("fla.ops") else []:
+            while obj is not None and not isinstance(obj, (triton.runtime.Autotuner, triton.runtime.JITFunction)):
+                obj = getattr(obj, "fn", None)
+            if isinstance(obj, triton.runtime.Autotuner):
+                tuners.append(obj)
+    assert tuners and all(t._k3_trimmed for t in tuners)
+    assert all(all(c.num_warps >= 4 for c in t.configs) or all(c.num_warps < 4 for c in t.configs) for t in tuners)
 
 
 def test_without_cuda_it_says_so(gpu_check, monkeypatch, capsys):
@@ -90,7 +111,7 @@ def test_only_names_the_checks(gpu_check, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--only", "kda,recompte"])
     with pytest.raises(SystemExit):
         gpu_check.main()
-    valid = "kda, model, recompute, offload, precision, recompute_compiled"
+    valid = "kda, model, recompute, offload, precision, model_compiled, recompute_compiled"
     assert f"--only: unknown check(s) ['recompte']; valid: {valid}" in capsys.readouterr().err
 
 
@@ -172,6 +193,6 @@ def test_device_run_installs_the_carried_wheels_and_runs_the_checks(tmp_path):
     run = subprocess.run(["bash", "bench/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run
-    order = "offload,recompute,precision,kda,model,recompute_compiled"
+    order = "offload,recompute,precision,kda,model,model_compiled,recompute_compiled"
     assert f"gpu_check ['--only', '{order}'] 42" in run.stdout, run.stdout
     assert "torch " in run.stdout and "gpu_check ['--only'" in (tmp_path / "gpu_check.log").read_text()
