@@ -5,7 +5,7 @@ make test (fast: dynamo's tracing, no code generation):
   reports one graph and zero breaks (train.compile_split=layer); split at its recomputation regions (regions, the
   default), each region traces alone as one graph with zero breaks and the layer breaks only at the region calls.
   In one process (dropless dispatch on plain rows, drop dispatch on packed documents, the Kimi Linear layout on
-  packed documents; tests/test_model.py traces K3's dropless layers on packed rows) and under tp2, tp2+SP with packed
+  packed documents; tests/test_model.py traces K3's dropless layers on packed rows) and under tp2+SP with packed
   documents, ep2 (drop and balanced dispatch) and cp2.
 - A machine without a C++ compiler stops train.compile=true at start-up with one line.
 - train.deterministic's process-wide settings are put back at the run's end.
@@ -139,8 +139,7 @@ def _explain_cases(rank, world, cases):
 @pytest.mark.parametrize("world,cases", [
     (1, [("one-process", [], False), ("drop-packed", ["model.moe_overflow=drop"], True),
          ("kimi-linear-packed", ["model=kimi_linear_tiny"], True)]),  # SwiGLU experts, softplus gate, rope MLA
-    (2, [("tp2", ["parallel.tp=2"], False),
-         ("tp2-sp-packed", ["parallel.tp=2", "parallel.sequence_parallel=true"], True),
+    (2, [("tp2-sp-packed", ["parallel.tp=2", "parallel.sequence_parallel=true"], True),  # TP's paths, and SP's
          ("ep2-drop", ["parallel.ep=2"], False),
          ("ep2-balanced", ["parallel.ep=2", "model.moe_overflow=balanced"], False),
          ("cp2", ["parallel.cp=2"], False)]),

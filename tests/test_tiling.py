@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 
@@ -289,12 +290,19 @@ def _offload_steps(budget, copies=None):
     return grads, sizes, off
 
 
+@functools.cache
+def _full_steps():
+    """_offload_steps' gradients under full recomputation without offload: the reference of the offload tests (made
+    once per process; read only)."""
+    return _offload_steps(0)[0]
+
+
 def test_offload_reuses_its_host_buffers_within_the_budget():
     """The host copies live in buffers of exactly a tensor's size, made as first needed and reused (_offload_steps):
     the buffers come to the most held at once, not the sum over the steps; a budget of 3.5 tensors keeps the fourth on
     the device. Every gradient bit for bit full recomputation's."""
     one = 2 * 64 * 64 * 4  # a [2, 64, 64] fp32 layer input; 4 distinct per micro-batch (b0, 2 blocks, partials)
-    ref, _, _ = _offload_steps(0)
+    ref = _full_steps()
     # 3.5 tensors: the first micro-batch's fourth input and all the second's stay on the device, then one input of
     # each later forward: 7 in all
     for budget, allocated, on_device in ((10**9, 8 * one, 0), (3.5 * one, 3 * one, 7 * one)):
@@ -310,7 +318,7 @@ def test_asynchronous_offload_waits_for_each_copy(budget):
     (DeferredCopies): bit for bit full recomputation's over _offload_steps, with loads still queued while the
     backward ran on (the prefetch). Without the wait before a loaded tensor is read, or without the copy back waiting
     for the copy down, the same steps come out wrong (so the stand-in would see either missing)."""
-    ref, _, _ = _offload_steps(0)
+    ref = _full_steps()
     copies = DeferredCopies()
     grads, _, off = _offload_steps(int(budget), copies)
     assert all(torch.equal(a[n], b[n]) for a, b in zip(grads, ref) for n in b), budget
@@ -427,7 +435,7 @@ def test_cuda_copies_under_a_model_of_cuda_streams(monkeypatch, budget, fault):
     copy down) the same steps read freed memory or come out wrong: the model sees each missing."""
     from megatron_k3.parallel.offload import CudaCopies
 
-    ref, _, _ = _offload_steps(0)
+    ref = _full_steps()
     cuda = _CudaModel(monkeypatch)
     if fault == "record_stream":
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
