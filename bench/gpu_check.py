@@ -5,7 +5,7 @@ k3_small eager and compiled (train.compile: MFU side by side), activation recomp
 emulation on CUDA (against the CPU path and torchao), mx_qat on k3_tiny, and TransformerEngine's FP8/MXFP8 recipes
 against the emulation. Prints one table; run on a CUDA machine:
 
-    .venv/bin/python bench/gpu_check.py [--T 8192] [--H 16] [--reps 10] [--seq 4096] [--only kda,recompute,...]
+    .venv/bin/python bench/gpu_check.py [--T 8192] [--H 12] [--reps 10] [--seq 4096] [--only kda,recompute,...]
 
 Each row is printed as it is made, and each check's table (and its time) when it is done, so a run cut short by a time
 limit keeps what finished; --only reruns some of them.
@@ -63,28 +63,34 @@ def kda_inputs(B, T, H, K, dtype, seed=0):
 
 
 FLA_TUNING = ["fla's full autotuning"]  # what the speed ratios are over (main trims it: --fla-tuning)
+KDA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KDA_TOLERANCE = {"fp32": 1e-2, "bf16": 5e-2}  # fla: TF32 dots in fp32, bf16 chunk terms and states in bf16; a
 # convention error (the gate's base, beta's place, the state's layout) is O(1)
+
+
+def fla_autotuners():
+    """The Triton autotuners of the fla.ops modules loaded, each reached through the decorators around it (`.fn`)."""
+    import triton
+
+    for name, mod in list(sys.modules.items()):
+        for obj in list(vars(mod).values()) if mod is not None and name.startswith("fla.ops") else []:
+            while obj is not None and not isinstance(obj, (triton.runtime.Autotuner, triton.runtime.JITFunction)):
+                obj = getattr(obj, "fn", None)
+            if isinstance(obj, triton.runtime.Autotuner):
+                yield obj
 
 
 def trim_fla_autotuning(min_warps: int = 4) -> tuple:
     """Drop fla's Triton autotuning configs of fewer than `min_warps` warps (where any of at least that many remain):
     Triton compiles every config of a kernel, one after another, for each new key (dtypes and head shapes), minutes
     per KDA shape; the 2-warp configs take most of it and are not the fastest on Hopper. (configs before, after)."""
-    import triton
-
     before = after = 0
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith("fla.ops"):
-            continue
-        for obj in list(vars(mod).values()):
-            while obj is not None and not isinstance(obj, (triton.runtime.Autotuner, triton.runtime.JITFunction)):
-                obj = getattr(obj, "fn", None)
-            if isinstance(obj, triton.runtime.Autotuner) and not getattr(obj, "_k3_trimmed", False):
-                obj._k3_trimmed = True
-                kept = [c for c in obj.configs if c.num_warps >= min_warps]
-                before, after = before + len(obj.configs), after + len(kept or obj.configs)
-                obj.configs = kept or obj.configs
+    for tuner in fla_autotuners():
+        if not getattr(tuner, "_k3_trimmed", False):
+            tuner._k3_trimmed = True
+            kept = [c for c in tuner.configs if c.num_warps >= min_warps]
+            before, after = before + len(tuner.configs), after + len(kept or tuner.configs)
+            tuner.configs = kept or tuner.configs
     return before, after
 
 
@@ -110,7 +116,8 @@ def kda_check(args, rows):
     def fla_fn(*a, **kw):  # fla's kernel through our wrapper, as the model calls it on CUDA (K3's gate bound)
         return chunk_kda(*a, **kw, backend="fla", lower_bound=-5.0)
 
-    for dtype in (getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[d]) for d in args.kda_dtypes.split(",")):
+    for short in args.kda_dtypes.split(","):
+        dtype = KDA_DTYPES[short]
         io = (kda_inputs(1, args.T, args.H, 128, dtype),
               torch.randn(1, args.T, args.H, 128, device="cuda", dtype=dtype),
               torch.randn(1, args.H, 128, 128, device="cuda"))
@@ -118,14 +125,13 @@ def kda_check(args, rows):
         errs = [rel(ours[0], ref[0]), rel(ours[1], ref[1])] + [rel(a, b) for a, b in zip(ours[2], ref[2])]
         t_ours = timed(lambda io=io: run(ours_fn, *io), args.reps)
         t_fla = timed(lambda io=io: run(fla_fn, *io), args.reps)
-        short = "fp32" if dtype == torch.float32 else "bf16"
         name = f"kda fwd+bwd T={args.T} H={args.H} {short}"
         bad = "" if max(errs) < KDA_TOLERANCE[short] else f"; FAILED: above {KDA_TOLERANCE[short]:g}"
         rows.append((name, f"{t_ours * 1e3:.2f} ms", f"{t_fla * 1e3:.2f} ms",
                      f"max rel err {max(errs):.2e}{bad}; fla/ours time {t_fla / t_ours:.3f} ({tuning})"))
 
 
-def model_check(args, rows, device=None, model_name="k3_small", backend="inductor", modes=(False,)):
+def model_check(args, rows, device=None, model_name="k3_small", backend="inductor", compiled=False):
     """k3_small forward+backward in bf16 autocast, eager (`model`) or with every decoder layer compiled
     (`model_compiled`: train.compile's compile_layers): first step (the compile), steady step, tokens/s and MFU
     against --peak-tflops."""
@@ -139,33 +145,31 @@ def model_check(args, rows, device=None, model_name="k3_small", backend="inducto
     cfg = load_model_config(model_name)
     flops = train_flops_per_token(cfg, args.seq) * args.seq  # one sequence's forward + backward model FLOPs
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    for compiled in modes:
-        torch.manual_seed(0)
-        model = K3ForCausalLM(cfg).to(device)
-        if compiled:
-            compile_layers(model, backend)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to(device)
+    if compiled:
+        compile_layers(model, backend)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
 
-        def step(model=model):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = model(ids, labels=ids.roll(-1, 1))
-            out.loss.backward()
-            model.zero_grad(set_to_none=True)
-            return out.loss
+    def step(model=model):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(ids, labels=ids.roll(-1, 1))
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        return out.loss
 
-        t0 = time.perf_counter()
-        loss = step()
-        sync(device)
-        first = time.perf_counter() - t0
-        t = timed(step, max(1, args.reps // 2), device)
-        mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-        mfu = flops / t / (args.peak_tflops * 1e12)
-        ok = "" if torch.isfinite(loss) else "; FAILED: the loss is not finite"
-        rows.append((f"{model_name} fwd+bwd bf16 autocast seq={args.seq}, {'compiled' if compiled else 'eager'}",
-                     f"{t * 1e3:.1f} ms", "-", f"{args.seq / t:.0f} tok/s; MFU {mfu:.1%} of {args.peak_tflops:g} "
-                     f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB{ok}"))
-        del model, step
+    t0 = time.perf_counter()
+    loss = step()
+    sync(device)
+    first = time.perf_counter() - t0
+    t = timed(step, max(1, args.reps // 2), device)
+    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    mfu = flops / t / (args.peak_tflops * 1e12)
+    ok = "" if torch.isfinite(loss) else "; FAILED: the loss is not finite"
+    rows.append((f"{model_name} fwd+bwd bf16 autocast seq={args.seq}, {'compiled' if compiled else 'eager'}",
+                 f"{t * 1e3:.1f} ms", "-", f"{args.seq / t:.0f} tok/s; MFU {mfu:.1%} of {args.peak_tflops:g} "
+                 f"TFLOP/s; first step {first:.1f} s; loss {loss.item():.3f}; peak {mem:.1f} GiB{ok}"))
     return rows
 
 
@@ -273,7 +277,7 @@ def _against(grads, ref, exact: bool) -> str:
     return "equal to the bit" if not bad else f"FAILED: {len(bad)} differ ({bad[:3]})"
 
 
-def recompute_check(args, rows, device=None, backend="inductor", modes=(False,)):
+def recompute_check(args, rows, device=None, backend="inductor", compiled=False):
     """train.recompute on the device, fp32, under train.deterministic's settings: selective, full and full with
     activation offload (pinned host buffers, side streams, prefetch: parallel/offload.py's CUDA path) against none,
     eager (`recompute`) and compiled (`recompute_compiled`, which runs eager none too); every gradient must be equal
@@ -286,35 +290,32 @@ def recompute_check(args, rows, device=None, backend="inductor", modes=(False,))
     ids = torch.randint(0, cfg.vocab_size, (2, args.recompute_seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     set_deterministic(True, device)
-    eager = None
+    eager = None  # compiled: eager none's gradients
     try:
-        if False in modes:  # eager
-            _rng_check(rows, device)
-        else:  # the eager none compiled none is compared with, no row of its own
+        if compiled:  # the eager none compiled none is compared with, no row of its own
             eager = _recompute_step(cfg, ids, "none", {}, False, backend, reps=1)[0]
-        for compiled in modes:
-            ref = None
-            for name, kw, tiles, stress in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
-                if stress and device.type != "cuda":  # the hold-backs are CUDA kernels: elsewhere a plain variant again
-                    continue
-                label = _variant_label(name, kw, tiles, stress, compiled, args.recompute_seq)
-                try:  # one variant's failure (a compile, the pinning) is its row's: the others still run
-                    grads, t, peak, host, pinned, kept = _recompute_step(
-                        cfg, ids, name, kw, compiled, backend, tiles, args.recompute_reps, stress)
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    rows.append((label, "-", "-", f"FAILED: {type(e).__name__}: {e}"))
-                    continue
-                ref = ref or (grads, t, peak)
-                if not compiled and eager is None:  # eager none: what compiled none is compared with
-                    eager = grads
-                rows.append((label, f"{t * 1e3:.1f} ms", "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} "
-                             f"GiB ({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}, kept on "
-                             f"device {kept / 2**20:.1f} MiB); gradients vs none: "
-                             + _against(grads, ref[0], exact=not tiles)
-                             # compiled none against eager none: to fp32 rounding (a compiler's lost or wrong
-                             # derivative is O(1): torch 2.11's Dynamo zeroed every FFN weight's gradient here)
-                             + (f"; vs eager: {_against(grads, eager, exact=False)}" if grads is ref[0] and compiled
-                                else "") + _offload_faults(kw, device, host, pinned, kept)))
+        else:
+            _rng_check(rows, device)
+        ref = None
+        for name, kw, tiles, stress in RECOMPUTE_VARIANTS[:COMPILED_VARIANTS] if compiled else RECOMPUTE_VARIANTS:
+            if stress and device.type != "cuda":  # the hold-backs are CUDA kernels: elsewhere a plain variant again
+                continue
+            label = _variant_label(name, kw, tiles, stress, compiled, args.recompute_seq)
+            try:  # one variant's failure (a compile, the pinning) is its row's: the others still run
+                grads, t, peak, host, pinned, kept = _recompute_step(
+                    cfg, ids, name, kw, compiled, backend, tiles, args.recompute_reps, stress)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append((label, "-", "-", f"FAILED: {type(e).__name__}: {e}"))
+                continue
+            ref = ref or (grads, t, peak)
+            rows.append((label, f"{t * 1e3:.1f} ms", "-", f"time {t / max(ref[1], 1e-9):.2f}x, peak {peak:.2f} "
+                         f"GiB ({peak / max(ref[2], 1e-9):.2f}x), host {host:.2f} GiB (pinned: {pinned}, kept on "
+                         f"device {kept / 2**20:.1f} MiB); gradients vs none: "
+                         + _against(grads, ref[0], exact=not tiles)
+                         # compiled none against eager none: to fp32 rounding (a compiler's lost or wrong
+                         # derivative is O(1): torch 2.11's Dynamo zeroed every FFN weight's gradient here)
+                         + (f"; vs eager: {_against(grads, eager, exact=False)}" if grads is ref[0] and compiled
+                            else "") + _offload_faults(kw, device, host, pinned, kept)))
     finally:
         set_deterministic(False, device)
     return rows
@@ -588,13 +589,13 @@ def precision_check(args=None, rows=None) -> list:
 
 def model_compiled_check(args, rows, device=None, model_name="k3_small", backend="inductor"):
     """model_check with every decoder layer compiled (inductor: minutes), a check of its own, run after the others."""
-    return model_check(args, rows, device, model_name, backend, modes=(True,))
+    return model_check(args, rows, device, model_name, backend, compiled=True)
 
 
 def recompute_compiled_check(args, rows, device=None, backend="inductor"):
     """recompute_check's first COMPILED_VARIANTS with every layer compiled: minutes of compiling under inductor, so a
     check of its own, run after the others."""
-    return recompute_check(args, rows, device, backend, modes=(True,))
+    return recompute_check(args, rows, device, backend, compiled=True)
 
 
 CHECKS = {"kda": kda_check, "model": model_check, "recompute": recompute_check, "offload": offload_check,

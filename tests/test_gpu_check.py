@@ -3,7 +3,6 @@ here on the CPU: a check that raises, or reports a failure, on the CPU would do 
 run a GPU session gets. (Its `_mx_inputs` broke every MX row this way: a [M, K/32, 32] scale times an [M, K]
 tensor.) What is CUDA's own (pinned buffers, side streams, fla's fused kernel, TransformerEngine) runs only there."""
 
-import sys
 import types
 from pathlib import Path
 
@@ -71,17 +70,10 @@ def test_fla_autotuning_is_trimmed_once_to_configs_of_four_warps_or_more(gpu_che
     """The device run's --fla-tuning=trimmed: every Triton autotuner of fla.ops (reached through its decorators) keeps
     its configs of >= 4 warps (all of them where none has that many), once."""
     import fla.ops.kda  # noqa: F401 - loads fla.ops' kernels (their autotuners exist on the CPU too)
-    import triton
 
     before, after = gpu_check.trim_fla_autotuning()
     assert before > after > 0 and gpu_check.trim_fla_autotuning() == (0, 0), (before, after)
-    tuners = []
-    for name, mod in list(sys.modules.items()):
-        for obj in list(vars(mod).values()) if mod is not None and name.startswith("fla.ops") else []:
-            while obj is not None and not isinstance(obj, (triton.runtime.Autotuner, triton.runtime.JITFunction)):
-                obj = getattr(obj, "fn", None)
-            if isinstance(obj, triton.runtime.Autotuner):
-                tuners.append(obj)
+    tuners = list(gpu_check.fla_autotuners())
     assert tuners and all(t._k3_trimmed for t in tuners)
     assert all(all(c.num_warps >= 4 for c in t.configs) or all(c.num_warps < 4 for c in t.configs) for t in tuners)
 
