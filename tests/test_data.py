@@ -160,3 +160,18 @@ def test_training_on_preprocessed_indexed_data_end_to_end(tmp_path):
     bad = main(["data=indexed", f"data.paths=[{tmp_path / 'missing'}]", "model.vocab_size=512",
                 f"hydra.run.dir={tmp_path / 'bad'}", "logging.wandb.mode=disabled"])
     assert bad == 2
+
+
+def test_the_embedded_corpus_lists_the_standard_library_as_pathlib_finds_it(tmp_path, monkeypatch):
+    """stdlib_files (the embedded corpus's documents and its cache key) is every .py file under the library's root
+    outside site-packages and __pycache__, sorted: what pathlib's rglob finds there, without walking either."""
+    from pathlib import Path
+
+    from megatron_k3.data import corpus
+
+    for rel in ("a.py", "pkg/b.py", "pkg/c.txt", "pkg/__pycache__/b.py", "site-packages/x/d.py", "z/site-packages.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    want = sorted(p for p in Path(tmp_path).rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts))
+    assert corpus.stdlib_files() == want and len(want) == 3

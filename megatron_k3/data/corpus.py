@@ -29,8 +29,13 @@ DEFAULT_CACHE = (REPO_ROOT / ".cache" if (REPO_ROOT / "pyproject.toml").is_file(
 
 
 def stdlib_files() -> list:
+    """The standard library's .py files, sorted, outside site-packages and __pycache__ (neither is walked: a
+    site-packages of an interpreter's own can hold far more files than the library, and every run reads this list)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts]
+    files = []
+    for where, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "__pycache__")]
+        files += [Path(where, n) for n in names if n.endswith(".py")]
     if not files:
         raise FileNotFoundError(f"no Python source files under the standard library at {root}")
     return sorted(files)
