@@ -175,3 +175,29 @@ def test_the_embedded_corpus_lists_the_standard_library_as_pathlib_finds_it(tmp_
     monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     want = sorted(p for p in Path(tmp_path).rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts))
     assert corpus.stdlib_files() == want and len(want) == 3
+
+
+def test_concurrent_builders_of_the_embedded_corpus_build_it_once(tmp_path, monkeypatch):
+    """Two builders at once (two runs, two test workers): one builds under the lock file, the other waits for it and
+    finds its result, rather than both training the tokenizer side by side (each then about twice as slow)."""
+    import threading
+    import time
+
+    from megatron_k3.data import corpus
+
+    built = []
+
+    def build(files, out, vocab_size, progress):
+        built.append(out)
+        time.sleep(0.3)  # the other builder arrives meanwhile
+        out.mkdir(parents=True)
+        (out / "meta.json").write_text("{}")
+    monkeypatch.setattr(corpus, "_build", build)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(corpus.build_embedded_corpus(tmp_path, 512)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and got == [built[0]] * 2

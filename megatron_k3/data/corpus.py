@@ -8,6 +8,7 @@ contiguous ranges of `data.split` are random samples of the library.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -56,13 +57,31 @@ def _read(path: Path) -> str:
 
 def build_embedded_corpus(cache_dir: str | Path | None, vocab_size: int, progress: bool = True) -> Path:
     """Build (or find) the cached corpus; returns its directory holding tokenizer.json, tokens.npy,
-    doc_offsets.npy and meta.json. Safe against concurrent builders: everything is written to a temporary
-    directory and renamed into place."""
+    doc_offsets.npy and meta.json. Builders on one machine (two runs, two test workers) take turns on a lock file:
+    one builds while the others wait and then find its result (the tokenizer's training uses every core, so two at
+    once take about as long each as one after the other). Where the cache's file system has no locks, builders
+    still cannot clash: each writes to a temporary directory of its own and renames it into place."""
     files = stdlib_files()
     base = Path(cache_dir) if cache_dir else DEFAULT_CACHE / "embedded"
     out = base / _key(files, vocab_size)
     if (out / "meta.json").is_file():
         return out
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f".lock-{out.name}", "a") as lock:  # the lock is released when the file closes
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building the embedded corpus in %s", out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            pass
+        if not (out / "meta.json").is_file():
+            _build(files, out, vocab_size, progress)
+    return out
+
+
+def _build(files: list, out: Path, vocab_size: int, progress: bool) -> None:
+    base = out.parent
     tmp = base / f".tmp-{out.name}-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     order = list(files)
@@ -95,7 +114,6 @@ def build_embedded_corpus(cache_dir: str | Path | None, vocab_size: int, progres
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 class EmbeddedCorpus:
