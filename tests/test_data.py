@@ -1,10 +1,15 @@
 """Packed samples with document boundaries, blending, splits and the DP-independent global order."""
 
+import threading
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_k3.config import load_model_config
+from megatron_k3.data import corpus
 from megatron_k3.data.dataset import (
     ArrayDocuments,
     BlendedDataset,
@@ -165,10 +170,6 @@ def test_training_on_preprocessed_indexed_data_end_to_end(tmp_path):
 def test_the_embedded_corpus_lists_the_standard_library_as_pathlib_finds_it(tmp_path, monkeypatch):
     """stdlib_files (the embedded corpus's documents and its cache key) is every .py file under the library's root
     outside site-packages and __pycache__, sorted: what pathlib's rglob finds there, without walking either."""
-    from pathlib import Path
-
-    from megatron_k3.data import corpus
-
     for rel in ("a.py", "pkg/b.py", "pkg/c.txt", "pkg/__pycache__/b.py", "site-packages/x/d.py", "z/site-packages.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
@@ -180,11 +181,6 @@ def test_the_embedded_corpus_lists_the_standard_library_as_pathlib_finds_it(tmp_
 def test_concurrent_builders_of_the_embedded_corpus_build_it_once(tmp_path, monkeypatch):
     """Two builders at once (two runs, two test workers): one builds under the lock file, the other waits for it and
     finds its result, rather than both training the tokenizer side by side (each then about twice as slow)."""
-    import threading
-    import time
-
-    from megatron_k3.data import corpus
-
     built = []
 
     def build(files, out, vocab_size, progress):
